@@ -1,0 +1,1 @@
+"""How bytes move: shared-memory segments, control words, flat buffers, collectives."""

@@ -1,0 +1,140 @@
+"""Who this process is and how it reaches its peers: built once per worker from the env.
+
+The environment is the one torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT); shmtrain's own launcher sets
+the same variables plus ``SHMTRAIN_STORE_PORT`` (its store) and ``SHMTRAIN_CONTROL``
+(the host's control block, which the launcher watches so it can abort the run when a
+worker dies). The control plane is torch.distributed: its TCPStore for rendezvous and
+a gloo process group for everything that crosses hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from shmtrain.fabric.control import ControlBlock
+from shmtrain.fabric.host import HostGroup
+from shmtrain.fabric.segment import PREFIX, SharedSegment
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ProcessContext:
+    """This worker's place in the job and its handles on the fabric."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world: int
+    node_rank: int
+    num_nodes: int
+    run_id: str
+    store: dist.Store
+    host: HostGroup
+    timeout: float
+    leaders: dist.ProcessGroup | None = None
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def is_leader(self) -> bool:
+        """True for local rank 0, which speaks for its host across hosts."""
+        return self.local_rank == 0
+
+    def fail(self, code: int = 1) -> None:
+        """Tell the host's peers this worker failed, so they raise instead of waiting."""
+        self.host.control.abort(self.local_rank, code)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
+    """Join the job described by the environment (torchrun's, or shmtrain's launcher's).
+
+    With no such environment this is a job of one process.
+    """
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    if world % local_world:
+        raise ValueError(
+            f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}: every "
+            "host must run the same number of workers"
+        )
+    num_nodes = world // local_world
+    node_rank = _env_int("GROUP_RANK", rank // local_world)
+    wait = timedelta(seconds=timeout)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if addr in ("127.0.0.1", "localhost", "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # A job on loopback: keep gloo there too instead of resolving the host name.
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store_port = _env_int("SHMTRAIN_STORE_PORT", 0)
+    if store_port:
+        store: dist.Store = dist.TCPStore(addr, store_port, world, is_master=False, timeout=wait)
+    elif world > 1:
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        port = _env_int("MASTER_PORT", 29500)
+        base = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent, timeout=wait)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"shmtrain/{attempt}/", base)
+    else:
+        store = dist.HashStore()
+    if rank == 0:
+        store.set("run_id", secrets.token_hex(4))
+    run_id = store.get("run_id").decode()
+    host_store = dist.PrefixStore(f"host{node_rank}/", store)
+    control = None
+    control_name = os.environ.get("SHMTRAIN_CONTROL")
+    if control_name:
+        segment = SharedSegment(control_name, ControlBlock.nbytes(local_world), create=False)
+        control = ControlBlock(segment, local_world, init=False)
+    host = HostGroup(
+        host_store,
+        local_rank,
+        local_world,
+        f"{PREFIX}-{run_id}-h{node_rank}",
+        control,
+        timeout,
+    )
+    host.control.set_pid(local_rank, os.getpid())
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
+        )
+    leaders = None
+    if num_nodes > 1:
+        leaders = dist.new_group([node * local_world for node in range(num_nodes)], backend="gloo")
+    host.barrier("set-up")
+    return ProcessContext(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world=local_world,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        run_id=run_id,
+        store=store,
+        host=host,
+        timeout=timeout,
+        leaders=leaders,
+    )

@@ -1,0 +1,1 @@
+"""The worker loop and its data, launching local workers or joining torchrun."""

@@ -1,0 +1,141 @@
+"""Start N local workers (a small torchrun for one host) and watch them.
+
+Each worker is a fresh ``python -m shmtrain.runtime.worker`` process with torchrun's
+environment variables, so the worker code path is the same whether shmtrain or
+torchrun started it. The launcher hosts the TCPStore on loopback (port chosen by the
+kernel: no port races) and creates the host's control block; when a worker dies it
+marks the failure there (waking every waiter), gives the others a moment to fail
+with an error naming it, then terminates them. Ctrl-C and errors end every child, and
+the run's shared-memory names are swept on every exit path.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from shmtrain.fabric.control import ControlBlock
+from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
+
+GRACE_S = 10.0
+
+
+class WorkerFailed(RuntimeError):
+    """A worker exited with an error; ``rank`` and ``returncode`` say which and how."""
+
+    def __init__(self, message: str, rank: int, returncode: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.returncode = returncode
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def launch(
+    target: str,
+    nprocs: int,
+    payload: Any = None,
+    *,
+    threads: int = 1,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    quiet_peers: bool = False,
+) -> list[Any]:
+    """Run ``target`` (``"module:function"``, called as ``fn(ctx, payload)``) in ``nprocs``
+    local worker processes; return their return values by rank.
+
+    Raises:
+        WorkerFailed: a worker exited non-zero (the first one to fail is named).
+        KeyboardInterrupt: on Ctrl-C, after every worker has been ended.
+    """
+    if nprocs < 1:
+        raise ValueError(f"--workers {nprocs}: at least 1 worker is needed")
+    run_id = secrets.token_hex(4)
+    prefix = f"{PREFIX}-{run_id}"
+    store = dist.TCPStore(
+        "127.0.0.1", 0, nprocs + 1, is_master=True, timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    store.set("run_id", run_id)
+    store.set("payload", pickle.dumps(payload))
+    control_segment = SharedSegment(f"{prefix}-h0-control", ControlBlock.nbytes(nprocs), create=True)
+    control = ControlBlock(control_segment, nprocs, init=True)
+    base_env = dict(os.environ)
+    base_env.update(env or {})
+    base_env.update(
+        WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), SHMTRAIN_STORE_PORT=str(store.port),
+        SHMTRAIN_CONTROL=control_segment.name, SHMTRAIN_TIMEOUT=str(timeout),
+        OMP_NUM_THREADS=str(threads), SHMTRAIN_THREADS=str(threads),
+    )
+    children: list[subprocess.Popen] = []
+    failure: WorkerFailed | None = None
+    try:
+        for rank in range(nprocs):
+            child_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            children.append(
+                subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=child_env)
+            )
+        registered = False
+        while True:
+            codes = [c.poll() for c in children]
+            if not registered and all(control.pid(r) for r in range(nprocs)):
+                control_segment.unlink()  # every worker has it mapped now
+                registered = True
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad and failure is None:
+                rank, code = bad[0]
+                control.abort(rank, code if code > 0 else 128 - code)
+                failure = WorkerFailed(
+                    f"worker rank {rank} (pid {children[rank].pid}) failed: {describe_exit(code)}",
+                    rank, code,
+                )
+                _end(children, GRACE_S)
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+        if failure is not None:
+            raise failure
+        return [pickle.loads(store.get(f"result/{r}")) for r in range(nprocs)]
+    except KeyboardInterrupt:
+        _end(children, 3.0)
+        raise
+    finally:
+        _end(children, 0.0)
+        control_segment.unlink()
+        sweep(prefix)
+        del store
+
+
+def _end(children: list[subprocess.Popen], grace: float) -> None:
+    """Let children exit within ``grace`` seconds, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace
+    while grace and time.monotonic() < deadline and any(c.poll() is None for c in children):
+        time.sleep(0.05)
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + 3.0
+    for child in children:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

@@ -1,0 +1,85 @@
+"""Entry point of one worker process: ``python -m shmtrain.runtime.worker module:function``.
+
+Joins the job from the environment, runs the target as ``fn(ctx, payload)``, and puts
+its return value in the store. On any error it marks the failure in the host's control
+block first, so peers raise at once (naming this rank) instead of waiting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import pickle
+import signal
+import sys
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        sys.exit(1)
+
+
+def _terminate(signum, frame):  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
+def resolve(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def main() -> int:
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, _terminate)
+    target = sys.argv[1]
+    rank = os.environ.get("RANK", "?")
+    threads = int(os.environ.get("SHMTRAIN_THREADS", "1"))
+    ctx = None
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        from shmtrain.fabric import context
+
+        ctx = context.from_env(float(os.environ.get("SHMTRAIN_TIMEOUT", "120")))
+        payload = pickle.loads(ctx.store.get("payload"))
+        result = resolve(target)(ctx, payload)
+        ctx.store.set(f"result/{ctx.rank}", pickle.dumps(result))
+        return 0
+    except KeyboardInterrupt:
+        if ctx is not None:
+            ctx.fail(130)
+        return 130
+    except SystemExit as exc:
+        if ctx is not None:
+            ctx.fail(int(exc.code or 1))
+        return int(exc.code or 1)
+    except BaseException as exc:  # noqa: BLE001 - report, mark, exit non-zero
+        if ctx is not None:
+            ctx.fail(1)
+        from shmtrain.fabric.control import PeerFailure, PeerTimeout
+
+        if isinstance(exc, PeerFailure | PeerTimeout):
+            print(f"shmtrain: worker rank {rank}: {exc}", file=sys.stderr)
+        else:
+            print(f"shmtrain: worker rank {rank} failed:", file=sys.stderr)
+            traceback.print_exc()
+        return 1
+    finally:
+        if ctx is not None:
+            try:
+                ctx.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""How workers share parameters: one module per method, selected by name."""
+
+from shmtrain.strategies import ssgd  # noqa: F401  (registers)
+from shmtrain.strategies.base import Strategy, StrategyConfig, get, register, registry
+
+__all__ = ["Strategy", "StrategyConfig", "get", "register", "registry"]

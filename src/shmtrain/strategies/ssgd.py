@@ -1,0 +1,64 @@
+"""Synchronous SGD with gradient averaging by allreduce (the MPICaffe baseline of ShmCaffe).
+
+Every worker computes the gradient of its own mini-batch, the gradients are averaged
+over all workers (ShmCaffe Section IV-C, "MPICaffe"; SHM-Learn-Dist eq. 2.1 without
+a server), and every worker applies the same update, so the weights stay identical
+and equal to single-process SGD on the union of the workers' batches.
+
+Gradients go straight into this worker's slot of the shared-memory allreduce
+(``param.grad`` are views of it); after the reduction ``param.grad`` are re-pointed at
+the shared result, which the optimizer reads in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.shm_allreduce import ShmAllreduce
+from shmtrain.strategies.base import Strategy, StrategyConfig, register
+
+
+def broadcast_parameters(layout: FlatLayout, src: int = 0) -> None:
+    """Make every worker's weights equal to rank ``src``'s (once, at the start)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flat = layout.gather()
+        dist.broadcast(flat, src=src)
+        layout.scatter(flat)
+
+
+@register
+class SSGD(Strategy):
+    """Synchronous SGD, gradient averaging through the shared-memory allreduce."""
+
+    name = "ssgd"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(StrategyConfig):
+        pass
+
+    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer)
+        self.layout = FlatLayout(self.params)
+        broadcast_parameters(self.layout)
+        self.allreduce = ShmAllreduce(
+            ctx.host, self.layout.numel, dtype=self.layout.dtype,
+            op="mean", leaders=ctx.leaders, tag="grads",
+        )
+        # Views of both slot sets and both results, made once: binding is pointer work.
+        self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
+        self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        step = self.allreduce.count + 1
+        self.allreduce.input(step).zero_()
+        self.layout.bind_grads(self._input_views[step % 2])
+
+    def after_backward(self) -> None:
+        with self.timer.phase("comm"):
+            self.allreduce()
+        self.layout.bind_grads(self._result_views[self.allreduce.count % 2])
