@@ -53,6 +53,8 @@ class Strategy:
         self.timer = timer or PhaseTimer()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.iteration = 0
+        #: iterations this worker is asked to run (set by the training loop; None = no limit)
+        self.target_iterations: int | None = None
         self._hooks: list[Any] = []
         if type(self).on_gradient_ready is not Strategy.on_gradient_ready:
             for p in self.params:
@@ -80,8 +82,13 @@ class Strategy:
         self.iteration += 1
 
     def should_stop(self) -> bool:
-        """True when the run must end now (termination alignment of async strategies)."""
-        return False
+        """True when this worker must end its loop now.
+
+        By default: once ``target_iterations`` are done. Asynchronous strategies override
+        this with a termination-alignment policy (ShmCaffe Section III-E), which may end
+        a worker before or after its own target.
+        """
+        return self.target_iterations is not None and self.iteration >= self.target_iterations
 
     def finish(self) -> None:
         """Called once after the last iteration."""

@@ -38,16 +38,25 @@ class SSGD(Strategy):
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
-        pass
+        #: allreduce algorithm: "shm" (shared memory in a host, gloo among hosts) or one of
+        #: shmtrain.fabric.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto)
+        allreduce: str = "shm"
 
     def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer)
         self.layout = FlatLayout(self.params)
         broadcast_parameters(self.layout)
-        self.allreduce = ShmAllreduce(
-            ctx.host, self.layout.numel, dtype=self.layout.dtype,
-            op="mean", leaders=ctx.leaders, tag="grads",
-        )
+        if config.allreduce == "shm":
+            self.allreduce = ShmAllreduce(
+                ctx.host, self.layout.numel, dtype=self.layout.dtype,
+                op="mean", leaders=ctx.leaders, tag="grads",
+            )
+        else:
+            from shmtrain.fabric.collectives import build_allreduce
+
+            self.allreduce = build_allreduce(
+                config.allreduce, ctx, self.layout.numel, self.layout.dtype, op="mean"
+            )
         # Views of both slot sets and both results, made once: binding is pointer work.
         self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
         self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
