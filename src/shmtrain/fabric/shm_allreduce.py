@@ -133,6 +133,15 @@ class ShmAllreduce:
             control.wait(self._published, [0], step, timeout=host.timeout, what="hosts' result")
         return result
 
+    def close(self) -> None:
+        """Release the stitched views (the result tensors must not be used afterwards)."""
+        self.results = []
+        for view in self._views:
+            view.close()
+        self._views = []
+        self.slots = []
+        self.segment.close()
+
     def _reduce_chunk(self, slots: list[torch.Tensor], lo: int, hi: int) -> None:
         me = self.host.local_rank
         peers = [slots[j] for j in range(len(slots)) if j != me]

@@ -69,5 +69,13 @@ class StitchedView:
         itemsize = torch.empty((), dtype=dtype).element_size()
         raw = (ctypes.c_char * self.length).from_address(base)
         self._raw = raw
+        if numel * itemsize > self.length:
+            raise ValueError(f"stitched view of {total} bytes cannot hold {numel} x {itemsize} bytes")
         self.tensor = torch.frombuffer(raw, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
-        assert numel * itemsize <= self.length
+
+    def close(self) -> None:
+        """Unmap the view; the tensor must not be used afterwards."""
+        if self.base:
+            del self.tensor, self._raw
+            _libc.munmap(self.base, self.length)
+            self.base = 0

@@ -1,0 +1,5 @@
+import sys
+
+from shmtrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""Helpers shared by the benchmarks: timing across ranks, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def timed_collective(fn: Callable[[], Any], reps: int, warmup: int, before: Callable[[], Any] | None = None,
+                     barrier: Callable[[], Any] | None = None) -> list[float]:
+    """Time ``fn`` ``reps`` times after ``warmup``; each sample is the slowest rank's time."""
+    samples = []
+    for i in range(warmup + reps):
+        if before is not None:
+            before()
+        (barrier or dist.barrier)()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            samples.append(float(elapsed))
+    return samples
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Aggregate copy bandwidth (bytes read + written per second) of all ranks copying
+    at once: the memory-traffic floor of this host."""
+    n = nbytes // 4
+    src = torch.ones(n)
+    dst = torch.empty(n)
+    samples = timed_collective(lambda: dst.copy_(src), reps, 1)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return 2 * nbytes * world / median(samples)
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """Format ``rows`` with ``columns`` = [(key, header, format)]."""
+    widths = [max(len(h), 10) for _, h, _ in columns]
+    out = ["  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths, strict=True))]
+    for row in rows:
+        cells = []
+        for (key, _, fmt), w in zip(columns, widths, strict=True):
+            value = row.get(key)
+            cells.append(("-" if value is None else format(value, fmt)).rjust(w))
+        out.append("  ".join(cells))
+    return "\n".join(out)
+
+
+def write_json(path: str | None, rows: list[dict[str, Any]]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"``, ``"1MB"``, ``"4096"`` -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lower = text.strip().lower()
+    for suffix, factor in units.items():
+        if lower.endswith(suffix):
+            number = lower[: -len(suffix)]
+            break
+    else:
+        number, factor = lower, 1
+    try:
+        value = int(float(number) * factor)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (e.g. 64MiB)") from None
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value

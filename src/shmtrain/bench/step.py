@@ -1,0 +1,134 @@
+"""``shmtrain bench step``: time per training iteration, strategies side by side with DDP.
+
+Same model, same synthetic batch, same threads for every mode: ``nocomm`` (each worker
+trains alone; the floor), ``ddp`` (torch DistributedDataParallel over gloo), and the
+shmtrain strategies in :data:`MODES`. Each mode is one launch of N workers; a sample is
+one iteration's wall time on a worker, and the row reports the median over workers
+and iterations after warm-up, plus the mean of each phase the strategy reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from shmtrain.bench.common import table, write_json
+from shmtrain.fabric.context import ProcessContext
+from shmtrain.runtime.launcher import launch
+
+#: mode -> (strategy, options); ``ddp`` is handled apart.
+MODES: dict[str, tuple[str, dict[str, Any]]] = {
+    "nocomm": ("single", {}),
+    "ssgd": ("ssgd", {}),
+}
+DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]
+
+
+def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
+    from shmtrain.api import DataParallel
+    from shmtrain.models import build_model
+    from shmtrain.runtime.data import parse_shape
+    from shmtrain.timing import PhaseTimer
+
+    shape = parse_shape(payload["input_shape"])
+    torch.manual_seed(0)
+    model = build_model(payload["model"], shape, 10)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn((payload["batch_size"], *shape), generator=gen)
+    y = torch.randint(0, 10, (payload["batch_size"],), generator=gen)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    mode = payload["mode"]
+    timer = PhaseTimer()
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            loss_fn(net(x), y).backward()
+            optimizer.step()
+    else:
+        strategy, options = MODES[mode]
+        dp = DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **options)
+
+        def step() -> None:
+            dp.zero_grad()
+            with timer.phase("forward"):
+                loss = loss_fn(dp(x), y)
+            with timer.phase("backward"):
+                loss.backward()
+            dp.step()
+
+    samples, phases = [], []
+    for i in range(payload["warmup"] + payload["iterations"]):
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        record = timer.finish_iteration()
+        if i >= payload["warmup"]:
+            samples.append(elapsed)
+            phases.append(record)
+    if mode != "ddp":
+        dp.close()
+    names = {k for p in phases for k in p}
+    return {"samples": samples, "phases": {k: statistics.fmean(p.get(k, 0.0) for p in phases) for k in names}}
+
+
+def run(modes: list[str], workers: list[int], payload: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for n in workers:
+        for mode in modes:
+            print(f"... {mode}, {n} worker(s)", flush=True)
+            results = launch("shmtrain.bench.step:_worker", n, dict(payload, mode=mode), threads=payload["threads"])
+            samples = [s for r in results for s in r["samples"]]
+            phase_names = {k for r in results for k in r["phases"]}
+            rows.append({
+                "mode": mode, "workers": n, "model": payload["model"], "batch_size": payload["batch_size"],
+                "threads": payload["threads"], "median_s": statistics.median(samples), "min_s": min(samples),
+                "samples": len(samples),
+                "phases_s": {k: statistics.fmean(r["phases"].get(k, 0.0) for r in results) for k in sorted(phase_names)},
+            })
+    for row in rows:
+        base = next((r for r in rows if r["mode"] == "nocomm" and r["workers"] == row["workers"]), None)
+        row["vs_nocomm"] = row["median_s"] / base["median_s"] if base else None
+    return rows
+
+
+def _handler(args: argparse.Namespace) -> int:
+    modes = args.modes or DEFAULT_MODES
+    unknown = [m for m in modes if m != "ddp" and m not in MODES]
+    if unknown:
+        raise ValueError(f"--modes {unknown}: unknown; choose from ddp, {', '.join(MODES)}")
+    if any(w < 1 for w in args.workers):
+        raise ValueError(f"--workers {args.workers}: every worker count must be at least 1")
+    if args.iterations < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:
+        raise ValueError("--iterations, --batch-size and --threads must be at least 1 and --warmup not negative")
+    payload = {"model": args.model, "input_shape": args.input_shape, "batch_size": args.batch_size,
+               "iterations": args.iterations, "warmup": args.warmup, "threads": args.threads}
+    rows = run(modes, args.workers, payload)
+    print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
+                       ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f")]))
+    write_json(args.json, rows)
+    return 0
+
+
+def add_parser(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("step", help="time per iteration: strategies vs DDP vs no communication",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet18", help="model name (default resnet18)")
+    p.add_argument("--input-shape", default="3x64x64", help="CxHxW of the synthetic batch (default 3x64x64)")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")
+    p.add_argument("--modes", nargs="+", help=f"default: {' '.join(DEFAULT_MODES)}")
+    p.add_argument("--iterations", type=int, default=10, help="timed iterations (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--json", help="write the rows here")
+    p.set_defaults(handler=_handler)

@@ -1,0 +1,5 @@
+"""The model registry: small built-ins and torchvision's classic networks."""
+
+from shmtrain.models.registry import build_model, model_names, register_model
+
+__all__ = ["build_model", "model_names", "register_model"]

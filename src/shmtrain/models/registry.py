@@ -1,0 +1,88 @@
+"""Models by name. A builder takes ``(input_shape, num_classes)`` and returns an nn.Module.
+
+Built-ins: ``smallcnn`` (the default, for 8x8 digits and other small images), ``mlp``,
+``wide_mlp`` (layers of very different sizes). torchvision's ``alexnet``, ``googlenet``,
+``resnet18``, ``resnet50`` and ``vgg16`` are built with random weights (nothing is
+downloaded).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch import nn
+
+Builder = Callable[[tuple[int, ...], int], nn.Module]
+_MODELS: dict[str, Builder] = {}
+
+
+def register_model(name: str, builder: Builder) -> None:
+    """Make ``builder`` selectable as ``--model name``; names are unique."""
+    if name in _MODELS:
+        raise ValueError(f"model name {name!r} is already registered")
+    _MODELS[name] = builder
+
+
+def model_names() -> list[str]:
+    return sorted(_MODELS)
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build model ``name`` for inputs of ``input_shape`` (C, H, W) and ``num_classes``."""
+    if name not in _MODELS:
+        raise ValueError(f"--model {name!r} is unknown; choose one of: {', '.join(model_names())}")
+    return _MODELS[name](tuple(input_shape), num_classes)
+
+
+def small_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Two 3x3 convolutions, one 2x2 pooling, two fully connected layers (no batch norm,
+    so data-parallel runs can equal single-process runs exactly)."""
+    channels, height, width = input_shape
+    flat = 64 * (height // 2) * (width // 2)
+    return nn.Sequential(
+        nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(flat, 128), nn.ReLU(),
+        nn.Linear(128, num_classes),
+    )
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Flatten, one hidden layer of 64 units."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 64), nn.ReLU(), nn.Linear(64, num_classes))
+
+
+def wide_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Layers of very different sizes (a 1M-parameter layer beside a 10-parameter one)."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(math.prod(input_shape), 1024), nn.ReLU(),
+        nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 8), nn.ReLU(), nn.Linear(8, num_classes),
+    )
+
+
+def _torchvision(name: str, min_side: int) -> Builder:
+    def build(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        import torchvision
+
+        channels, height, width = input_shape
+        if channels != 3 or min(height, width) < min_side:
+            raise ValueError(
+                f"--model {name} needs 3-channel inputs of at least {min_side}x{min_side}, "
+                f"got {'x'.join(map(str, input_shape))}; use --data synthetic --input-shape "
+                f"3x{max(min_side, 64)}x{max(min_side, 64)}"
+            )
+        kwargs = {"weights": None, "num_classes": num_classes}
+        if name == "googlenet":
+            kwargs.update(aux_logits=False, init_weights=True)
+        return getattr(torchvision.models, name)(**kwargs)
+
+    return build
+
+
+register_model("smallcnn", small_cnn)
+register_model("mlp", mlp)
+register_model("wide_mlp", wide_mlp)
+for _name, _side in [("alexnet", 63), ("googlenet", 32), ("resnet18", 32), ("resnet50", 32), ("vgg16", 32)]:
+    register_model(_name, _torchvision(_name, _side))
