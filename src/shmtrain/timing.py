@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 COMPUTE_PHASES = ("forward", "backward", "update")
 
@@ -21,6 +22,9 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.current: dict[str, float] = {}
+        #: non-phase data of the iteration (e.g. per-layer times under ``layers``), written
+        #: as extra keys of the metrics row next to ``time``
+        self.details: dict[str, Any] = {}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -32,6 +36,15 @@ class PhaseTimer:
 
     def add(self, name: str, seconds: float) -> None:
         self.current[name] = self.current.get(name, 0.0) + seconds
+
+    def detail(self, key: str, value: Any) -> None:
+        """Attach ``value`` to this iteration's row under ``key`` (JSON-serialisable)."""
+        self.details[key] = value
+
+    def take_details(self) -> dict[str, Any]:
+        """The iteration's details, cleared for the next one (call after finish_iteration)."""
+        details, self.details = self.details, {}
+        return details
 
     def finish_iteration(self) -> dict[str, float]:
         """Close the iteration: return its phases with ``compute`` and ``comm`` totals."""
