@@ -99,8 +99,8 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         store = dist.PrefixStore(f"shmtrain/{attempt}/", base)
     else:
         store = dist.HashStore()
-    if rank == 0:
-        store.set("run_id", secrets.token_hex(4))
+    if rank == 0 and not store.check(["run_id"]):  # shmtrain's launcher set it: keep it,
+        store.set("run_id", secrets.token_hex(4))  # so its sweep(prefix) finds our segments
     run_id = store.get("run_id").decode()
     host_store = dist.PrefixStore(f"host{node_rank}/", store)
     control = None

@@ -36,6 +36,8 @@ class WorkerFailed(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.returncode = returncode
+        #: the survivors' return values by rank, when a tolerated loss let them finish
+        self.results: dict[int, Any] | None = None
 
 
 def describe_exit(code: int) -> str:
@@ -56,9 +58,16 @@ def launch(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     quiet_peers: bool = False,
+    tolerate_worker_loss: bool = False,
 ) -> list[Any]:
     """Run ``target`` (``"module:function"``, called as ``fn(ctx, payload)``) in ``nprocs``
     local worker processes; return their return values by rank.
+
+    ``tolerate_worker_loss`` (asynchronous strategies, ``Strategy.tolerates_peer_loss``):
+    a worker that dies after it started training (its control-block state word is
+    non-zero) without reporting an error is recorded, not propagated; the others train
+    on, and :class:`WorkerFailed` naming it (with ``.results`` of the survivors) is
+    raised once they have finished.
 
     Raises:
         WorkerFailed: a worker exited non-zero (the first one to fail is named).
@@ -93,13 +102,17 @@ def launch(
                 subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=child_env)
             )
         registered = False
+        lost: dict[int, int] = {}  # tolerated deaths: rank -> exit code
         while True:
             codes = [c.poll() for c in children]
             if not registered and all(control.pid(r) for r in range(nprocs)):
                 control_segment.unlink()  # every worker has it mapped now
                 registered = True
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad and failure is None:
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in lost]
+            if bad and failure is None and tolerate_worker_loss and control.aborted() is None \
+                    and control.state(bad[0][0]) != 0:
+                lost[bad[0][0]] = bad[0][1]
+            elif bad and failure is None:
                 rank, code = bad[0]
                 control.abort(rank, code if code > 0 else 128 - code)
                 failure = WorkerFailed(
@@ -108,10 +121,20 @@ def launch(
                 )
                 _end(children, GRACE_S)
                 break
-            if all(c == 0 for c in codes):
+            if all(c == 0 or (c is not None and r in lost) for r, c in enumerate(codes)):
                 break
             time.sleep(0.05)
         if failure is not None:
+            raise failure
+        if lost:
+            rank, code = next(iter(lost.items()))
+            failure = WorkerFailed(
+                f"worker rank {rank} (pid {children[rank].pid}) died: {describe_exit(code)}; "
+                "the other workers trained on to the end", rank, code,
+            )
+            failure.results = {
+                r: pickle.loads(store.get(f"result/{r}")) for r in range(nprocs) if r not in lost
+            }
             raise failure
         return [pickle.loads(store.get(f"result/{r}")) for r in range(nprocs)]
     except KeyboardInterrupt:

@@ -1,0 +1,430 @@
+"""The shared memory buffer service (SMB-API): named buffers, keys, read, write, accumulate.
+
+ShmCaffe's Soft Memory Box (Section III-B, Figs. 2 and 5) as an interface plus its
+local implementation. The master creates a named buffer and hands out its key; other
+workers attach by key; everyone reads and writes whole buffers; a worker asks the
+service to *accumulate* one buffer into another and is notified when that has been
+applied; a control block holds every worker's progress.
+
+Accumulation is exclusive and done by ONE owner, never by the writer: each worker
+writes its increment into a buffer only it writes (its ``weight_increment``, Fig. 5),
+then posts a request in its own single-writer request slot (a sequence number). The
+owner, a service thread of local rank 0 (the paper's memory server), drains the slots
+one request at a time, adds source into destination, and posts the request's sequence
+number in the worker's "done" word. No locks: every shared word has one writer, so
+an increment can be neither lost nor applied twice, and a worker killed while writing
+its increment leaves nothing half-applied (the owner only reads a slot once its
+sequence number is published). Waiting sleeps on futex words.
+
+Transport neutrality: :class:`BufferService` is the interface; strategies hold a
+:class:`Buffer` handle and never touch its bytes except through ``read``, ``write``
+and ``accumulate``, so the remote service (another host's memory server) can stand in
+for :class:`LocalBufferService` without a change in the strategies.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from shmtrain.fabric.control import PeerFailure, PeerTimeout, _alive
+from shmtrain.fabric.futex import futex_wait, futex_wake
+from shmtrain.fabric.host import HostGroup
+from shmtrain.fabric.segment import SharedSegment, align
+
+LINE = 64
+_SLICE_S = 0.05  # how often a sleeper re-checks liveness and abort
+_MAGIC = 0x534D4231  # "SMB1"
+# worker states in the control block (termination alignment reads them too)
+STATE_SETUP, STATE_TRAINING, STATE_DONE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BufferKey:
+    """What a worker needs to attach a buffer: the paper's SHM key (Fig. 2).
+
+    ``locator`` is transport specific (a segment name here, an address on a memory
+    server later); everything else is the same for every transport.
+    """
+
+    name: str
+    id: int
+    numel: int
+    dtype: str
+    locator: str
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> BufferKey:
+        return cls(**json.loads(text))
+
+
+class Buffer:
+    """A handle on one attached buffer; its bytes are reached through the service only."""
+
+    def __init__(self, key: BufferKey, storage: object) -> None:
+        self.key = key
+        self._storage = storage  # transport-private (a tensor view for the local service)
+
+    @property
+    def numel(self) -> int:
+        return self.key.numel
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.key.name!r}, id={self.key.id}, numel={self.key.numel})"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An accumulate request in flight; :meth:`BufferService.wait` blocks until applied."""
+
+    rank: int
+    seq: int
+
+
+class BufferService(ABC):
+    """The SMB-API every transport implements (ShmCaffe Section III-B, Figs. 2 and 5).
+
+    ``rank``/``world`` are the service's clients (the workers sharing the buffers);
+    the control-block calls (``set_progress`` ...) index workers by that rank.
+    """
+
+    rank: int
+    world: int
+
+    @abstractmethod
+    def create(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> BufferKey:
+        """Create buffer ``name`` (zero-filled) and publish its key under that name."""
+
+    @abstractmethod
+    def lookup(self, name: str) -> BufferKey:
+        """The key published under ``name`` (waits for the creator, with a timeout)."""
+
+    @abstractmethod
+    def attach(self, key: BufferKey) -> Buffer:
+        """Map the buffer of ``key`` into this worker."""
+
+    @abstractmethod
+    def ready(self) -> None:
+        """Collective: every worker has created and attached its buffers."""
+
+    @abstractmethod
+    def read(self, buffer: Buffer, out: torch.Tensor) -> torch.Tensor:
+        """Copy the whole buffer into ``out`` (returns ``out``)."""
+
+    @abstractmethod
+    def write(self, buffer: Buffer, src: torch.Tensor) -> None:
+        """Copy ``src`` into the whole buffer (waits for an accumulate still reading it)."""
+
+    @abstractmethod
+    def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:
+        """Ask the service to add ``src`` into ``dst`` exclusively; returns at once."""
+
+    @abstractmethod
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> None:
+        """Sleep until ``ticket``'s accumulate has been applied (the update notification)."""
+
+    @abstractmethod
+    def done(self, ticket: Ticket) -> bool:
+        """True once ``ticket``'s accumulate has been applied."""
+
+    # -- control block: progress and state of every worker (Section III-E) ---------
+    @abstractmethod
+    def set_progress(self, iterations: int, state: int | None = None) -> None:
+        """Publish this worker's iterations done (and state)."""
+
+    @abstractmethod
+    def progress(self, rank: int) -> int:
+        """Iterations done by worker ``rank``."""
+
+    @abstractmethod
+    def state(self, rank: int) -> int:
+        """``STATE_SETUP``, ``STATE_TRAINING`` or ``STATE_DONE`` of worker ``rank``."""
+
+    @abstractmethod
+    def alive(self, rank: int) -> bool:
+        """False once worker ``rank`` is known to have died."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the service; the owner keeps serving until every live peer has left."""
+
+
+class LocalBufferService(BufferService):
+    """The SMB service for the workers of one host, over POSIX shared memory.
+
+    Construction is collective among the host's local ranks. Buffers are separate
+    segments named ``<host prefix>-smb-<name>``; :meth:`ready` unlinks the names once
+    everyone (the owner included) has them mapped, so nothing outlives the run.
+
+    Args:
+        host: the host's workers; its control block carries progress and state.
+        owner: local rank whose service thread applies accumulations.
+        timeout: seconds any wait for a peer lasts (default: the host's).
+    """
+
+    def __init__(self, host: HostGroup, *, owner: int = 0, timeout: float | None = None) -> None:
+        self.host = host
+        self.control = host.control
+        self.rank = host.local_rank
+        self.world = host.local_world
+        self.owner = owner
+        self.timeout = host.timeout if timeout is None else timeout
+        nbytes = LINE * (3 + 3 * self.world)
+        self._segment = host.allocate("smb", nbytes, _init_words(self.world))
+        self._words = np.frombuffer(self._segment.buffer, dtype=np.int32, count=nbytes // 4)
+        self._base = self._segment.address(0)
+        self._segments: dict[int, SharedSegment] = {}
+        self._tensors: dict[int, torch.Tensor] = {}
+        self._created: list[SharedSegment] = []
+        self._seq = 0
+        self._pending: dict[int, Ticket] = {}  # source buffer id -> its last request
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        if self.rank == owner:
+            self._thread = threading.Thread(target=self._serve, name="smb-owner", daemon=True)
+            self._thread.start()
+
+    # -- word layout: one writer per cache line -----------------------------------
+    _DOORBELL, _APPLIED = 1, 2  # lines; line 0 holds the magic
+
+    def _idx(self, line: int, word: int = 0) -> int:
+        return line * LINE // 4 + word
+
+    def _request_line(self, rank: int) -> int:
+        return 3 + 3 * rank
+
+    def _done_line(self, rank: int) -> int:
+        return 4 + 3 * rank
+
+    def _closed_line(self, rank: int) -> int:
+        return 5 + 3 * rank
+
+    @property
+    def applied(self) -> int:
+        """Accumulations the owner has applied so far (all workers)."""
+        return int(self._words[self._idx(self._APPLIED)])
+
+    # -- buffers ------------------------------------------------------------------
+    def create(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> BufferKey:
+        if numel <= 0:
+            raise ValueError(f"buffer {name!r}: numel must be positive, got {numel}")
+        store = self.host.store
+        if store.check([f"smb/key/{name}"]):
+            raise ValueError(f"buffer name {name!r} is already taken on this service")
+        buffer_id = store.add("smb/next", 1) - 1
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        segment = SharedSegment(
+            f"{self.host.prefix}-smb{buffer_id}-{name}"[:200], align(numel * itemsize), create=True
+        )
+        self._created.append(segment)
+        key = BufferKey(name, buffer_id, numel, str(dtype).removeprefix("torch."), segment.name)
+        self._segments[buffer_id] = segment
+        self._tensors[buffer_id] = segment.tensor(dtype, 0, numel)
+        store.set(f"smb/id/{buffer_id}", key.encode())
+        store.set(f"smb/key/{name}", key.encode())
+        return key
+
+    def lookup(self, name: str) -> BufferKey:
+        store = self.host.store
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while not store.check([f"smb/key/{name}"]):
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"no worker published SMB buffer {name!r} within {self.timeout:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return BufferKey.decode(store.get(f"smb/key/{name}"))
+
+    def attach(self, key: BufferKey) -> Buffer:
+        return Buffer(key, self._map(key))
+
+    def _map(self, key: BufferKey) -> torch.Tensor:
+        if key.id not in self._tensors:
+            dtype = getattr(torch, key.dtype)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            segment = SharedSegment(key.locator, align(key.numel * itemsize), create=False)
+            self._segments[key.id] = segment
+            self._tensors[key.id] = segment.tensor(dtype, 0, key.numel)
+        return self._tensors[key.id]
+
+    def ready(self) -> None:
+        self.host.barrier("SMB buffers created")
+        if self.rank == self.owner:  # the memory server maps every buffer before names go
+            count = self.host.store.add("smb/next", 0)
+            for buffer_id in range(count):
+                if buffer_id not in self._tensors:
+                    self._map(BufferKey.decode(self.host.store.get(f"smb/id/{buffer_id}")))
+        self.host.barrier("SMB buffers attached")
+        for segment in self._created:
+            segment.unlink()
+
+    def read(self, buffer: Buffer, out: torch.Tensor) -> torch.Tensor:
+        out.copy_(buffer._storage)
+        return out
+
+    def write(self, buffer: Buffer, src: torch.Tensor) -> None:
+        pending = self._pending.get(buffer.key.id)
+        if pending is not None:
+            self.wait(pending)
+        buffer._storage.copy_(src)
+
+    # -- accumulation through the owner -------------------------------------------
+    def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:
+        if src.numel != dst.numel or src.key.dtype != dst.key.dtype:
+            raise ValueError(f"cannot accumulate {src} into {dst}: sizes or dtypes differ")
+        if self._seq:  # one request in flight per worker: its slot is single-entry
+            self.wait(Ticket(self.rank, self._seq))
+        words, req = self._words, self._request_line(self.rank)
+        self._seq += 1
+        words[self._idx(req, 1)] = src.key.id
+        words[self._idx(req, 2)] = dst.key.id
+        words[self._idx(req)] = self._seq  # publish last: the owner reads ids only after
+        # A doorbell value no other request can write (seq*world+rank), so the owner
+        # never sleeps through a request posted between its scan and its sleep.
+        bell = self._idx(self._DOORBELL)
+        words[bell] = (self._seq * self.world + self.rank) & 0x7FFFFFFF
+        futex_wake(self._base + bell * 4)
+        ticket = Ticket(self.rank, self._seq)
+        self._pending[src.key.id] = ticket
+        return ticket
+
+    def done(self, ticket: Ticket) -> bool:
+        return int(self._words[self._idx(self._done_line(ticket.rank))]) >= ticket.seq
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        idx = self._idx(self._done_line(ticket.rank))
+        deadline = time.monotonic() + timeout
+        while True:
+            value = int(self._words[idx])
+            if value >= ticket.seq:
+                return
+            self._check_owner(f"the accumulate of request #{ticket.seq}")
+            now = time.monotonic()
+            if now >= deadline:
+                raise PeerTimeout(
+                    f"SMB owner (local rank {self.owner}, pid {self.control.pid(self.owner)}) did "
+                    f"not apply request #{ticket.seq} of rank {ticket.rank} within {timeout:.0f} s"
+                )
+            futex_wait(self._base + idx * 4, value, min(_SLICE_S, deadline - now))
+
+    def _check_owner(self, what: str) -> None:
+        if self._failure is not None:
+            raise PeerFailure(f"SMB owner thread failed: {self._failure!r}")
+        failed = self.control.aborted()
+        if failed is not None:
+            who, code = failed
+            raise PeerFailure(f"local rank {who} failed (code {code}) while this worker waited for {what}")
+        if not self.alive(self.owner):
+            raise PeerFailure(
+                f"SMB owner (local rank {self.owner}, pid {self.control.pid(self.owner)}) died "
+                f"while this worker waited for {what}"
+            )
+
+    def _serve(self) -> None:
+        """The memory server: apply requests one at a time, round robin over workers."""
+        words = self._words
+        bell = self._idx(self._DOORBELL)
+        applied = self._idx(self._APPLIED)
+        next_rank = 0
+        try:
+            while not self._stop:
+                seen = int(words[bell])
+                served = False
+                for i in range(self.world):
+                    rank = (next_rank + i) % self.world
+                    seq = int(words[self._idx(self._request_line(rank))])
+                    done_idx = self._idx(self._done_line(rank))
+                    if seq <= int(words[done_idx]):
+                        continue
+                    req = self._request_line(rank)
+                    src = self._tensor_of(int(words[self._idx(req, 1)]))
+                    dst = self._tensor_of(int(words[self._idx(req, 2)]))
+                    dst.add_(src)
+                    words[applied] += 1
+                    words[done_idx] = seq
+                    futex_wake(self._base + done_idx * 4)
+                    served = True
+                    next_rank = (rank + 1) % self.world
+                    break  # one at a time; re-scan so no worker starves the others
+                if not served:
+                    futex_wait(self._base + bell * 4, seen, _SLICE_S)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to waiters and close()
+            self._failure = exc
+
+    def _tensor_of(self, buffer_id: int) -> torch.Tensor:
+        if buffer_id not in self._tensors:  # created after ready(): its name still exists
+            self._map(BufferKey.decode(self.host.store.get(f"smb/id/{buffer_id}")))
+        return self._tensors[buffer_id]
+
+    # -- control block ------------------------------------------------------------
+    def set_progress(self, iterations: int, state: int | None = None) -> None:
+        self.control.set_progress(self.rank, iterations)
+        if state is not None:
+            self.control.set_state(self.rank, state)
+
+    def progress(self, rank: int) -> int:
+        return self.control.progress(rank)
+
+    def state(self, rank: int) -> int:
+        return self.control.state(rank)
+
+    def alive(self, rank: int) -> bool:
+        return _alive(self.control.pid(rank))
+
+    def close(self) -> None:
+        """Leave the service. The owner waits (sleeping, with a timeout naming the peer)
+        until every other live worker has left, then stops its thread."""
+        if self._seq and self.alive(self.owner):
+            try:
+                self.wait(Ticket(self.rank, self._seq))
+            except PeerFailure:
+                pass
+        for segment in self._created:  # buffers created after ready() still have names
+            segment.unlink()
+        closed = self._idx(self._closed_line(self.rank))
+        self._words[closed] = 1
+        futex_wake(self._base + closed * 4)
+        if self._thread is None:
+            return
+        try:
+            deadline = time.monotonic() + self.timeout
+            for rank in range(self.world):
+                idx = self._idx(self._closed_line(rank))
+                while not self._words[idx] and self.alive(rank):
+                    if self.control.aborted() is not None:
+                        break
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise PeerTimeout(
+                            f"local rank {rank} (pid {self.control.pid(rank)}) did not leave the "
+                            f"SMB service within {self.timeout:.0f} s"
+                        )
+                    futex_wait(self._base + idx * 4, 0, min(_SLICE_S, deadline - now))
+        finally:
+            self._stop = True
+            futex_wake(self._base + self._idx(self._DOORBELL) * 4)
+            self._thread.join(timeout=10)
+            self._thread = None
+        if self._failure is not None:
+            raise PeerFailure(f"SMB owner thread failed: {self._failure!r}")
+
+
+def _init_words(world: int):
+    def init(segment: SharedSegment) -> None:
+        words = np.frombuffer(segment.buffer, dtype=np.int32)
+        words[:] = 0
+        words[0] = _MAGIC
+        words[1] = world
+
+    return init

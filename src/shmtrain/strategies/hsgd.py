@@ -1,0 +1,205 @@
+"""HSGD: hybrid SGD, synchronous inside a group, SEASGD between groups (ShmCaffe
+Section III-D, Fig. 4, Table III).
+
+The workers form ``groups`` groups of ``group_size`` consecutive ranks (the paper's
+S x A notation: S = group size, A = groups). Inside a group the gradients are averaged
+by the shared-memory allreduce (phase ``allreduce``) and every member applies the same
+step, so the members' weights stay identical. Every ``update_interval`` iterations the
+group's root (its first rank) runs SEASGD against the global weights (eqs. (5)-(7),
+Fig. 6: ``wait``, ``rgw``, ``ulw`` here, ``wwi`` and ``ugw`` in its update thread) and
+broadcasts the result to its group (``broadcast``): the root's weights live in a
+shared segment of the group, which the members copy. The root of group 0 is the
+master worker.
+
+Termination alignment runs among the roots; each root passes its decision to its
+members so a group always stops at the same iteration. A group cannot lose a member
+(its allreduce needs all of them), so a worker's death ends the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shmtrain.fabric.host import HostGroup
+from shmtrain.fabric.segment import SharedSegment, align
+from shmtrain.fabric.shm_allreduce import ShmAllreduce
+from shmtrain.strategies.base import register
+from shmtrain.strategies.seasgd import ElasticExchange
+from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
+
+
+class _GroupControl:
+    """The host's control block seen by one group: group ranks -> local ranks."""
+
+    def __init__(self, control, members: Sequence[int]) -> None:
+        self._control = control
+        self._members = list(members)
+
+    def post(self, channel: int, rank: int, value: int) -> None:
+        self._control.post(channel, self._members[rank], value)
+
+    def get(self, channel: int, rank: int) -> int:
+        return self._control.get(channel, self._members[rank])
+
+    def wait(self, channel: int, ranks, target: int, *, timeout: float, what: str) -> None:
+        self._control.wait(channel, [self._members[r] for r in ranks], target, timeout=timeout, what=what)
+
+
+class GroupHost:
+    """One group of a host's workers, shaped like :class:`HostGroup` so the host's
+    shared-memory allreduce runs inside the group unchanged.
+
+    ``allocate`` stays a collective of the whole host: every rank allocates one segment
+    per group, in the same order, and keeps its own group's.
+    """
+
+    def __init__(self, host: HostGroup, groups: int, group_size: int) -> None:
+        self.host = host
+        self.groups = groups
+        self.group = host.local_rank // group_size
+        self.members = [self.group * group_size + i for i in range(group_size)]
+        self.local_rank = host.local_rank - self.members[0]
+        self.local_world = group_size
+        self.timeout = host.timeout
+        self.control = _GroupControl(host.control, self.members)
+
+    @property
+    def ranks(self) -> range:
+        return range(self.local_world)
+
+    def channel(self, name: str) -> int:
+        return self.host.channel(name)
+
+    def allocate(
+        self, tag: str, nbytes: int, init: Callable[[SharedSegment], None] | None = None
+    ) -> SharedSegment:
+        mine = None
+        for group in range(self.groups):
+            segment = self.host.allocate(f"{tag}.g{group}", nbytes, init)
+            if group == self.group:
+                mine = segment
+        return mine
+
+
+@register
+class HSGD(SharedWeightsStrategy):
+    """Synchronous gradient allreduce inside groups, SEASGD between group roots (Fig. 4)."""
+
+    name = "hsgd"
+    tolerates_peer_loss = False
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ElasticConfig):
+        #: number of groups A (SEASGD between them)
+        groups: int = field(default=1, metadata={"help": "groups A of the SxA layout (SEASGD between groups)"})
+        #: workers per group S (allreduce inside); 0 = workers / groups
+        group_size: int = field(
+            default=0, metadata={"help": "workers per group S (allreduce inside); 0 = workers / groups"}
+        )
+
+        def __post_init__(self) -> None:
+            ElasticConfig.__post_init__(self)
+            if not isinstance(self.groups, int) or self.groups < 1:
+                raise ValueError(f"--groups {self.groups!r} must be an integer >= 1 (the A of SxA)")
+            if not isinstance(self.group_size, int) or self.group_size < 0:
+                raise ValueError(
+                    f"--group-size {self.group_size!r} must be an integer >= 1 (the S of SxA), "
+                    "or 0 for workers / groups"
+                )
+
+    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+        world = ctx.local_world
+        size = config.group_size or (world // config.groups if world % config.groups == 0 else 0)
+        if ctx.num_nodes > 1 or config.groups * size != world or size == 0:
+            raise ValueError(
+                f"--groups {config.groups} x --group-size {config.group_size or size} must equal "
+                f"the number of workers ({ctx.world_size}) on one host; e.g. --groups 2 "
+                f"--group-size {max(world // 2, 1)} for {world} workers"
+            )
+        self.group_host = GroupHost(ctx.host, config.groups, size)
+        self.is_root = self.group_host.local_rank == 0
+        self.updates_global = self.is_root
+        super().__init__(config, ctx, model, optimizer, timer)
+        self.allreduce = ShmAllreduce(
+            self.group_host, self.layout.numel, dtype=self.layout.dtype, op="mean", tag="hsgd.grads"
+        )
+        self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
+        self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
+        self._broadcast = ctx.host.channel("hsgd.broadcast")
+        self._decision = ctx.host.channel("hsgd.decision")
+        self.exchange = None
+        if self.is_root:
+            self.exchange = ElasticExchange(
+                self.service, self.global_weights, self.weight_increment, self.weights,
+                config.moving_rate, self.timer, ctx.timeout,
+            )
+        self._exchanges = 0
+        self.zero_grad()
+
+    def local_weights_storage(self) -> torch.Tensor:
+        """The group's weights live in a segment of the group: the root's are the ones
+        every member copies (the broadcast of Fig. 4)."""
+        itemsize = torch.empty((), dtype=self.layout.dtype).element_size()
+        segment = self.group_host.allocate("hsgd.weights", align(self.layout.numel * itemsize))
+        self._weights_segment = segment
+        shared = segment.tensor(self.layout.dtype, 0, self.layout.numel)
+        if self.is_root:
+            return shared
+        self.group_weights = shared
+        return torch.empty(self.layout.numel, dtype=self.layout.dtype)
+
+    def zero_grad(self) -> None:
+        step = self.allreduce.count + 1
+        self.allreduce.input(step).zero_()
+        self.layout.bind_grads(self._input_views[step % 2])
+
+    def before_forward(self) -> None:
+        if self.iteration % self.config.update_interval:
+            return
+        self._exchanges += 1
+        gh = self.group_host
+        if self.is_root:
+            self.exchange.exchange()
+            if gh.local_world > 1:
+                gh.control.post(self._broadcast, 0, self._exchanges)
+            return
+        with self.timer.phase("broadcast"):
+            gh.control.wait(
+                self._broadcast, [0], self._exchanges, timeout=gh.timeout, what="the group root's weights"
+            )
+            self.weights.copy_(self.group_weights)
+
+    def after_backward(self) -> None:
+        with self.timer.phase("allreduce"):
+            self.allreduce()
+        self.layout.bind_grads(self._result_views[self.allreduce.count % 2])
+
+    def after_update(self) -> None:
+        super().after_update()
+        t = self.timer.current
+        self.timer.add("comm", t.get("allreduce", 0.0) + t.get("broadcast", 0.0))
+
+    def should_stop(self) -> bool:
+        """The root decides by the policy; its members follow, so a group stops together."""
+        gh = self.group_host
+        if self.is_root:
+            stop = self.termination.decide(self.iteration, self.target_iterations)
+            if gh.local_world > 1:
+                gh.control.post(self._decision, 0, 2 * self.iteration + int(stop))
+            return stop
+        if self.termination.stopped:
+            return True
+        gh.control.wait(
+            self._decision, [0], 2 * self.iteration, timeout=gh.timeout, what="the group root's decision"
+        )
+        if gh.control.get(self._decision, 0) == 2 * self.iteration + 1:
+            self.termination.mark_done(self.iteration)
+            return True
+        return False
+
+    def close_exchange(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()

@@ -1,0 +1,234 @@
+"""SEASGD: shared-memory elastic averaging SGD (ShmCaffe eqs. (5)-(7), Fig. 6).
+
+Per worker x, every ``update_interval`` iterations, with W'_x its weights after the
+last local SGD step (eq. (2)) and alpha the ``moving_rate``::
+
+    dW_x  = alpha (W'_x - W_g)      (5)   weight increment
+    W''_x = W'_x - dW_x             (6)   local weights move towards the global ones
+    W'_g  = W_g + dW_x              (7)   global weights move towards the local ones
+
+Fig. 6, two threads per worker. The *main thread* reads W_g at the start of an
+iteration (T1, phase ``rgw``), computes dW_x and updates its weights (T2, ``ulw``),
+wakes the update thread (T3), trains the mini-batch (T4) and applies its gradient
+(T5; both in ``compute``). The *update thread* writes dW_x into the worker's own
+buffer on the service (T.A1, ``wwi``), asks the service to accumulate it into W_g
+(T.A2), which the service's owner applies exclusively (T.A3), waits for the
+notification (T.A4, together ``ugw``), and wakes the main thread (T.A5). T1+T2 and
+T.A1-T.A4 are mutually exclusive; when the update is still running as the next
+exchange starts, the main thread waits before T1/T2 (``wait``). The read of W_g is
+not hidden behind computation (staleness hurts learning, Section III-G).
+
+Eq. (8): T_iter = max[T_comp, T_wwi + T_ugw] + T_rgw + T_ulw; :func:`check_eq8`
+checks it on the metrics rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shmtrain.fabric.control import PeerTimeout
+from shmtrain.fabric.smb import Buffer, BufferService
+from shmtrain.strategies.base import register
+from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
+from shmtrain.timing import PhaseTimer
+
+
+class ElasticExchange:
+    """The main-thread / update-thread exchange of Fig. 6 for one flat weight tensor.
+
+    Args:
+        service: the buffer service.
+        global_weights: W_g on the service.
+        weight_increment: this worker's dW_x buffer on the service.
+        weights: the local weights W_x (updated in place).
+        moving_rate: alpha.
+        timer: receives ``wait``, ``rgw``, ``ulw`` (main thread) and ``wwi``, ``ugw``
+            (update thread; added when the main thread next picks the update up).
+        timeout: seconds the main thread waits for the update thread.
+    """
+
+    def __init__(
+        self,
+        service: BufferService,
+        global_weights: Buffer,
+        weight_increment: Buffer,
+        weights: torch.Tensor,
+        moving_rate: float,
+        timer: PhaseTimer,
+        timeout: float,
+    ) -> None:
+        self.service = service
+        self.global_weights = global_weights
+        self.weight_increment_buffer = weight_increment
+        self.weights = weights
+        self.moving_rate = moving_rate
+        self.timer = timer
+        self.timeout = timeout
+        self.global_copy = torch.empty_like(weights)
+        self.weight_increment = torch.zeros_like(weights)
+        self._cond = threading.Condition()
+        self._pending = False  # an increment waits for / is in the update thread
+        self._stop = False
+        self._error: BaseException | None = None
+        self._times: dict[str, float] = {}
+        self.exchanges = 0
+        self._thread = threading.Thread(target=self._update_loop, name="seasgd-update", daemon=True)
+        self._thread.start()
+
+    def exchange(self) -> None:
+        """Main thread, T1-T3: read W_g, apply eqs. (5)-(6), hand dW_x to the update thread."""
+        start = time.perf_counter()
+        self._await_idle("the previous global weight update")
+        with self._cond:
+            times, self._times = self._times, {}
+        waited = time.perf_counter() - start
+        for name, seconds in times.items():
+            self.timer.add(name, seconds)
+        t1 = time.perf_counter()
+        self.service.read(self.global_weights, self.global_copy)  # T1
+        t2 = time.perf_counter()
+        increment = self.weight_increment
+        torch.sub(self.weights, self.global_copy, out=increment).mul_(self.moving_rate)  # (5)
+        self.weights.sub_(increment)  # (6), T2
+        t3 = time.perf_counter()
+        self.timer.add("wait", waited)
+        self.timer.add("rgw", t2 - t1)
+        self.timer.add("ulw", t3 - t2)
+        self.timer.add("comm", waited + t3 - t1)
+        with self._cond:  # T3
+            self._pending = True
+            self.exchanges += 1
+            self._cond.notify_all()
+
+    def _await_idle(self, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while self._pending and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeout(f"the SEASGD update thread did not finish {what} within {self.timeout:.0f} s")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise self._error
+
+    def _update_loop(self) -> None:
+        """Update thread, T.A1-T.A5 (sleeps on a condition between updates)."""
+        while True:
+            with self._cond:
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+            times: dict[str, float] = {}
+            try:
+                t0 = time.perf_counter()
+                self.service.write(self.weight_increment_buffer, self.weight_increment)  # T.A1
+                t1 = time.perf_counter()
+                ticket = self.service.accumulate(self.weight_increment_buffer, self.global_weights)
+                self.service.wait(ticket)  # T.A2-T.A4: (7), applied by the service's owner
+                t2 = time.perf_counter()
+                times = {"wwi": t1 - t0, "ugw": t2 - t1}
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                self._error = exc
+            with self._cond:  # T.A5
+                for name, seconds in times.items():
+                    self._times[name] = self._times.get(name, 0.0) + seconds
+                self._pending = False
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Let the last update finish, then end the update thread."""
+        try:
+            self._await_idle("the last global weight update")
+        finally:
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            self._thread.join(timeout=self.timeout)
+
+
+@register
+class SEASGD(SharedWeightsStrategy):
+    """Asynchronous elastic averaging through the shared buffer service (Fig. 6)."""
+
+    name = "seasgd"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ElasticConfig):
+        pass
+
+    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer)
+        self.exchange = ElasticExchange(
+            self.service, self.global_weights, self.weight_increment, self.weights,
+            config.moving_rate, self.timer, ctx.timeout,
+        )
+
+    def before_forward(self) -> None:
+        if self.iteration % self.config.update_interval == 0:
+            self.exchange.exchange()
+
+    def close_exchange(self) -> None:
+        self.exchange.close()
+
+
+MAIN_THREAD_TOTALS = ("compute", "comm")  # sums of other phases, not phases of their own
+UPDATE_THREAD_PHASES = ("wwi", "ugw")  # overlapped with the main thread
+
+
+def check_eq8(rows: Iterable[Mapping[str, Any]], *, skip: int = 1, tolerance: float = 0.15) -> dict:
+    """Check ShmCaffe eq. (8) on one worker's metrics rows.
+
+    T_iter = max[T_comp, T_wwi + T_ugw] + T_rgw + T_ulw, with the per-iteration means
+    of the phases. The measured T_iter is the row's ``iteration`` (or ``total``) time if
+    the loop records one, else the sum of the main thread's phases. Eq. (8) holds when
+    the main thread's wait for the update thread is what the overlap predicts:
+    measured and predicted T_iter agree within ``tolerance`` (relative).
+
+    Args:
+        rows: ``{"iteration", "loss", "time": {phase: seconds}}`` dicts (JSONL rows).
+        skip: leading rows left out (warm-up).
+        tolerance: relative difference accepted between measured and predicted T_iter.
+
+    Returns:
+        means ``T_comp``, ``T_rgw``, ``T_ulw``, ``T_wwi``, ``T_ugw``, ``T_wait`` (s),
+        ``T_iter`` (measured), ``T_iter_eq8`` (predicted), ``exposed_comm`` (wait + rgw
+        + ulw, s), ``exposed_fraction`` (of T_iter), ``relative_error``, ``holds``,
+        ``iterations``.
+    """
+    times = [dict(row["time"]) for row in list(rows)[skip:] if "time" in row]
+    n = len(times)
+    if n == 0:
+        raise ValueError("check_eq8 needs at least one metrics row after the warm-up rows")
+
+    def mean(name: str) -> float:
+        return sum(t.get(name, 0.0) for t in times) / n
+
+    def measured(t: Mapping[str, float]) -> float:
+        for name in ("iteration", "total"):
+            if name in t:
+                return t[name]
+        return sum(
+            v for k, v in t.items() if k not in MAIN_THREAD_TOTALS + UPDATE_THREAD_PHASES
+        )
+
+    comp = mean("compute")
+    rgw, ulw, wwi, ugw, wait = (mean(k) for k in ("rgw", "ulw", "wwi", "ugw", "wait"))
+    t_iter = sum(measured(t) for t in times) / n
+    other = t_iter - comp - rgw - ulw - wait  # data loading and the like, outside eq. (8)
+    predicted = max(comp, wwi + ugw) + rgw + ulw + max(other, 0.0)
+    error = abs(t_iter - predicted) / t_iter if t_iter > 0 else 0.0
+    exposed = wait + rgw + ulw
+    return {
+        "iterations": n,
+        "T_comp": comp, "T_rgw": rgw, "T_ulw": ulw, "T_wwi": wwi, "T_ugw": ugw, "T_wait": wait,
+        "T_iter": t_iter, "T_iter_eq8": predicted,
+        "exposed_comm": exposed, "exposed_fraction": exposed / t_iter if t_iter > 0 else 0.0,
+        "relative_error": error, "holds": error <= tolerance,
+    }

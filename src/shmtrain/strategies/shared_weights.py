@@ -1,0 +1,155 @@
+"""What the asynchronous strategies share: global weights on the buffer service, options,
+progress publishing and termination alignment (ShmCaffe Sections III-C, III-E, III-F).
+
+Set-up follows Fig. 2 and Fig. 5: the master worker (rank 0) creates the global weight
+buffer ``global_weights`` (W_g) on the buffer service and initialises it with its
+weights; every worker that updates W_g creates its own ``weight_increment.<rank>``
+buffer (dW_x), which only it writes; the others look the global key up and attach.
+Each worker's local weights (W_x) live in one private flat tensor with per-layer views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.smb import STATE_TRAINING, Buffer, BufferService, LocalBufferService
+from shmtrain.strategies.base import Strategy, StrategyConfig
+from shmtrain.strategies.ssgd import broadcast_parameters
+from shmtrain.strategies.termination import MASTER, Termination, check_terminate
+
+GLOBAL_WEIGHTS = "global_weights"
+
+
+def check_moving_rate(value: float) -> None:
+    if not (isinstance(value, int | float) and 0.0 < value <= 1.0):
+        raise ValueError(
+            f"--moving-rate {value!r} must lie in (0, 1]: it is the elastic averaging rate "
+            "alpha of ShmCaffe eqs. (3)-(7) (the paper uses 0.2); pass e.g. --moving-rate 0.2"
+        )
+
+
+def check_update_interval(value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"--update-interval {value!r} must be an integer >= 1: the global weights are "
+            "exchanged every update_interval iterations; pass e.g. --update-interval 1"
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class AsyncConfig(StrategyConfig):
+    """Options of every asynchronous strategy on the buffer service."""
+
+    #: exchange with the global weights every this many iterations (tau, >= 1)
+    update_interval: int = field(
+        default=1, metadata={"help": "exchange with the global weights every N iterations (tau)"}
+    )
+    #: termination alignment: master, first or average (ShmCaffe Section III-E)
+    terminate: str = field(
+        default="average",
+        metadata={"help": "when asynchronous workers stop: master, first or average (ShmCaffe III-E)"},
+    )
+
+    def __post_init__(self) -> None:
+        check_update_interval(self.update_interval)
+        check_terminate(self.terminate)
+
+
+@dataclass(kw_only=True, slots=True)
+class ElasticConfig(AsyncConfig):
+    """Options of the elastic-averaging strategies (EASGD, SEASGD, HSGD)."""
+
+    #: moving averaging rate alpha in (0, 1] of eqs. (3)-(7)
+    moving_rate: float = field(
+        default=0.2, metadata={"help": "elastic averaging rate alpha in (0, 1] (ShmCaffe eqs. (3)-(7))"}
+    )
+
+    def __post_init__(self) -> None:
+        AsyncConfig.__post_init__(self)
+        check_moving_rate(self.moving_rate)
+
+
+def open_global_weights(
+    service: BufferService, weights: torch.Tensor, *, increment: bool
+) -> tuple[Buffer, Buffer | None]:
+    """Collective set-up of Fig. 2 / Fig. 5: W_g (created by the master) and dW_x.
+
+    Returns the global weights and, if ``increment``, this worker's increment buffer.
+    """
+    numel = weights.numel()
+    global_weights = None
+    if service.rank == MASTER:
+        global_weights = service.attach(service.create(GLOBAL_WEIGHTS, numel, weights.dtype))
+        service.write(global_weights, weights)
+    weight_increment = None
+    if increment:
+        key = service.create(f"weight_increment.{service.rank}", numel, weights.dtype)
+        weight_increment = service.attach(key)
+    if global_weights is None:
+        key = service.lookup(GLOBAL_WEIGHTS)
+        if key.numel != numel:
+            raise ValueError(
+                f"the master's model has {key.numel} parameters, this worker's {numel}: every "
+                "worker must build the same model"
+            )
+        global_weights = service.attach(key)
+    service.ready()
+    return global_weights, weight_increment
+
+
+class SharedWeightsStrategy(Strategy):
+    """Base of the strategies that share weights through the buffer service.
+
+    Subclasses set ``self.termination`` voters if needed and implement the exchange.
+    A peer killed during training does not stop the others (``tolerates_peer_loss``).
+    """
+
+    #: the launcher records a worker's death without ending the survivors
+    tolerates_peer_loss: ClassVar[bool] = True
+    #: whether this worker writes increments into the global weights
+    updates_global: bool = True
+
+    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer)
+        if ctx.num_nodes > 1:
+            raise ValueError(
+                f"--strategy {self.name} runs on one host for now ({ctx.num_nodes} hosts in this "
+                "job): the buffer service for other hosts (SMB-REMOTE) is not built yet"
+            )
+        self.layout = FlatLayout(self.params)
+        broadcast_parameters(self.layout)
+        self.weights = self.local_weights_storage()
+        self.layout.bind_data(self.weights)
+        self.service = LocalBufferService(ctx.host)
+        self.global_weights, self.weight_increment = open_global_weights(
+            self.service, self.weights, increment=self.updates_global
+        )
+        self.termination = Termination(config.terminate, self.service)
+        self.service.set_progress(0, STATE_TRAINING)
+
+    def local_weights_storage(self) -> torch.Tensor:
+        """Where the local weights W_x live (a private flat tensor by default)."""
+        return torch.empty(self.layout.numel, dtype=self.layout.dtype)
+
+    def after_update(self) -> None:
+        super().after_update()
+        self.termination.publish(self.iteration)
+
+    def should_stop(self) -> bool:
+        """The termination policy (Section III-E) on the control block's progress words."""
+        return self.termination.decide(self.iteration, self.target_iterations)
+
+    def close_exchange(self) -> None:
+        """Finish any communication still in flight (before the service closes)."""
+
+    def finish(self) -> None:
+        self.termination.mark_done(self.iteration)
+        try:
+            self.close_exchange()
+        finally:
+            self.service.close()
+            super().finish()

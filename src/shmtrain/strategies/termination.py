@@ -1,0 +1,93 @@
+"""Aligning the termination of asynchronous workers (TERM, ShmCaffe Section III-E).
+
+Every worker publishes its iterations done and its state (setting up, training, done)
+in the host's control block after each iteration; :class:`Termination` reads those
+words and decides whether this worker ends now, by one of the paper's three criteria:
+
+``master``
+    all workers finish when the master worker (rank 0) finishes; the master stops at
+    its own target, the others run on (before or past their target) until it has.
+``first``
+    all workers finish when the first worker to reach its target finishes.
+``average``
+    all workers finish when the mean of every worker's iteration count reaches the
+    target (the total work equals ``workers x target``), within one iteration per
+    worker.
+
+A worker known to be dead never counts as finished (it did not finish), so the others
+train on; under ``average`` its frozen count stays in the mean and the survivors make
+up for it. Deciding never blocks: no worker waits for a peer that has stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, BufferService
+
+POLICIES = ("master", "first", "average")
+MASTER = 0
+
+
+def check_terminate(value: str) -> None:
+    """Reject an unknown policy with the option, the value and the choices."""
+    if value not in POLICIES:
+        raise ValueError(
+            f"--terminate {value!r} is not a termination policy; choose one of "
+            f"{', '.join(POLICIES)} (ShmCaffe Section III-E: stop with the master, with the "
+            "first finisher, or when the average iteration count reaches the target)"
+        )
+
+
+class Termination:
+    """One worker's view of the termination policy.
+
+    Args:
+        policy: ``master``, ``first`` or ``average``.
+        service: the buffer service whose control block holds progress and state.
+        voters: the ranks whose progress and state count (default: every worker).
+    """
+
+    def __init__(self, policy: str, service: BufferService, voters: Sequence[int] | None = None) -> None:
+        check_terminate(policy)
+        self.policy = policy
+        self.service = service
+        self.me = service.rank
+        self.voters = list(range(service.world) if voters is None else voters)
+        self.stopped = False
+
+    def publish(self, iteration: int) -> None:
+        """Record ``iteration`` iterations done by this worker (call after each one)."""
+        self.service.set_progress(iteration, STATE_DONE if self.stopped else STATE_TRAINING)
+
+    def decide(self, iteration: int, target: int | None) -> bool:
+        """True when this worker must stop after ``iteration`` iterations."""
+        if self.stopped:
+            return True
+        stop = self._decide(iteration, target)
+        if stop:
+            self.mark_done(iteration)
+        return stop
+
+    def mark_done(self, iteration: int) -> None:
+        """Tell the peers this worker has stopped (at once, so they can follow)."""
+        self.stopped = True
+        self.service.set_progress(iteration, STATE_DONE)
+
+    def _decide(self, iteration: int, target: int | None) -> bool:
+        service = self.service
+        reached = target is not None and iteration >= target
+        if self.policy == "master":
+            if self.me == MASTER or MASTER not in self.voters:
+                return reached
+            # The master's death ends the run too: its service would be gone anyway.
+            return service.state(MASTER) == STATE_DONE or not service.alive(MASTER)
+        if self.policy == "first":
+            if reached:
+                return True
+            # DONE is written only by a worker that finished: a killed one stays TRAINING.
+            return any(service.state(r) == STATE_DONE for r in self.voters if r != self.me)
+        if target is None:
+            return False
+        total = sum(iteration if r == self.me else service.progress(r) for r in self.voters)
+        return total >= target * len(self.voters)
