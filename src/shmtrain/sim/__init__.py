@@ -1,0 +1,1 @@
+"""Simulation: the alpha-beta-gamma cost model and the schedule simulator (SCALE)."""
