@@ -45,7 +45,7 @@ def no_leaks():
         time.sleep(0.1)
     for child in children:
         child.kill()
-    for name in segments:
-        (Path("/dev/shm") / name).unlink(missing_ok=True)
+    # Leaked names are reported, not removed: another shmtrain run on this machine may
+    # own a name in its set-up window, and removing it would break that run.
     assert not segments, f"leaked shared-memory segments: {segments}"
     assert not children, f"leaked child processes: {[c.pid for c in children]}"

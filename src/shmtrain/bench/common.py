@@ -69,12 +69,11 @@ def parse_size(text: str) -> int:
     """``"64MiB"``, ``"1MB"``, ``"4096"`` -> bytes."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
     lower = text.strip().lower()
-    for suffix, factor in units.items():
+    number, factor = lower, 1
+    for suffix, scale in units.items():
         if lower.endswith(suffix):
-            number = lower[: -len(suffix)]
+            number, factor = lower[: -len(suffix)], scale
             break
-    else:
-        number, factor = lower, 1
     try:
         value = int(float(number) * factor)
     except ValueError:

@@ -23,7 +23,7 @@ from shmtrain.runtime.launcher import launch
 
 #: mode -> (strategy, options); ``ddp`` is handled apart.
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
-    "nocomm": ("single", {}),
+    "nocomm": ("nocomm", {}),
     "ssgd": ("ssgd", {}),
 }
 DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]

@@ -106,7 +106,9 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
     control = None
     control_name = os.environ.get("SHMTRAIN_CONTROL")
     if control_name:
-        segment = SharedSegment(control_name, ControlBlock.nbytes(local_world), create=False)
+        fd = os.environ.get("SHMTRAIN_CONTROL_FD")
+        segment = SharedSegment(control_name, ControlBlock.nbytes(local_world), create=False,
+                                fd=int(fd) if fd else None)
         control = ControlBlock(segment, local_world, init=False)
     host = HostGroup(
         host_store,

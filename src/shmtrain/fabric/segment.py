@@ -34,9 +34,11 @@ class SharedSegment:
         name: segment name; must start with ``shmtrain``.
         nbytes: size in bytes (> 0).
         create: create it (mode 0600, fails if it exists) or attach to an existing one.
+        fd: attach through this inherited descriptor instead of the name (which may
+            already be unlinked); the segment takes ownership of it.
     """
 
-    def __init__(self, name: str, nbytes: int, *, create: bool) -> None:
+    def __init__(self, name: str, nbytes: int, *, create: bool, fd: int | None = None) -> None:
         if not name.startswith(PREFIX) or "/" in name:
             raise ValueError(f"segment name {name!r} must start with {PREFIX!r} and hold no '/'")
         if nbytes <= 0:
@@ -45,7 +47,10 @@ class SharedSegment:
         self.nbytes = nbytes
         self.created = create
         path = SHM_DIR / name
-        if create:
+        if fd is not None:
+            if os.fstat(fd).st_size < nbytes:
+                raise ValueError(f"segment {name!r} (fd {fd}) is smaller than {nbytes} bytes")
+        elif create:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, nbytes)

@@ -85,12 +85,16 @@ def launch(
     store.set("payload", pickle.dumps(payload))
     control_segment = SharedSegment(f"{prefix}-h0-control", ControlBlock.nbytes(nprocs), create=True)
     control = ControlBlock(control_segment, nprocs, init=True)
+    # Workers inherit the descriptor, so the name can go at once: no window in which a
+    # crash (or anyone sweeping /dev/shm) could leave or lose it.
+    control_segment.unlink()
     base_env = dict(os.environ)
     base_env.update(env or {})
     base_env.update(
         WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), SHMTRAIN_STORE_PORT=str(store.port),
-        SHMTRAIN_CONTROL=control_segment.name, SHMTRAIN_TIMEOUT=str(timeout),
+        SHMTRAIN_CONTROL=control_segment.name, SHMTRAIN_CONTROL_FD=str(control_segment.fd),
+        SHMTRAIN_TIMEOUT=str(timeout),
         OMP_NUM_THREADS=str(threads), SHMTRAIN_THREADS=str(threads),
     )
     children: list[subprocess.Popen] = []
@@ -99,15 +103,12 @@ def launch(
         for rank in range(nprocs):
             child_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
             children.append(
-                subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=child_env)
+                subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=child_env,
+                                 pass_fds=(control_segment.fd,))
             )
-        registered = False
         lost: dict[int, int] = {}  # tolerated deaths: rank -> exit code
         while True:
             codes = [c.poll() for c in children]
-            if not registered and all(control.pid(r) for r in range(nprocs)):
-                control_segment.unlink()  # every worker has it mapped now
-                registered = True
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in lost]
             if bad and failure is None and tolerate_worker_loss and control.aborted() is None \
                     and control.state(bad[0][0]) != 0:

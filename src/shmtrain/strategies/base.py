@@ -128,8 +128,16 @@ def config_fields(cls: type[Strategy]) -> list[dataclasses.Field]:
 
 
 @register
-class Single(Strategy):
-    """No communication: one process is the reference; N processes train independently
-    (the "no communication" column of the step benchmark)."""
+class NoComm(Strategy):
+    """No communication at all: every worker trains alone on its shard (the floor that
+    the step benchmark compares every strategy against)."""
+
+    name = "nocomm"
+
+
+@register
+class Single(NoComm):
+    """One process, plain SGD: the reference every synchronous strategy must equal."""
 
     name = "single"
+    world = "one"

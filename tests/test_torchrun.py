@@ -1,0 +1,74 @@
+"""Jobs started by torchrun: the own-loop example, and two hosts on one machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shmtrain.fabric.segment import leftover
+from shmtrain.runtime.data import load_digits_data
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", SHMTRAIN_NO_PROGRESS="1")
+
+
+def test_own_loop_example_under_torchrun_matches_single_process(tmp_path: Path) -> None:
+    out = tmp_path / "w.pt"
+    cmd = TORCHRUN + ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                      str(ROOT / "examples" / "own_loop.py"), "--steps", "20", "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=150, env=env(), capture_output=True)
+    got = torch.load(out)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    data = load_digits_data()
+    for step in range(20):
+        start = (step * 32) % (len(data.train_x) - 32)
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(data.train_x[start : start + 32]), data.train_y[start : start + 32]).backward()
+        opt.step()
+    for name, value in model.state_dict().items():
+        assert float((got[name] - value).norm() / value.norm()) < 1e-5, name
+    assert not leftover()
+
+
+def test_two_hosts_equal_one_host_of_four(tmp_path: Path) -> None:
+    common = ["--strategy", "ssgd", "--iterations", "15", "--batch-size", "8", "--seed", "3", "--no-progress"]
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = TORCHRUN + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port),
+                          "-m", "shmtrain", "train", *common, "--out", str(tmp_path / "two")]
+        procs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    for p in procs:
+        outputs.append(p.communicate(timeout=170)[0].decode())
+    assert all(p.returncode == 0 for p in procs), outputs
+    subprocess.run([sys.executable, "-m", "shmtrain", "train", *common, "--workers", "4",
+                    "--out", str(tmp_path / "one")], check=True, timeout=150, env=env(), capture_output=True)
+    two = torch.load(tmp_path / "two" / "model.pt")
+    one = torch.load(tmp_path / "one" / "model.pt")
+    for name in one:
+        assert float((two[name] - one[name]).norm() / one[name].norm()) < 1e-5, name
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["iterations"] == 15
+    assert not leftover()
