@@ -1,0 +1,53 @@
+"""Benchmarks run end to end on tiny sizes and write the documented JSON rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shmtrain.bench.common import parse_size
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shmtrain", "bench", *args], capture_output=True, text=True,
+                          timeout=170, env=dict(os.environ, SHMTRAIN_NO_PROGRESS="1"))
+
+
+def test_bench_allreduce_rows(tmp_path: Path) -> None:
+    out = tmp_path / "ar.json"
+    result = run("allreduce", "--procs", "2", "--sizes", "1MiB", "4MiB", "--reps", "3", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    assert {(r["impl"], r["procs"], r["bytes"]) for r in rows} == {
+        (impl, 2, size) for impl in ("shm", "gloo") for size in (1 << 20, 4 << 20)
+    }
+    assert all(r["median_s"] > 0 for r in rows)
+    assert all(r["correct"] for r in rows if r["impl"] == "shm")
+    assert "gloo/shm" in result.stdout
+
+
+def test_bench_step_rows(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    result = run("step", "--model", "smallcnn", "--input-shape", "1x8x8", "--workers", "1", "2",
+                 "--iterations", "3", "--warmup", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    assert {(r["mode"], r["workers"]) for r in rows} == {(m, w) for m in ("nocomm", "ddp", "ssgd") for w in (1, 2)}
+    assert all(r["model"] == "smallcnn" and r["median_s"] > 0 for r in rows)
+
+
+def test_bad_bench_input_is_named() -> None:
+    result = run("allreduce", "--sizes", "0MiB")
+    assert result.returncode == 2 and "0MiB" in result.stderr
+    result = run("step", "--modes", "warp")
+    assert result.returncode == 2 and "warp" in result.stderr
+
+
+@pytest.mark.parametrize("text,value", [("64MiB", 64 << 20), ("1MB", 10**6), ("4096", 4096), ("97.7MB", 97_700_000)])
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
