@@ -3,7 +3,7 @@
 Wiring (in :mod:`shmtrain.cli`)::
 
     from shmtrain.sim.cli import add_sim_parser
-    add_sim_parser(subparsers)   # sets args.func = run_sim_allreduce
+    add_sim_parser(sub)   # sets args.handler = run_sim_allreduce
 
 Example (the paper's ResNet-50 and AlexNet gradients on 1024 nodes, 4 supernodes)::
 
@@ -81,7 +81,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=_positive_int("--group-size"), required=True, metavar="Q",
                    help="nodes per group (supernode, host); must divide --nodes")
     p.add_argument("--bytes", type=_size, nargs="+", required=True, metavar="N",
-                   help="buffer size(s), e.g. 97.7MB 232.6MB (K/M/G are powers of 1024)")
+                   help="buffer size(s), e.g. 97.7MB 232.6MB (MB = 10^6 B, MiB = 2^20 B)")
     p.add_argument("--algorithms", type=_algorithms, default=list(ALGORITHMS),
                    help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: all)")
     p.add_argument("--itemsize", type=_positive_int("--itemsize"), default=4,
@@ -95,7 +95,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_seconds, default=defaults.gamma,
                    help=f"seconds per reduced byte (default {defaults.gamma:.3g})")
     p.add_argument("--json", type=Path, metavar="FILE", help="write one row per algorithm here")
-    p.set_defaults(func=run_sim_allreduce)
+    p.set_defaults(handler=run_sim_allreduce)
     return sim
 
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shmtrain")
     add_sim_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["sim", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return args.handler(args)
 
 
 if __name__ == "__main__":

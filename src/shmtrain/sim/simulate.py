@@ -18,28 +18,33 @@ from shmtrain.fabric.collectives.counting import CountingTransport
 from shmtrain.fabric.collectives.schedule import Topology
 from shmtrain.sim.model import CostModel
 
-#: binary multiples, as the paper writes sizes (ResNet-50's 25.6 M float32 = 97.7 MB)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*$")
+#: the units of ``shmtrain bench`` sizes: KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024
+_UNITS = {
+    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str) -> int:
-    """``"97.7MB"`` -> 102445875: a number with an optional K/M/G/T suffix (powers of
-    1024; ``B``, ``KB``, ``KiB`` all accepted). Raises ``ValueError`` naming ``--bytes``."""
+    """``"97.7MB"`` -> 97700000, ``"97.7MiB"`` -> 102445875: a number with an optional
+    unit (B, KB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024).
+    Raises ``ValueError`` naming ``--bytes``."""
     match = _SIZE.match(str(text))
-    if not match:
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
         raise ValueError(
-            f"--bytes {text!r} is not a size; write a number with an optional suffix, "
-            "e.g. 4096, 64KB, 97.7MB, 1.5GB"
+            f"--bytes {text!r} is not a size; write a number with an optional unit, "
+            "e.g. 4096, 64KiB, 97.7MB, 1.5GiB"
         )
-    value = round(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    value = round(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise ValueError(f"--bytes {text!r} must be more than 0 bytes")
     return value
 
 
 def format_bytes(n: float) -> str:
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
@@ -148,8 +153,8 @@ def format_table(rows: Sequence[SimRow], model: CostModel) -> str:
         )
         for r in group:
             out.append(
-                f"{r.algorithm:<14}{r.steps:>7}{r.bytes_inside / (1 << 20):>12.1f}"
-                f"{r.bytes_across / (1 << 20):>12.1f}{r.predicted_s * 1e3:>15.2f}"
+                f"{r.algorithm:<14}{r.steps:>7}{r.bytes_inside / 1e6:>12.1f}"
+                f"{r.bytes_across / 1e6:>12.1f}{r.predicted_s * 1e3:>15.2f}"
                 f"{r.predicted_s / best if best else 1.0:>8.2f}"
             )
         out.append("")

@@ -142,6 +142,13 @@ class AutotunedAllreduce:
             self._decide()
         return out
 
+    def close(self) -> None:
+        """Release the shared-memory candidate's segment (buffers unusable afterwards)."""
+        shm = self._impl.get("shm")
+        if shm is not None:
+            shm.shm.close()
+        self.buffers = ()
+
     def _decide(self) -> None:
         best = torch.tensor([min(self.measurements[n]) for n in self.candidates], dtype=torch.float64)
         if self.ctx.world_size > 1:

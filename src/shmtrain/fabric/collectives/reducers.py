@@ -71,6 +71,9 @@ class _TwoBuffers:
     def _sum(self, buffer: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Nothing to release (the buffers are ordinary tensors); for symmetry with shm."""
+
 
 class ScheduledAllreduce(_TwoBuffers):
     """A schedule algorithm (ring, rhd, tree, topo, hierarchical) over a transport.
