@@ -1,0 +1,132 @@
+"""Termination alignment (TERM, ShmCaffe Section III-E): the three policies."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from reference import batches, tiny_model, worker_batch
+from shmtrain.api import DataParallel
+from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING
+from shmtrain.runtime.launcher import launch
+from shmtrain.strategies.termination import Termination
+
+
+class FakeService:
+    """The control-block part of a buffer service, for policy unit tests."""
+
+    def __init__(self, rank: int, progress: list[int], states: list[int], alive: list[bool] | None = None):
+        self.rank, self.world = rank, len(progress)
+        self._progress, self._states = list(progress), list(states)
+        self._alive = alive or [True] * self.world
+
+    def set_progress(self, iterations: int, state: int | None = None) -> None:
+        self._progress[self.rank] = iterations
+        if state is not None:
+            self._states[self.rank] = state
+
+    def progress(self, rank: int) -> int:
+        return self._progress[rank]
+
+    def state(self, rank: int) -> int:
+        return self._states[rank]
+
+    def alive(self, rank: int) -> bool:
+        return self._alive[rank]
+
+
+T, D = STATE_TRAINING, STATE_DONE
+
+
+def test_master_policy() -> None:
+    assert Termination("master", FakeService(0, [9, 3, 3], [T, T, T])).decide(10, 10)
+    assert not Termination("master", FakeService(0, [8, 30, 30], [T, T, T])).decide(9, 10)
+    # a non-master runs past its own target until the master has finished...
+    assert not Termination("master", FakeService(1, [5, 12, 3], [T, T, T])).decide(20, 10)
+    assert Termination("master", FakeService(1, [10, 12, 3], [D, T, T])).decide(3, 10)
+    # ...or died (its buffer service went with it)
+    assert Termination("master", FakeService(1, [4, 1, 1], [T, T, T], [False, True, True])).decide(1, 10)
+
+
+def test_first_policy() -> None:
+    assert Termination("first", FakeService(1, [2, 10, 3], [T, T, T])).decide(10, 10)
+    assert Termination("first", FakeService(1, [10, 2, 3], [D, T, T])).decide(2, 10)
+    assert not Termination("first", FakeService(1, [2, 2, 3], [T, T, T])).decide(2, 10)
+    # a killed worker never finished: it does not end the others
+    dead = FakeService(0, [2, 2, 4], [T, T, T], [True, True, False])
+    assert not Termination("first", dead).decide(2, 10)
+
+
+def test_average_policy() -> None:
+    assert not Termination("average", FakeService(0, [0, 8, 9], [T, T, T])).decide(12, 10)  # 29 < 30
+    assert Termination("average", FakeService(0, [0, 8, 9], [T, T, T])).decide(13, 10)  # 30
+    # a dead worker's frozen count stays in the mean: the survivors make up for it
+    assert not Termination("average", FakeService(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(15, 10)
+    assert not Termination("average", FakeService(0, [0, 5, 5], [T, T, T])).decide(10**6, None)
+
+
+def test_decision_is_published_and_sticky() -> None:
+    service = FakeService(2, [10, 10, 0], [T, T, T])
+    term = Termination("average", service)
+    assert term.decide(10, 10) and service.state(2) == STATE_DONE and service.progress(2) == 10
+    assert term.decide(10, 10)
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="--terminate 'last'.*master, first, average"):
+        Termination("last", FakeService(0, [0], [T]))
+
+
+# -- every worker ends, with the counts the policy promises -----------------------------
+def paced_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    target, delay = payload["target"], payload["delays"][ctx.rank]
+    x, y = batches(8, 4, seed=ctx.rank)
+    model = tiny_model()
+    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.05), payload["strategy"],
+                      ctx=ctx, terminate=payload["policy"], **payload.get("options", {}))
+    dp.strategy.target_iterations = target
+    while not dp.should_stop():
+        xs, ys = worker_batch(x, y, dp.strategy.iteration % 8, 0, 4, 1)
+        dp.zero_grad()
+        nn.functional.cross_entropy(dp(xs), ys).backward()
+        dp.step()
+        time.sleep(delay)  # a slower or faster worker (sleeping, so load does not blur it)
+    dp.close()
+    return dp.strategy.iteration
+
+
+TARGET = 15
+
+
+def test_master_policy_ends_everyone_with_the_master() -> None:
+    counts = launch("test_termination:paced_worker", 3,
+                    {"strategy": "seasgd", "policy": "master", "target": TARGET, "delays": [0.08, 0.005, 0.005]})
+    assert counts[0] == TARGET
+    assert counts[1] > TARGET and counts[2] > TARGET  # faster workers ran past their own target
+
+
+def test_first_policy_ends_everyone_with_the_first_finisher() -> None:
+    counts = launch("test_termination:paced_worker", 3,
+                    {"strategy": "seasgd", "policy": "first", "target": TARGET, "delays": [0.06, 0.0, 0.06]})
+    assert counts[1] == TARGET and max(counts) == TARGET
+    assert min(counts) < TARGET  # the slow ones stopped early
+
+
+def test_average_policy_reaches_the_target_on_average() -> None:
+    workers = 3
+    counts = launch("test_termination:paced_worker", workers,
+                    {"strategy": "easgd", "policy": "average", "target": TARGET, "delays": [0.0, 0.03, 0.08]})
+    assert TARGET * workers <= sum(counts) <= TARGET * workers + workers  # within one per worker
+    assert min(counts) < TARGET < max(counts)
+
+
+def test_hsgd_groups_follow_their_root() -> None:
+    counts = launch("test_termination:paced_worker", 4,
+                    {"strategy": "hsgd", "policy": "average", "target": TARGET, "delays": [0.0, 0.0, 0.05, 0.05],
+                     "options": {"groups": 2, "group_size": 2}})
+    assert counts[0] == counts[1] and counts[2] == counts[3]
+    assert TARGET * 4 <= sum(counts) <= TARGET * 4 + 4
