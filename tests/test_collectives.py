@@ -181,6 +181,8 @@ def gloo_worker(ctx, numel):
     for q in divisors(ctx.world_size):
         topology = Topology.uniform(ctx.world_size, q)
         for algorithm in ALGORITHMS:
+            if q != ctx.world_size and algorithm not in ("topo", "hierarchical"):
+                continue  # the others ignore groups
             buf = make_input(ctx.rank, numel)
             allreduce(algorithm, transport, buf, topology)
             out[f"{algorithm}/q{q}"] = buf.numpy().copy()
@@ -201,7 +203,7 @@ def test_exact_sum_on_gloo(world):
     want = expected_sum(world, GLOO_NUMEL).numpy()
     for rank, out in enumerate(results):
         keys = [k for k in out if "/q" in k]
-        assert len(keys) == len(ALGORITHMS) * len(divisors(world))
+        assert len(keys) == len(ALGORITHMS) + 2 * (len(divisors(world)) - 1)
         for key in keys:
             np.testing.assert_array_equal(out[key], want, err_msg=f"{key} rank {rank}")
         for name in CHOICES:
