@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,9 @@ class ParameterServerConfig(StrategyConfig):
     #: how gradients / weights reach the server: "shm" (shared-memory slots inside a host,
     #: gloo gather/broadcast among hosts) or "gloo" (torch.distributed gather/broadcast for
     #: every worker: the Caffe-MPI star of ShmCaffe Section IV-C)
-    ps_transport: str = "shm"
+    ps_transport: str = field(default="shm", metadata={"help": (
+        "how the parameter server gathers and broadcasts: shm (shared memory in a host, "
+        "gloo among hosts) or gloo (torch.distributed gather/broadcast: the Caffe-MPI star)")})
 
     def __post_init__(self) -> None:
         if self.ps_transport not in PS_TRANSPORTS:

@@ -22,7 +22,7 @@ rank 0 broadcasts the mean back over gloo. ``ps_transport="gloo"`` uses torch.di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,9 @@ class ParameterServerWeight(Strategy):
     class Config(ParameterServerConfig):
         #: iterations between weight averages: 1 = SHM-Learn-Dist eq. 2.2 every step,
         #: K > 1 = local SGD (each worker takes K own steps, then the weights are averaged)
-        average_interval: int = 1
+        average_interval: int = field(default=1, metadata={"help": (
+            "iterations between weight averages: 1 = every step (SHM-Learn-Dist eq. 2.2), "
+            "K > 1 = local SGD")})
 
         def __post_init__(self) -> None:
             ParameterServerConfig.__post_init__(self)
