@@ -15,7 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shmtrain.bench.common import copy_bandwidth, median, parse_size, table, timed_collective, write_json
+from shmtrain.bench.common import (
+    copy_bandwidth,
+    median,
+    parse_size,
+    table,
+    timed_collective,
+    write_json,
+)
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
 from shmtrain.runtime.launcher import launch
