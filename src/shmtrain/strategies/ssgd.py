@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.flat import FlatLayout
@@ -41,6 +40,30 @@ class SSGD(Strategy):
         #: allreduce algorithm: "shm" (shared memory in a host, gloo among hosts) or one of
         #: shmtrain.fabric.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto)
         allreduce: str = "shm"
+        #: start the allreduce bucket by bucket from gradient hooks during backward, the
+        #: DDP way (implemented in shmtrain.strategies.ssgd_overlap; docs/overlap.md)
+        overlap: bool = False
+        #: bucket size cap in MiB for --overlap (the first bucket is at most 1 MiB)
+        bucket_mb: float = 25.0
+
+        def __post_init__(self) -> None:
+            if not self.bucket_mb > 0:
+                raise ValueError(
+                    f"--bucket-mb {self.bucket_mb}: the bucket size must be positive; "
+                    "use e.g. --bucket-mb 25 (PyTorch DDP's default)"
+                )
+            if self.overlap and self.allreduce not in ("shm", "gloo"):
+                raise ValueError(
+                    f"--allreduce {self.allreduce!r} with --overlap: overlapped buckets go "
+                    "through shared memory or gloo only; use --allreduce shm or gloo, or drop --overlap"
+                )
+
+    def __new__(cls, config, *args, **kwargs):  # noqa: ARG004 - same signature as __init__
+        if cls is SSGD and getattr(config, "overlap", False):
+            from shmtrain.strategies.ssgd_overlap import OverlapSSGD
+
+            cls = OverlapSSGD
+        return super().__new__(cls)
 
     def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer)

@@ -1,0 +1,266 @@
+"""Collect and accumulate gradients on CPUs during backward (IBM TRL, CPU-ACC).
+
+Algorithm 5 (the training loop): broadcast the parameters once; then per iteration
+forward, backward, ``collectRemainingGradsFromCPU()``, and the same update on every
+worker, so the weights stay identical without another broadcast.
+
+Algorithm 6 (backward): as each layer's gradient is produced, it leaves the worker for
+the host's accumulator (GPU: ``MemcpyD2HAsync`` on its own stream into pinned memory,
+then a callback on that stream; CPU: the gradient already is in host memory, so the
+hand-off is a queue entry, no copy), and every layer whose accumulation is finished
+comes back to the worker while backward goes on (GPU: ``MemcpyH2DAsync`` on another
+stream; CPU: one pass that copies the sum and divides by the number of workers).
+
+Algorithm 7 (accumulation): one accumulator thread per worker ("a CPU thread per GPU")
+adds its worker's partial gradient into the host's global gradient of that layer, a
+shared segment, inside the layer's critical section with a counter
+(:mod:`shmtrain.fabric.critical`); the first arrival of an iteration copies instead of
+adding, so nothing is zeroed. ``isUpdated(u)`` is ``counter[u] >= workers * iteration``
+(counters are cumulative, never reset). The global gradients alternate between two
+sets by iteration parity: a worker reaches iteration k+2 only after everyone finished
+k+1, i.e. after everyone read back iteration k's sums.
+
+Timings (TRL Tables 3 and 4): ``broadcast`` (once, in the first row), ``collect_remaining``
+(the wait after backward; also counted in ``comm``), ``accumulate`` (seconds this
+worker's accumulator thread spent adding, in the background), and per layer, under the
+``layers`` detail: ``copy_s`` (hand-off, or the D2H copy on a GPU), ``lock_wait_s``,
+``accumulate_s`` and ``copy_back_s``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shmtrain.fabric.control import PeerFailure, _alive
+from shmtrain.fabric.critical import CriticalCounters
+from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.segment import align
+from shmtrain.fabric.stitch import PAGE
+from shmtrain.strategies.base import Strategy, StrategyConfig, register
+from shmtrain.strategies.ssgd import broadcast_parameters
+
+
+@register
+class CPUAccumulation(Strategy):
+    """Synchronous SGD; gradients summed by host threads while backward runs."""
+
+    name = "cpu_acc"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(StrategyConfig):
+        """``cpu_acc`` has no options: one accumulator thread per worker, as in the paper."""
+
+    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer)
+        if ctx.num_nodes > 1:
+            raise ValueError(
+                f"--strategy cpu_acc: the job spans {ctx.num_nodes} hosts, but the gradients "
+                "are accumulated in one host's memory; use --strategy ssgd --overlap across hosts"
+            )
+        host = ctx.host
+        self.world = host.local_world
+        self.me = host.local_rank
+        self.layout = layout = FlatLayout(self.params)
+        self.num_layers = n = len(self.params)
+        start = time.perf_counter()
+        broadcast_parameters(layout)  # Algorithm 5, line 2: the only broadcast
+        self.timer.add("broadcast", time.perf_counter() - start)
+        itemsize = torch.empty((), dtype=layout.dtype).element_size()
+        head = align(CriticalCounters.nbytes(n), PAGE)
+        stride = align(max(layout.numel, 1) * itemsize, PAGE)
+        self.segment = host.allocate("cpu_acc", head + 2 * stride, CriticalCounters.initializer(0, n))
+        self.critical = CriticalCounters(self.segment, 0, n, self.me)
+        flats = [self.segment.tensor(layout.dtype, head + s * stride, layout.numel) for s in (0, 1)]
+        self.global_grads = [layout.views(f) for f in flats]
+        self._accumulated = host.channel("cpu_acc.accumulated")
+        names = {id(p): name for name, p in model.named_parameters()}
+        self._names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.cuda = self.params[0].is_cuda
+        if self.cuda:
+            self._setup_cuda(flats)
+        # Per-iteration bookkeeping (main thread) and per-layer stats (thread writes its
+        # own before publishing the counter, so the main thread reads them afterwards).
+        self._handed = np.zeros(n, dtype=bool)
+        self._returned = np.zeros(n, dtype=bool)
+        self._order: list[int] = []
+        self._copy_s = np.zeros(n)
+        self._copy_back_s = np.zeros(n)
+        self._lock_wait_s = np.zeros(n)
+        self._accumulate_s = np.zeros(n)
+        self._done_total = 0
+        self._error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._accumulate_loop, name="shmtrain-cpu-acc", daemon=True)
+        self._thread.start()
+
+    def _setup_cuda(self, flats: list[torch.Tensor]) -> None:
+        """Pinned partial-gradient buffers (``p_grads``) and the two copy streams."""
+        self._pinned = self.layout.views(torch.empty(self.layout.numel, dtype=self.layout.dtype).pin_memory())
+        self._d2h = torch.cuda.Stream()
+        self._h2d = torch.cuda.Stream()
+        try:  # page-lock the shared global gradients so MemcpyH2DAsync is asynchronous
+            for f in flats:
+                torch.cuda.cudart().cudaHostRegister(f.data_ptr(), f.numel() * f.element_size(), 0)
+        except Exception:  # noqa: BLE001 - only slower (staged copies) without it
+            pass
+        self._h2d_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    # -- Algorithm 6, on the training thread ---------------------------------------------
+    def on_gradient_ready(self, param: torch.Tensor) -> None:
+        layer = self._index[id(param)]
+        self._hand_off(layer, param.grad)
+        self._return_finished()
+
+    def _hand_off(self, layer: int, grad: torch.Tensor) -> None:
+        seq = self.iteration + 1
+        start = time.perf_counter()
+        if self.cuda:
+            d2h = self._d2h
+            d2h.wait_stream(torch.cuda.current_stream())
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(d2h):
+                begin.record(d2h)
+                self._pinned[layer].copy_(grad, non_blocking=True)
+                end.record(d2h)
+            grad.record_stream(d2h)
+            self._queue.put((layer, seq, self._pinned[layer], (begin, end)))
+        else:
+            self._queue.put((layer, seq, grad, None))
+            self._copy_s[layer] = time.perf_counter() - start
+        self._handed[layer] = True
+        self._order.append(layer)
+
+    def _return_finished(self) -> None:
+        """Lines 7-10: bring back every handed-off layer whose sum is complete."""
+        target = self.world * (self.iteration + 1)
+        ready = self._handed & ~self._returned & (self.critical.counters >= target)
+        for layer in np.flatnonzero(ready):
+            self._copy_back(int(layer))
+
+    def _copy_back(self, layer: int) -> None:
+        p = self.params[layer]
+        total = self.global_grads[(self.iteration + 1) % 2][layer]
+        start = time.perf_counter()
+        if self.cuda:
+            h2d = self._h2d
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(h2d):
+                begin.record(h2d)
+                p.grad.copy_(total, non_blocking=True)
+                p.grad.mul_(1.0 / self.world)
+                end.record(h2d)
+            self._h2d_events.append((layer, begin, end))
+        else:
+            torch.mul(total, 1.0 / self.world, out=p.grad)
+            self._copy_back_s[layer] = time.perf_counter() - start
+        self._returned[layer] = True
+
+    # -- Algorithm 7, on the accumulator thread -----------------------------------------
+    def _accumulate_loop(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                layer, seq, partial, events = item
+                if events is not None:
+                    events[1].synchronize()  # the D2H copy has landed in pinned memory
+                    self._copy_s[layer] = events[0].elapsed_time(events[1]) / 1e3
+                deadline = time.monotonic() + self.ctx.timeout
+                start = time.perf_counter()
+                self.critical.acquire(layer, deadline=deadline, check=self._check,
+                                      what=f"the global gradient of layer {layer}")
+                entered = time.perf_counter()
+                count = int(self.critical.counters[layer])
+                target = self.global_grads[seq % 2][layer]
+                if count % self.world == 0:  # first arrival of this iteration
+                    target.copy_(partial)
+                else:
+                    target.add_(partial)
+                self._lock_wait_s[layer] = entered - start
+                self._accumulate_s[layer] = time.perf_counter() - entered
+                self.critical.release(layer, count + 1)
+                self._done_total += 1
+                self.ctx.host.control.post(self._accumulated, self.me, self._done_total)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+
+    # -- collectRemainingGradsFromCPU ------------------------------------------------------
+    def after_backward(self) -> None:
+        start = time.perf_counter()
+        for layer in np.flatnonzero(~self._handed):  # parameters backward did not reach
+            p = self.params[int(layer)]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._hand_off(int(layer), p.grad)
+        target = self.world * (self.iteration + 1)
+        deadline = time.monotonic() + self.ctx.timeout
+        for layer in self._order:
+            if self._returned[layer]:
+                continue
+            self.critical.wait_count(
+                layer, target, deadline=deadline, check=self._check,
+                what=f"the sum of layer {layer} ({self._names[layer]})", name_peer=self._laggards,
+            )
+            self._copy_back(layer)
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self._h2d)
+        elapsed = time.perf_counter() - start
+        self.timer.add("collect_remaining", elapsed)
+        self.timer.add("comm", elapsed)
+        self._report()
+
+    def _check(self) -> None:
+        """Raise if the accumulator thread failed, the host aborted, or a peer died."""
+        if self._error is not None and threading.current_thread() is not self._thread:
+            raise self._error
+        control = self.ctx.host.control
+        failed = control.aborted()
+        if failed is not None:
+            who, code = failed
+            raise PeerFailure(f"local rank {who} (pid {control.pid(who)}) failed (code {code}) "
+                              "during gradient accumulation")
+        for peer in range(self.world):
+            if peer != self.me and not _alive(control.pid(peer)):
+                raise PeerFailure(f"local rank {peer} (pid {control.pid(peer)}) died during "
+                                  "gradient accumulation")
+
+    def _laggards(self) -> str:
+        control = self.ctx.host.control
+        expected = self.num_layers * (self.iteration + 1)
+        late = [r for r in range(self.world) if control.get(self._accumulated, r) < expected]
+        return "local rank(s) " + ", ".join(map(str, late or range(self.world)))
+
+    def _report(self) -> None:
+        if self.cuda:
+            for layer, begin, end in self._h2d_events:
+                end.synchronize()
+                self._copy_back_s[layer] = begin.elapsed_time(end) / 1e3
+            self._h2d_events.clear()
+        self.timer.add("accumulate", float(self._accumulate_s.sum()))
+        self.timer.detail("layers", [
+            {"layer": self._names[i], "numel": self.params[i].numel(),
+             "copy_s": float(self._copy_s[i]), "lock_wait_s": float(self._lock_wait_s[i]),
+             "accumulate_s": float(self._accumulate_s[i]), "copy_back_s": float(self._copy_back_s[i])}
+            for i in self._order
+        ])
+
+    # -- closing the iteration ----------------------------------------------------------------
+    def after_update(self) -> None:
+        self._handed[:] = False
+        self._returned[:] = False
+        self._order.clear()
+        super().after_update()
+
+    def finish(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=self.ctx.timeout)
+        super().finish()

@@ -1,0 +1,230 @@
+"""Layer-wise reduction and broadcast overlapped with backward, one-sided (CaffeGPI).
+
+CaffeGPI Fig. 3 (turn-based communication on rank r) and Fig. 4 (distributed model
+accumulation during the local backward): for every layer, as backward produces its
+gradient, the worker
+
+1. checks which partial gradients of its children in a binomial reduction tree have
+   arrived (higher ranks send to lower ones: ``parent(r) = r - lowbit(r)``), adds them
+   to its own and writes the sum into its parent's segment with a notification;
+2. at the root (rank 0): averages the layer's gradient, updates *that layer* with the
+   optimizer (the layer-wise update the paper adds to Caffe's solver) and writes the
+   new weights into its children's parameters, which forward them down the same tree
+   (lower ranks to higher);
+3. forwards any updated layer that has arrived from its parent.
+
+Sends are triggered, never awaited (a write into a peer's shared memory plus a
+notification, :mod:`shmtrain.fabric.onesided`). A finalization phase
+(``collect_remaining``) ties the loose ends: it sleeps on this rank's doorbell until
+every layer's new weights are in place. There is no global barrier between iterations:
+a rank that holds the complete new model starts the next forward at once.
+
+Where progress happens: Python runs backward on one thread, so the turns of Fig. 3 run
+inside the gradient hooks (one turn per parameter) and, after backward, in the
+finalization loop. A helper thread sleeping on the doorbell would react sooner, but with
+one compute thread per core it only takes time slices from backward, and it would race
+the optimizer and autograd over the same tensors; the turn-based design is the paper's.
+
+Why it is safe to write weights into a peer's parameters while it still runs backward:
+a layer's new weights exist only after every rank's gradient for it arrived, and a
+rank's gradient hook for a parameter fires after the last use of that parameter in its
+backward. Receive slots are reused one iteration later only after the receiver consumed
+them, because nobody starts iteration k+1 before holding every layer of iteration k.
+
+The optimizer runs on the root only, one parameter at a time, on the user's optimizer
+object (its ``param_groups`` are narrowed to one parameter for the call, so state, hyper-
+parameters and schedulers stay the user's). Optimizers whose step couples parameters
+(L-BFGS) are not supported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.onesided import OneSidedWindow
+from shmtrain.strategies.base import Strategy, StrategyConfig, register
+
+
+def tree_parent(rank: int) -> int:
+    """Parent of ``rank`` in the binomial tree rooted at 0 (-1 for the root)."""
+    return rank - (rank & -rank) if rank else -1
+
+
+def tree_children(rank: int, world: int) -> list[int]:
+    """Children of ``rank`` in the binomial tree over ``world`` ranks, nearest first."""
+    limit = (rank & -rank) if rank else world
+    children, step = [], 1
+    while step < limit and rank + step < world:
+        children.append(rank + step)
+        step <<= 1
+    return children
+
+
+@register
+class GPI(Strategy):
+    """Synchronous SGD with layer-wise one-sided tree reduction and broadcast."""
+
+    name = "gpi"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(StrategyConfig):
+        """``gpi`` has no options: the tree and the layer order follow from the job."""
+
+    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer)
+        if ctx.num_nodes > 1:
+            raise ValueError(
+                f"--strategy gpi: the job spans {ctx.num_nodes} hosts, but gpi's one-sided "
+                "writes go through one host's shared memory; use --strategy ssgd --overlap "
+                "across hosts"
+            )
+        host = ctx.host
+        self.world = world = host.local_world
+        self.me = me = host.local_rank
+        self.layout = layout = FlatLayout(self.params)
+        numel, dtype = layout.numel, layout.dtype
+        self.layer_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.parent = tree_parent(me)
+        self.children = tree_children(me, world)
+        self.fanin = max(len(tree_children(r, world)) for r in range(world))
+        self.num_layers = n = len(self.params)
+        # Area of rank r: its parameters, then one gradient slot per child.
+        areas = [self.layer_bytes * (1 + len(tree_children(r, world))) for r in range(world)]
+        self.window = OneSidedWindow(host, areas, n * (self.fanin + 1), tag="gpi")
+        self._weights = layout.bind_data(self.window.area(me, dtype, 0, numel))
+        host.barrier("gpi set-up")
+        if me != 0:  # one broadcast of the initial weights, from the root's area
+            self.window.area(me, dtype, 0, numel).copy_(self.window.area(0, dtype, 0, numel))
+        host.barrier("gpi initial weights")
+        self._child_weights = [layout.views(self.window.area(c, dtype, 0, numel)) for c in self.children]
+        self._slots = [
+            layout.views(self.window.area(me, dtype, (1 + j) * self.layer_bytes, numel))
+            for j in range(len(self.children))
+        ]
+        if self.parent >= 0:
+            j = tree_children(self.parent, world).index(me)
+            self._parent_slot_id = j
+            self._parent_slot = layout.views(
+                self.window.area(self.parent, dtype, (1 + j) * self.layer_bytes, numel)
+            )
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._groups = [
+            next(g for g in optimizer.param_groups if any(q is p for q in g["params"])) for p in self.params
+        ]
+        self._own = np.zeros(n, dtype=bool)  # this rank's gradient is ready
+        self._sent = np.zeros(n, dtype=bool)  # reduced and sent up (root: updated)
+        self._have = np.zeros(n, dtype=bool)  # new weights in place and sent down
+
+    # -- notification ids (per receiver) -------------------------------------------
+    def _grad_id(self, layer: int, child_slot: int) -> int:
+        return layer * self.fanin + child_slot
+
+    def _weights_id(self, layer: int) -> int:
+        return self.num_layers * self.fanin + layer
+
+    # -- one turn of Fig. 3 ------------------------------------------------------------
+    def on_gradient_ready(self, param: torch.Tensor) -> None:
+        self._own[self._index[id(param)]] = True
+        self._turn()
+
+    def _turn(self) -> bool:
+        """Act on what has arrived; return True if anything moved."""
+        seq = self.iteration + 1
+        words = self.window.notifications()
+        moved = False
+        pending = self._own & ~self._sent
+        if pending.any():
+            if self.children:
+                grads = words[: self.num_layers * self.fanin].reshape(self.num_layers, self.fanin)
+                pending &= (grads[:, : len(self.children)] >= seq).all(axis=1)
+            for layer in np.flatnonzero(pending):
+                self._reduce(int(layer), seq)
+                moved = True
+        if self.parent >= 0:
+            arrived = (words[self.num_layers * self.fanin :] >= seq) & ~self._have
+            for layer in np.flatnonzero(arrived):
+                self._send_down(int(layer), seq)
+                moved = True
+        return moved
+
+    def _reduce(self, layer: int, seq: int) -> None:
+        p = self.params[layer]
+        grad = p.grad
+        for slot in self._slots:
+            grad.add_(slot[layer])
+        self._sent[layer] = True
+        if self.parent >= 0:
+            self.window.write_notify(
+                self.parent, self._parent_slot[layer], grad,
+                self._grad_id(layer, self._parent_slot_id), seq,
+            )
+            return
+        if self.world > 1:
+            grad.mul_(1.0 / self.world)
+        self._step_layer(layer)
+        self._send_down(layer, seq)
+
+    def _send_down(self, layer: int, seq: int) -> None:
+        weights = self._weights[layer]
+        for child, views in zip(self.children, self._child_weights, strict=True):
+            self.window.write_notify(child, views[layer], weights, self._weights_id(layer), seq)
+        self._have[layer] = True
+
+    def _step_layer(self, layer: int) -> None:
+        """The optimizer's step for one parameter (the layer-wise update of CaffeGPI)."""
+        optimizer = self.optimizer
+        groups = optimizer.param_groups
+        optimizer.param_groups = [dict(self._groups[layer], params=[self.params[layer]])]
+        try:
+            optimizer.step()
+        finally:
+            optimizer.param_groups = groups
+
+    # -- finalization --------------------------------------------------------------------
+    def after_backward(self) -> None:
+        start = time.perf_counter()
+        for layer in np.flatnonzero(~self._own):  # parameters backward did not reach
+            p = self.params[int(layer)]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._own[layer] = True
+        deadline = time.monotonic() + self.ctx.timeout
+        while True:
+            token = self.window.doorbell()
+            self._turn()
+            if self._have.all():
+                break
+            senders, what = self._waiting_for()
+            self.window.sleep(token, senders=senders, deadline=deadline, what=what)
+        elapsed = time.perf_counter() - start
+        self.timer.add("collect_remaining", elapsed)
+        self.timer.add("comm", elapsed)
+
+    def _waiting_for(self) -> tuple[list[int], str]:
+        """Who this rank waits for, and for what (for errors that name the peer)."""
+        seq = self.iteration + 1
+        unsent = np.flatnonzero(~self._sent)
+        if unsent.size:
+            layer = int(unsent[0])
+            words = self.window.notifications()
+            missing = [
+                c for j, c in enumerate(self.children)
+                if words[self._grad_id(layer, j)] < seq
+            ]
+            return missing or self.children, f"the gradient of layer {layer} (iteration {seq})"
+        layer = int(np.flatnonzero(~self._have)[0])
+        return [self.parent], f"the new weights of layer {layer} (iteration {seq})"
+
+    def apply_update(self) -> None:
+        """Nothing left to do: the root updated each layer as its gradient was complete."""
+
+    def after_update(self) -> None:
+        self._own[:] = False
+        self._sent[:] = False
+        self._have[:] = False
+        super().after_update()

@@ -1,0 +1,134 @@
+"""``ssgd --overlap``: bucketed gradient allreduce started from hooks during backward.
+
+The third overlapped option beside ``gpi`` and ``cpu_acc``, done the way PyTorch DDP
+does it: parameters in reverse registration order are grouped into buckets of at most
+``--bucket-mb`` MiB (the first at most 1 MiB); each parameter's post-accumulate-grad
+hook copies its gradient into the bucket and, when the bucket is complete, launches
+its allreduce, buckets strictly in order; after backward only the unfinished buckets
+are waited for (``collect_remaining``). With ``--allreduce shm`` (default) the buckets
+go through :class:`shmtrain.fabric.bucket_allreduce.BucketAllreduce` (a communication
+thread per worker, shared memory, gloo between hosts); with ``--allreduce gloo``
+through ``torch.distributed.all_reduce(async_op=True)``, exactly DDP's transport.
+
+Unlike DDP, buckets are not rebuilt from the observed gradient order after the first
+iteration; a parameter that backward did not reach is filled with zeros after backward
+(DDP's ``find_unused_parameters`` result, found without a graph walk).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shmtrain.fabric.bucket_allreduce import BucketAllreduce, assign_buckets
+from shmtrain.fabric.flat import FlatLayout
+from shmtrain.strategies.base import Strategy
+from shmtrain.strategies.ssgd import SSGD, broadcast_parameters
+
+MIB = 1 << 20
+
+
+class OverlapSSGD(SSGD):
+    """Synchronous SGD with bucketed allreduce overlapped with backward (not registered:
+    ``ssgd`` builds it when ``overlap`` is on)."""
+
+    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+        Strategy.__init__(self, config, ctx, model, optimizer, timer)  # not SSGD's buffers
+        order = list(reversed(self.params))
+        self.layout = layout = FlatLayout(order)
+        broadcast_parameters(layout)
+        itemsize = torch.empty((), dtype=layout.dtype).element_size()
+        groups = assign_buckets([p.numel() * itemsize for p in order], int(config.bucket_mb * MIB))
+        self.bucket_ranges = [(layout.offsets[g.start][0], layout.offsets[g.stop - 1][1]) for g in groups]
+        self._bucket_of = np.zeros(len(order), dtype=np.int64)
+        for b, g in enumerate(groups):
+            self._bucket_of[g.start : g.stop] = b
+        self._sizes = np.array([len(g) for g in groups], dtype=np.int64)
+        self._slot = {id(p): i for i, p in enumerate(order)}
+        self.order = order
+        self.gloo = config.allreduce == "gloo"
+        if self.gloo:
+            self._flat = torch.zeros(layout.numel, dtype=layout.dtype)
+            self._inputs = [layout.views(self._flat)] * 2
+            self._results = self._inputs
+            self._works: list[dist.Work] = []
+        else:
+            self.reducer = BucketAllreduce(
+                ctx.host, layout.numel, self.bucket_ranges, dtype=layout.dtype,
+                op="mean", leaders=ctx.leaders, tag="buckets",
+            )
+            self._inputs = [layout.views(self.reducer.input(s)) for s in (0, 1)]
+            self._results = [layout.views(self.reducer.result(s)) for s in (0, 1)]
+        self._step = 0
+        self._seen = np.zeros(len(order), dtype=bool)
+        self._pending = self._sizes.copy()
+        self._next = 0  # next bucket to launch
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _begin(self) -> None:
+        """Open the step lazily at its first gradient (or after backward)."""
+        if self._step != self.iteration + 1:
+            self._step = self.iteration + 1
+            self._seen[:] = False
+            self._pending[:] = self._sizes
+            self._next = 0
+            if self.gloo:
+                self._works.clear()
+
+    def on_gradient_ready(self, param: torch.Tensor) -> None:
+        self._begin()
+        i = self._slot[id(param)]
+        self._inputs[self._step % 2][i].copy_(param.grad)
+        self._mark(i)
+        self._launch_ready()
+
+    def _mark(self, i: int) -> None:
+        self._seen[i] = True
+        self._pending[self._bucket_of[i]] -= 1
+
+    def _launch_ready(self) -> None:
+        """Launch complete buckets in order (every rank issues the same sequence)."""
+        while self._next < len(self._sizes) and self._pending[self._next] == 0:
+            b = self._next
+            if self.gloo:
+                lo, hi = self.bucket_ranges[b]
+                self._works.append(dist.all_reduce(self._flat[lo:hi], async_op=True))
+            else:
+                self.reducer.launch(b, self._step)
+            self._next += 1
+
+    def after_backward(self) -> None:
+        start = time.perf_counter()
+        self._begin()
+        inputs = self._inputs[self._step % 2]
+        for i in np.flatnonzero(~self._seen):  # parameters backward did not reach
+            inputs[int(i)].zero_()
+            self._mark(int(i))
+        self._launch_ready()
+        if self.gloo:
+            for work in self._works:
+                work.wait()
+            self._flat.mul_(1.0 / dist.get_world_size())
+        else:
+            self.reducer.wait(self._step)
+        self.layout.bind_grads(self._results[self._step % 2])
+        elapsed = time.perf_counter() - start
+        self.timer.add("collect_remaining", elapsed)
+        self.timer.add("comm", elapsed)
+
+    def after_update(self) -> None:
+        # The gradients are views of a buffer the peers read too: never let a next
+        # backward accumulate into it, even if the loop skips zero_grad.
+        for p in self.params:
+            p.grad = None
+        super().after_update()
+
+    def finish(self) -> None:
+        if not self.gloo:
+            self.reducer.close()
+        super().finish()

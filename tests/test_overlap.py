@@ -1,0 +1,190 @@
+"""Overlapped strategies (gpi, cpu_acc, ssgd --overlap) equal single-process SGD on the
+union batch after every step (CPU-ACC-EQUIV), and fail fast, naming the peer, when a
+worker dies in the middle of backward."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shmtrain.api import DataParallel
+from shmtrain.runtime.launcher import WorkerFailed, launch
+from shmtrain.strategies.gpi import tree_children, tree_parent
+from shmtrain.timing import PhaseTimer
+
+STEPS, BATCH = 50, 6
+STRATEGIES = {
+    "gpi": ("gpi", {}),
+    "cpu_acc": ("cpu_acc", {}),
+    # 0.1 MiB buckets: the 590 kB layer alone, the small ones grouped (several buckets)
+    "ssgd_overlap": ("ssgd", {"overlap": True, "bucket_mb": 0.1}),
+    "ssgd_overlap_gloo": ("ssgd", {"overlap": True, "bucket_mb": 0.1, "allreduce": "gloo"}),
+}
+
+
+class Mixed(nn.Module):
+    """Layers of very different sizes: 1, 4, 5, 108, 1024, 5120 and 147456 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.wide = nn.Linear(4 * 6 * 6, 1024)
+        self.head = nn.Linear(1024, 5)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.wide(torch.relu(self.conv(x)).flatten(1)))
+        return self.head(hidden) * self.scale
+
+
+def relative_errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
+    """``||w - w_ref|| / ||w_ref||`` of the whole model and of each parameter; a
+    parameter's denominator is floored at 0.1 so a weight passing near zero (a bias) does
+    not turn round-off into a large ratio, while a missing contribution still shows."""
+    errors, diff, norm = {}, 0.0, 0.0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        d, n = float((p.detach() - q.detach()).norm()), float(q.detach().norm())
+        errors[name] = d / max(n, 0.1)
+        diff, norm = diff + d * d, norm + n * n
+    errors["model"] = (diff / norm) ** 0.5
+    return errors
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    """Train with the strategy; rank 0 also runs single-process SGD on the union batch and
+    measures the error after every step; every rank returns a digest of its weights per
+    step (all ranks must hold the same bits)."""
+    strategy, options = STRATEGIES[payload["mode"]]
+    world, batch = ctx.world_size, payload["batch"]
+    torch.manual_seed(0)
+    model = Mixed()
+    reference = Mixed()
+    reference.load_state_dict(model.state_dict())
+    opt, ref_opt = _optimizer(model), _optimizer(reference)
+    timer = PhaseTimer()
+    dp = DataParallel(model, opt, strategy, ctx=ctx, timer=timer, **options)
+    loss_fn = nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(1)
+    errors, digests, rows = [], [], []
+    for _ in range(payload["steps"]):
+        x = torch.randn((world * batch, 3, 8, 8), generator=gen)
+        y = torch.randint(0, 5, (world * batch,), generator=gen)
+        mine = slice(ctx.rank * batch, (ctx.rank + 1) * batch)
+        dp.zero_grad()
+        loss_fn(dp(x[mine]), y[mine]).backward()
+        dp.step()
+        rows.append({"time": timer.finish_iteration(), **timer.take_details()})
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        digests.append(hashlib.sha1(flat.numpy().tobytes()).hexdigest())
+        if ctx.rank == 0:
+            ref_opt.zero_grad()
+            loss_fn(reference(x), y).backward()
+            ref_opt.step()
+            errors.append(relative_errors(model, reference))
+    dp.close()
+    return {"errors": errors, "digests": digests, "last": rows[-1]}
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["gpi", "cpu_acc", "ssgd_overlap"])
+def test_same_weights_as_single_process_sgd(mode: str, workers: int) -> None:
+    results = launch("test_overlap:equivalence_worker", workers,
+                     {"mode": mode, "steps": STEPS, "batch": BATCH}, timeout=90)
+    assert len(results[0]["errors"]) == STEPS
+    for step, errors in enumerate(results[0]["errors"], start=1):
+        name, worst = max(errors.items(), key=lambda item: item[1])
+        assert worst < 1e-5, f"{mode}, step {step}: relative error {worst:.2e} ({name})"
+    for rank, result in enumerate(results[1:], start=1):
+        assert result["digests"] == results[0]["digests"], f"{mode}: rank {rank} holds other weights"
+    phases = results[0]["last"]["time"]
+    assert "collect_remaining" in phases and phases["comm"] >= phases["collect_remaining"]
+
+
+def test_ssgd_overlap_over_gloo_matches() -> None:
+    results = launch("test_overlap:equivalence_worker", 2,
+                     {"mode": "ssgd_overlap_gloo", "steps": 20, "batch": BATCH}, timeout=90)
+    assert all(max(e.values()) < 1e-5 for e in results[0]["errors"])
+    assert results[0]["digests"] == results[1]["digests"]
+
+
+def test_cpu_acc_reports_per_layer_times() -> None:
+    results = launch("test_overlap:equivalence_worker", 2,
+                     {"mode": "cpu_acc", "steps": 3, "batch": BATCH}, timeout=90)
+    last = results[1]["last"]
+    for phase in ("collect_remaining", "accumulate", "update", "comm"):
+        assert phase in last["time"], phase
+    layers = last["layers"]
+    assert sorted(layer["numel"] for layer in layers) == [1, 4, 5, 108, 1024, 5120, 147456]
+    assert layers[0]["layer"] == "scale"  # backward order: the last layer first
+    for layer in layers:
+        assert all(layer[key] >= 0 for key in ("copy_s", "lock_wait_s", "accumulate_s", "copy_back_s"))
+    assert any(layer["accumulate_s"] > 0 for layer in layers)
+
+
+def test_binomial_tree() -> None:
+    for world in range(1, 9):
+        edges = {(r, tree_parent(r)) for r in range(1, world)}
+        assert edges == {(c, p) for p in range(world) for c in tree_children(p, world)}
+        assert all(tree_parent(r) < r for r in range(1, world))  # higher ranks send to lower
+    assert tree_children(0, 4) == [1, 2] and tree_children(2, 4) == [3]
+
+
+def test_config_rejects_bad_bucket_size() -> None:
+    from shmtrain.api import make_config
+
+    with pytest.raises(ValueError, match="--bucket-mb"):
+        make_config("ssgd", {"overlap": True, "bucket_mb": 0})
+    with pytest.raises(ValueError, match="--overlap"):
+        make_config("ssgd", {"overlap": True, "allreduce": "ring"})
+
+
+def dying_worker(ctx, payload: dict[str, Any]) -> None:
+    """Rank ``victim`` SIGKILLs itself inside backward of step 3; the others record the
+    error they raise."""
+    strategy, options = STRATEGIES[payload["mode"]]
+    torch.manual_seed(0)
+    model = Mixed()
+    dp = DataParallel(model, _optimizer(model), strategy, ctx=ctx, **options)
+    loss_fn = nn.CrossEntropyLoss()
+    try:
+        for step in range(6):
+            x, y = torch.randn(BATCH, 3, 8, 8), torch.randint(0, 5, (BATCH,))
+            dp.zero_grad()
+            hidden = torch.relu(model.conv(x)).flatten(1)
+            if step == 3 and ctx.rank == payload["victim"]:
+                # fires after the upper layers' gradients went out, before the conv's
+                hidden.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+            out = model.head(torch.relu(model.wide(hidden))) * model.scale
+            loss_fn(out, y).backward()
+            dp.step()
+    except Exception as exc:
+        Path(payload["dir"], f"rank{ctx.rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        raise
+    dp.close()
+
+
+@pytest.mark.parametrize("mode", ["gpi", "cpu_acc", "ssgd_overlap"])
+def test_worker_killed_mid_backward(mode: str, tmp_path: Path) -> None:
+    victim, workers = 1, 3
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed):
+        launch("test_overlap:dying_worker", workers,
+               {"mode": mode, "victim": victim, "dir": str(tmp_path)}, timeout=60)
+    elapsed = time.monotonic() - start
+    assert elapsed < 40, f"{mode}: the survivors took {elapsed:.0f} s to give up"
+    for rank in set(range(workers)) - {victim}:
+        report = tmp_path / f"rank{rank}.txt"
+        assert report.exists(), f"{mode}: rank {rank} did not raise an error"
+        assert f"local rank {victim}" in report.read_text(), report.read_text()
