@@ -25,6 +25,10 @@ from shmtrain.runtime.launcher import launch
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "nocomm": ("nocomm", {}),
     "ssgd": ("ssgd", {}),
+    # communication overlapped with backward (docs/overlap.md)
+    "gpi": ("gpi", {}),
+    "cpu_acc": ("cpu_acc", {}),
+    "ssgd_overlap": ("ssgd", {"overlap": True}),
 }
 DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]
 
@@ -98,6 +102,8 @@ def run(modes: list[str], workers: list[int], payload: dict[str, Any]) -> list[d
     for row in rows:
         base = next((r for r in rows if r["mode"] == "nocomm" and r["workers"] == row["workers"]), None)
         row["vs_nocomm"] = row["median_s"] / base["median_s"] if base else None
+        remaining = row["phases_s"].get("collect_remaining")
+        row["collect_remaining_share"] = remaining / row["median_s"] if remaining is not None else None
     return rows
 
 
@@ -114,7 +120,8 @@ def _handler(args: argparse.Namespace) -> int:
                "iterations": args.iterations, "warmup": args.warmup, "threads": args.threads}
     rows = run(modes, args.workers, payload)
     print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
-                       ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f")]))
+                       ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
+                       ("collect_remaining_share", "remaining", ".2%")]))
     write_json(args.json, rows)
     return 0
 
