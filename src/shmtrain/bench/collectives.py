@@ -4,7 +4,8 @@ For each process count and buffer size, in one run: the schedule algorithms (rin
 rhd, tree, topo, hierarchical) over gloo point-to-point (:class:`GlooTransport`),
 torch.distributed's own ``all_reduce`` over gloo, and the shared-memory allreduce
 (:class:`ShmAllreduce`). Each sample is the slowest rank's time of one float32 sum
-allreduce, after a barrier; the table shows medians. Every result is checked.
+allreduce, after a barrier; repetitions interleave the implementations; the table
+shows medians (the JSON also has minima). Every result is checked.
 
 topo and hierarchical need groups: by default the whole host is one group (what
 training uses: groups = hosts), where topo is rhd and hierarchical is tree;
@@ -52,18 +53,26 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
     for nbytes in payload["sizes"]:
         numel = nbytes // 4
         reps = payload["reps"] if nbytes <= 16 << 20 else max(3, payload["reps"] // 2)
-        for name in payload["impls"]:
-            ar = _build(name, ctx, numel, topology, tag=f"bench-{name}-{nbytes}")
-            samples = timed_collective(ar, reps, 2, before=lambda a=ar: a.input().fill_(fill))
+        impls = {name: _build(name, ctx, numel, topology, f"bench-{name}-{nbytes}")
+                 for name in payload["impls"]}
+        samples: dict[str, list[float]] = {name: [] for name in impls}
+        # Interleaved (every implementation once per repetition), so the load of a shared
+        # machine drifting during the run hits them all alike.
+        for rep in range(2 + reps):
+            for name, ar in impls.items():
+                got = timed_collective(ar, 1, 0, before=lambda a=ar: a.input().fill_(fill))
+                if rep >= 2:
+                    samples[name] += got
+        for name, ar in impls.items():
             ok = bool(torch.all(ar.result() == expected))
-            if hasattr(ar, "close"):
-                ar.close()
-            del ar
             rows.append({
                 "impl": name, "procs": ctx.world_size, "group_size": group_size, "bytes": nbytes,
-                "median_s": median(samples), "min_s": min(samples), "reps": len(samples),
-                "correct": ok,
+                "median_s": median(samples[name]), "min_s": min(samples[name]),
+                "reps": len(samples[name]), "correct": ok,
             })
+            if hasattr(ar, "close"):
+                ar.close()
+        del impls
     dist.barrier()
     return rows
 
