@@ -9,7 +9,7 @@ W_g the global weights and alpha the ``moving_rate``::
 
 The elastic difference is taken at the weights the gradient was computed at (W_x), not
 after the step as in SEASGD's eq. (5), and the exchange is synchronous: the worker reads
-W_g before the forward pass (``rgw``) and, after its step, applies eq. (3) (``ulw``),
+W_g at the start of the iteration (``rgw``) and, after its step, applies eq. (3) (``ulw``),
 writes the difference (``wwi``) and waits while the buffer service's owner adds it into
 W_g (``ugw``), the parameter-server side of eq. (4). Nothing overlaps computation.
 """
@@ -40,7 +40,7 @@ class EASGD(SharedWeightsStrategy):
         self.difference = torch.empty_like(self.weights)
         self._exchanging = False
 
-    def before_forward(self) -> None:
+    def start_iteration(self) -> None:
         self._exchanging = self.iteration % self.config.update_interval == 0
         if not self._exchanging:
             return

@@ -137,7 +137,7 @@ class HSGD(SharedWeightsStrategy):
                 config.moving_rate, self.timer, ctx.timeout,
             )
         self._exchanges = 0
-        self.zero_grad()
+        self.clear_gradients()
 
     def local_weights_storage(self) -> torch.Tensor:
         """The group's weights live in a segment of the group: the root's are the ones
@@ -151,12 +151,12 @@ class HSGD(SharedWeightsStrategy):
         self.group_weights = shared
         return torch.empty(self.layout.numel, dtype=self.layout.dtype)
 
-    def zero_grad(self) -> None:
+    def clear_gradients(self) -> None:
         step = self.allreduce.count + 1
         self.allreduce.input(step).zero_()
         self.layout.bind_grads(self._input_views[step % 2])
 
-    def before_forward(self) -> None:
+    def start_iteration(self) -> None:
         if self.iteration % self.config.update_interval:
             return
         self._exchanges += 1

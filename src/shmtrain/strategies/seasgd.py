@@ -170,7 +170,7 @@ class SEASGD(SharedWeightsStrategy):
             config.moving_rate, self.timer, ctx.timeout,
         )
 
-    def before_forward(self) -> None:
+    def start_iteration(self) -> None:
         if self.iteration % self.config.update_interval == 0:
             self.exchange.exchange()
 

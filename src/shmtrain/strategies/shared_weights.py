@@ -130,6 +130,24 @@ class SharedWeightsStrategy(Strategy):
         )
         self.termination = Termination(config.terminate, self.service)
         self.service.set_progress(0, STATE_TRAINING)
+        self._started = -1  # the iteration whose start-of-iteration exchange has run
+
+    def zero_grad(self) -> None:
+        """Clear the gradients, then run the start-of-iteration exchange once per iteration.
+
+        The exchange (Fig. 6, T1-T3) runs here rather than in ``before_forward`` because
+        loops time the forward call as ``forward``, which would count it as computation.
+        """
+        self.clear_gradients()
+        if self._started != self.iteration:
+            self._started = self.iteration
+            self.start_iteration()
+
+    def clear_gradients(self) -> None:
+        Strategy.zero_grad(self)
+
+    def start_iteration(self) -> None:
+        """Communication at the start of an iteration (none by default)."""
 
     def local_weights_storage(self) -> torch.Tensor:
         """Where the local weights W_x live (a private flat tensor by default)."""
