@@ -5,7 +5,10 @@ the best for the rest of the run; here the candidates are allreduce algorithms.
 Calls ``1 .. C*trials`` cycle through the ``C`` candidates (each call is a real,
 correct allreduce of that step's gradients, so training is not disturbed). Each trial
 starts after a barrier, so a rank's time is the collective's and not its wait for a
-slower peer's backward pass. Then every rank takes its best time per candidate, the
+slower peer's backward pass. Before the trials, each candidate runs once per buffer
+parity at construction, on the zeroed buffers, so first-touch costs (page faults,
+peers' shared pages, gloo's first messages) stay out of the trials. Then every rank
+takes its best time per candidate, the
 ranks agree on the maximum over ranks of those (one ``all_reduce(MAX)``), and all pick
 the same winner, the candidate with the smallest agreed time.
 
@@ -30,6 +33,11 @@ from shmtrain.fabric.collectives.reducers import (
 )
 from shmtrain.fabric.collectives.transport import GlooTransport
 
+#: calls per candidate at construction, one per buffer parity, on the zeroed buffers: the
+#: first touch of each buffer (page faults, peers' shared pages, gloo's first messages)
+#: then happens before the trials instead of in them
+WARMUP_CALLS = 2
+
 
 def default_candidates(ctx) -> tuple[str, ...]:
     """Candidates that differ on this job: topo and hierarchical need several hosts
@@ -41,16 +49,23 @@ def default_candidates(ctx) -> tuple[str, ...]:
 
 
 class _ShmCandidate:
-    """The shared-memory allreduce, run at a given step, result copied into the slot."""
+    """The shared-memory allreduce run at a given step, result copied into the slot.
+
+    Its sequence numbers run ``WARMUP_CALLS`` ahead of our steps (same parity, so the
+    same slot set), leaving room for the warm-up calls.
+    """
 
     def __init__(self, shm) -> None:
         self.shm = shm
 
     def reduce_step(self, step: int) -> torch.Tensor:
+        return self.run(step + WARMUP_CALLS)
+
+    def run(self, sequence: int) -> torch.Tensor:
         shm = self.shm
-        shm.count = step - 1  # its slot set and sequence numbers follow our step
+        shm.count = sequence - 1  # its slot set and sequence numbers follow ours
         result = shm()
-        own = shm.input(step)
+        own = shm.input(sequence)
         me = shm.host.local_rank
         # Safe: every rank has finished reducing this step; slot sets alternate by parity.
         for j, (lo, hi) in enumerate(shm.chunks):
@@ -80,6 +95,7 @@ class AutotunedAllreduce:
         trials: int = 2,
         tag: str = "collective",
         verbose: bool = True,
+        warmup: bool = True,
     ) -> None:
         if trials < 1:
             raise ValueError(f"autotune trials {trials} must be at least 1")
@@ -118,6 +134,14 @@ class AutotunedAllreduce:
         self.count = 0
         if len(self.candidates) == 1:
             self.choice = self.candidates[0]
+        elif warmup:
+            for name in self.candidates:
+                impl = self._impl[name]
+                for sequence in range(1, WARMUP_CALLS + 1):
+                    if name == "shm":
+                        impl.run(sequence)
+                    else:
+                        impl.reduce_step(sequence)
 
     def input(self, step: int | None = None) -> torch.Tensor:
         step = self.count + 1 if step is None else step
