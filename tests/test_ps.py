@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -206,6 +207,19 @@ def test_a_failing_worker_ends_the_job_instead_of_hanging(strategy: str) -> None
     with pytest.raises(WorkerFailed):
         launch("test_ps:failing_worker", 2, {"strategy": strategy, "lr": 0.1}, timeout=60)
     assert time.monotonic() - start < 45
+
+
+def test_bench_ps_writes_a_row_per_strategy_transport_and_worker_count(tmp_path: Path) -> None:
+    from shmtrain.bench.ps import plot, run
+
+    rows = run([2], ["ps_grad", "ps_weight"], ["shm", "gloo"], numel=4096, iterations=3, warmup=1,
+               log=lambda *_: None)
+    assert {(r["strategy"], r["transport"]) for r in rows} == {
+        ("ps_grad", "shm"), ("ps_grad", "gloo"), ("ps_weight", "shm"), ("ps_weight", "gloo")}
+    for row in rows:
+        assert row["average_ms"] > 0 and row["comm_ms"] >= row["gather_ms"] and row["bcast_wait_ms"] is not None
+    plot(rows, tmp_path / "ps.png")
+    assert (tmp_path / "ps.png").stat().st_size > 1000
 
 
 # -- two hosts on one machine: 2 x 2 workers, torchrun's environment ---------------------

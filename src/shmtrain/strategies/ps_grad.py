@@ -200,6 +200,16 @@ def shared_buffers(
     return segment, slots, server
 
 
+def require_cpu(name: str, params: Sequence[torch.Tensor]) -> None:
+    """The server's buffers live in host memory (shared segments or gloo buffers)."""
+    devices = sorted({p.device.type for p in params} - {"cpu"})
+    if devices:
+        raise ValueError(
+            f"--strategy {name} keeps the weights in host (shared) memory, but the model has "
+            f"parameters on {', '.join(devices)}; move the model to the CPU or use --strategy ssgd"
+        )
+
+
 def broadcast_among_hosts(ctx: ProcessContext, tensor: torch.Tensor) -> None:
     """Leaders: copy rank 0's ``tensor`` into every host's (gloo over ``ctx.leaders``)."""
     if ctx.leaders is not None and ctx.local_rank == 0:
@@ -226,6 +236,7 @@ class ParameterServerGrad(Strategy):
 
     def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer)
+        require_cpu(self.name, self.params)
         self.layout = FlatLayout(self.params)
         numel, dtype = self.layout.numel, self.layout.dtype
         if config.ps_transport == "shm":

@@ -36,6 +36,7 @@ from shmtrain.strategies.ps_grad import (
     average_among_hosts,
     broadcast_among_hosts,
     ps_phase,
+    require_cpu,
     shared_buffers,
 )
 
@@ -69,6 +70,7 @@ class ParameterServerWeight(Strategy):
 
     def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer)
+        require_cpu(self.name, self.params)
         self.layout = FlatLayout(self.params)
         numel, dtype = self.layout.numel, self.layout.dtype
         self.rounds = 0
