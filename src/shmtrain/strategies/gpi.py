@@ -83,6 +83,11 @@ class GPI(Strategy):
                 "writes go through one host's shared memory; use --strategy ssgd --overlap "
                 "across hosts"
             )
+        if any(p.device.type != "cpu" for p in self.params):
+            raise ValueError(
+                "--strategy gpi keeps the parameters in host shared memory (the peers write "
+                "into them); move the model to the CPU or use --strategy cpu_acc on a GPU"
+            )
         host = ctx.host
         self.world = world = host.local_world
         self.me = me = host.local_rank

@@ -37,6 +37,11 @@ class OverlapSSGD(SSGD):
 
     def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
         Strategy.__init__(self, config, ctx, model, optimizer, timer)  # not SSGD's buffers
+        if any(p.device.type != "cpu" for p in self.params):
+            raise ValueError(
+                "--overlap reduces host-memory buckets and hands them to the optimizer as the "
+                "gradients; the model must be on the CPU (on a GPU, use --strategy cpu_acc)"
+            )
         order = list(reversed(self.params))
         self.layout = layout = FlatLayout(order)
         broadcast_parameters(layout)

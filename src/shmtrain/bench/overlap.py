@@ -1,0 +1,167 @@
+"""``shmtrain bench overlap``: overlapped strategies, DDP and no communication, interleaved.
+
+``shmtrain bench step`` runs one launch per mode, one after the other; on a shared,
+noisy machine the load then differs between modes. This benchmark builds every mode in
+the same worker processes (one model copy each, same seed, same batch) and runs them in
+rounds, one iteration of each mode per round, in an order rotated every round, with a
+host barrier (untimed) before each iteration. A sample is the slowest worker's
+iteration time (the pace of a synchronous job); a row gives the median over rounds,
+the ratio to ``nocomm`` and the ``collect_remaining`` share of the iteration (TRL's
+"collect remaining", CaffeGPI's finalization, DDP's final wait).
+
+Run: ``python -m shmtrain.bench.overlap --workers 2 --json FILE`` (or, once wired,
+``shmtrain bench overlap``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from shmtrain.bench.common import table, write_json
+from shmtrain.fabric.context import ProcessContext
+from shmtrain.runtime.launcher import launch
+
+#: mode -> (strategy, options); ``ddp`` is PyTorch DistributedDataParallel over gloo.
+MODES: dict[str, tuple[str, dict[str, Any]]] = {
+    "nocomm": ("nocomm", {}),
+    "ssgd": ("ssgd", {}),
+    "gpi": ("gpi", {}),
+    "cpu_acc": ("cpu_acc", {}),
+    "ssgd_overlap": ("ssgd", {"overlap": True}),
+}
+DEFAULT_MODES = ["nocomm", "ddp", "gpi", "cpu_acc", "ssgd_overlap"]
+
+
+def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shmtrain.api import DataParallel
+    from shmtrain.models import build_model
+    from shmtrain.runtime.data import parse_shape
+    from shmtrain.timing import PhaseTimer
+
+    shape = parse_shape(payload["input_shape"])
+    gen = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn((payload["batch_size"], *shape), generator=gen)
+    y = torch.randint(0, 10, (payload["batch_size"],), generator=gen)
+    loss_fn = nn.CrossEntropyLoss()
+    steps, timers, closers = {}, {}, []
+    for mode in payload["modes"]:
+        torch.manual_seed(0)
+        model = build_model(payload["model"], shape, 10)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        timer = timers[mode] = PhaseTimer()
+        if mode == "ddp":
+            net = DistributedDataParallel(model)
+
+            def step(net=net, optimizer=optimizer, timer=timer) -> None:
+                optimizer.zero_grad()
+                with timer.phase("forward"):
+                    loss = loss_fn(net(x), y)
+                with timer.phase("backward"):
+                    loss.backward()  # DDP's allreduce overlaps and is awaited in here
+                with timer.phase("update"):
+                    optimizer.step()
+        else:
+            strategy, options = MODES[mode]
+            dp = DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **options)
+            closers.append(dp.close)
+
+            def step(dp=dp, timer=timer) -> None:
+                dp.zero_grad()
+                with timer.phase("forward"):
+                    loss = loss_fn(dp(x), y)
+                with timer.phase("backward"):
+                    loss.backward()
+                dp.step()
+        steps[mode] = step
+    samples: dict[str, list[float]] = {m: [] for m in steps}
+    phases: dict[str, list[dict[str, float]]] = {m: [] for m in steps}
+    modes = list(steps)
+    for rnd in range(payload["warmup"] + payload["rounds"]):
+        shift = rnd % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            ctx.host.barrier(f"bench overlap {mode}")
+            start = time.perf_counter()
+            steps[mode]()
+            elapsed = time.perf_counter() - start
+            record = timers[mode].finish_iteration()
+            timers[mode].take_details()
+            if rnd >= payload["warmup"]:
+                samples[mode].append(elapsed)
+                phases[mode].append(record)
+    for close in closers:
+        close()
+    return {"samples": samples, "phases": phases}
+
+
+def run(modes: list[str], workers: int, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    results = launch("shmtrain.bench.overlap:_worker", workers, dict(payload, modes=modes),
+                     threads=payload["threads"], timeout=payload.get("timeout", 600))
+    rows = []
+    for mode in modes:
+        per_round = [max(r["samples"][mode][i] for r in results) for i in range(payload["rounds"])]
+        names = sorted({k for r in results for p in r["phases"][mode] for k in p})
+        mean = {k: statistics.fmean(p.get(k, 0.0) for r in results for p in r["phases"][mode]) for k in names}
+        rows.append({
+            "mode": mode, "workers": workers, "model": payload["model"], "batch_size": payload["batch_size"],
+            "threads": payload["threads"], "rounds": payload["rounds"],
+            "median_s": statistics.median(per_round), "min_s": min(per_round), "samples_s": per_round,
+            "phases_s": mean,
+        })
+    base = next((r for r in rows if r["mode"] == "nocomm"), None)
+    for row in rows:
+        row["vs_nocomm"] = row["median_s"] / base["median_s"] if base else None
+        remaining = row["phases_s"].get("collect_remaining")
+        row["collect_remaining_share"] = remaining / row["median_s"] if remaining is not None else None
+    return rows
+
+
+def _handler(args: argparse.Namespace) -> int:
+    modes = args.modes or DEFAULT_MODES
+    unknown = [m for m in modes if m != "ddp" and m not in MODES]
+    if unknown:
+        raise ValueError(f"--modes {unknown}: unknown; choose from ddp, {', '.join(MODES)}")
+    if args.workers < 1 or args.rounds < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:
+        raise ValueError("--workers, --rounds, --batch-size and --threads must be at least 1 and --warmup not negative")
+    payload = {"model": args.model, "input_shape": args.input_shape, "batch_size": args.batch_size,
+               "rounds": args.rounds, "warmup": args.warmup, "threads": args.threads}
+    rows = run(modes, args.workers, payload)
+    print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
+                       ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
+                       ("collect_remaining_share", "remaining", ".2%")]))
+    write_json(args.json, rows)
+    return 0
+
+
+def add_bench_overlap_parser(bench: argparse._SubParsersAction) -> None:
+    """Register ``shmtrain bench overlap``."""
+    p = bench.add_parser("overlap", help="overlapped strategies vs DDP vs no communication, interleaved",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _arguments(p)
+    p.set_defaults(handler=_handler)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="resnet18", help="model name (default resnet18)")
+    p.add_argument("--input-shape", default="3x64x64", help="CxHxW of the synthetic batch (default 3x64x64)")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--modes", nargs="+", help=f"default: {' '.join(DEFAULT_MODES)}")
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds, one iteration of each mode (default 15)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--json", help="write the rows here")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m shmtrain.bench.overlap", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _arguments(parser)
+    raise SystemExit(_handler(parser.parse_args()))
