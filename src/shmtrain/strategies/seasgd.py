@@ -93,9 +93,11 @@ class ElasticExchange:
         t1 = time.perf_counter()
         self.service.read(self.global_weights, self.global_copy)  # T1
         t2 = time.perf_counter()
-        increment = self.weight_increment
-        torch.sub(self.weights, self.global_copy, out=increment).mul_(self.moving_rate)  # (5)
-        self.weights.sub_(increment)  # (6), T2
+        difference = self.weight_increment
+        torch.sub(self.weights, self.global_copy, out=difference)
+        # (6), T2: W'' = W' - alpha (W' - W_g); the update thread scales the difference
+        # into dW_x (5) itself, one pass over the weights fewer on the critical path
+        self.weights.sub_(difference, alpha=self.moving_rate)
         t3 = time.perf_counter()
         self.timer.add("wait", waited)
         self.timer.add("rgw", t2 - t1)
@@ -128,6 +130,7 @@ class ElasticExchange:
             times: dict[str, float] = {}
             try:
                 t0 = time.perf_counter()
+                self.weight_increment.mul_(self.moving_rate)  # (5)
                 self.service.write(self.weight_increment_buffer, self.weight_increment)  # T.A1
                 t1 = time.perf_counter()
                 ticket = self.service.accumulate(self.weight_increment_buffer, self.global_weights)
