@@ -79,21 +79,23 @@ def test_bad_input_is_a_clear_error(argv: list[str], match: str, tmp_path: Path)
 
 
 def test_hpsearch_small_grid_marks_diverged_runs_and_picks_a_kept_winner(tmp_path: Path) -> None:
-    args = parser().parse_args(["hpsearch", "--out", str(tmp_path), "--workers", "2", "--batch-sizes", "16,64",
-                                "--lrs", "0.5,1000", "--samples", "1024", "--threshold", "1.5"])
+    args = parser().parse_args(["hpsearch", "--out", str(tmp_path), "--workers", "1,2", "--batch-sizes", "16,32",
+                                "--lrs", "0.9,1000", "--samples", "1024", "--threshold", "1.8"])
     assert args.handler(args) == 0
     doc = json.loads((tmp_path / "hpsearch.json").read_text())
     for name in ("hpsearch_heatmaps.png", "hpsearch_areas.png", "hpsearch_best_losses.png"):
         assert (tmp_path / name).stat().st_size > 1000, name
-    by_lr = {}
-    for run in doc["runs"]:
-        by_lr.setdefault(run["lr"], []).append(run)
-    assert len(doc["runs"]) == 4
-    assert all(r["status"] == "diverged" and r["area_time"] is None for r in by_lr[1000.0])
-    best = doc["best"]["2"]
-    assert best["lr"] == 0.5 and best["min_loss"] <= 1.5 and best["area_time"] > 0
+    runs = {(r["workers"], r["batch"], r["lr"]): r for r in doc["runs"]}
+    assert len(runs) == 8
+    assert all(r["status"] == "diverged" and r["area_time"] is None for r in runs.values() if r["lr"] == 1000.0)
+    for n in ("1", "2"):
+        best = doc["best"][n]
+        assert best["lr"] == 0.9 and best["min_loss"] <= 1.8 and best["area_time"] > 0
     # constant samples seen: iterations x workers x batch is the same for every run
-    assert {r["iterations"] * r["workers"] * r["batch"] for r in doc["runs"]} == {1024}
+    assert {r["iterations"] * r["workers"] * r["batch"] for r in runs.values()} == {1024}
+    # 1 worker x 32 and 2 workers x 16 train on the same union batches: eq. 2.1 gives the
+    # same loss curve (only the time differs)
+    assert np.allclose(runs[(1, 32, 0.9)]["loss"], runs[(2, 16, 0.9)]["loss"], atol=1e-5)
 
 
 def test_hpsearch_threshold_that_excludes_every_run_is_a_clear_error(tmp_path: Path) -> None:

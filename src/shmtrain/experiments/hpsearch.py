@@ -98,13 +98,15 @@ def search_worker(ctx, payload: dict[str, Any]) -> list[dict[str, Any]]:
 
     data = load_digits_data()
     out = []
-    for k, point in enumerate(payload["points"]):
+    for point in payload["points"]:
         torch.manual_seed(payload["seed"])
         net = build_model(payload["model"], data.input_shape, data.num_classes)
         opt = torch.optim.SGD(net.parameters(), lr=point["lr"])
         dp = DataParallel(net, opt, "ps_grad", ctx=ctx)
-        sampler = ShardSampler(len(data.train_x), point["batch"], ctx.world_size, ctx.rank,
-                               payload["seed"] * 1000 + k)
+        # One seed for every point: runs with the same union batch (workers x batch) see the
+        # same samples in the same order, so ps_grad gives them the same loss curve (eq. 2.1
+        # is SGD on the union batch) and they differ only in time.
+        sampler = ShardSampler(len(data.train_x), point["batch"], ctx.world_size, ctx.rank, payload["seed"])
         losses, times, diverged = [], [], False
         start = time.perf_counter()
         for it in range(point["iterations"]):
