@@ -116,12 +116,27 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.bench import allreduce, step
+    from shmtrain.bench import allreduce, collectives, overlap, ps, smb, step
 
     p = sub.add_parser("bench", help="benchmarks (table + JSON)", description="Benchmarks: each prints a table and writes --json.")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     allreduce.add_parser(bench)
     step.add_parser(bench)
+    collectives.add_bench_collectives_parser(bench)
+    smb.add_bench_smb_parser(bench)
+    smb.add_bench_seasgd_parser(bench)
+    ps.add_bench_ps_parser(bench)
+    overlap.add_bench_overlap_parser(bench)
+
+
+def _add_experiment(sub: argparse._SubParsersAction) -> None:
+    from shmtrain.experiments import hpsearch, neuron
+
+    p = sub.add_parser("experiment", help="the papers' experiments (plots + JSON)",
+                       description="Experiments of the SHM-Learn-Dist paper: each writes PNG plots and a JSON into --out.")
+    experiments = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
+    neuron.add_experiment_parsers(experiments)
+    hpsearch.add_experiment_parsers(experiments)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train(sub)
     _add_bench(sub)
+    from shmtrain.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
+    _add_experiment(sub)
     return parser
 
 
