@@ -133,6 +133,41 @@ def test_cpu_acc_reports_per_layer_times() -> None:
     assert any(layer["accumulate_s"] > 0 for layer in layers)
 
 
+def onesided_worker(ctx, payload: Any) -> dict[str, Any]:
+    """Rank 1 writes a chunk into rank 0's area and notifies; rank 0 tests without
+    blocking, then waits; then rank 0 waits for a notification nobody sends."""
+    from shmtrain.fabric.control import PeerTimeout
+    from shmtrain.fabric.onesided import OneSidedWindow
+
+    window = OneSidedWindow(ctx.host, [4096, 64], notifications=3, tag="test-onesided")
+    ctx.host.barrier("window ready")
+    out: dict[str, Any] = {}
+    if ctx.rank == 1:
+        ctx.host.barrier("rank 0 tested")
+        window.write_notify(0, window.area(0, torch.float32, 128, 10), torch.arange(10.0), 2, 7)
+    else:
+        out["before"] = window.test(2, 7)
+        ctx.host.barrier("rank 0 tested")
+        window.wait(2, 7, sender=1, timeout=30, what="the chunk")
+        out["after"] = window.test(2, 7)
+        out["data"] = window.area(0, torch.float32, 128, 10).tolist()
+        out["untouched"] = float(window.area(0, torch.float32, 0, 32).abs().sum())
+        try:
+            window.wait(0, 1, sender=1, timeout=0.3, what="a chunk never sent")
+        except PeerTimeout as exc:
+            out["timeout"] = str(exc)
+    ctx.host.barrier("done")
+    return out
+
+
+def test_one_sided_write_notify() -> None:
+    result = launch("test_overlap:onesided_worker", 2, None, timeout=60)[0]
+    assert result["before"] is False and result["after"] is True
+    assert result["data"] == [float(i) for i in range(10)]
+    assert result["untouched"] == 0.0
+    assert "local rank 1" in result["timeout"]
+
+
 def test_binomial_tree() -> None:
     for world in range(1, 9):
         edges = {(r, tree_parent(r)) for r in range(1, world)}
