@@ -6,8 +6,9 @@ the same worker processes (one model copy each, same seed, same batch) and runs 
 rounds, one iteration of each mode per round, in an order rotated every round, with a
 host barrier (untimed) before each iteration. A sample is the slowest worker's
 iteration time (the pace of a synchronous job); a row gives the median over rounds,
-the ratio to ``nocomm`` and the ``collect_remaining`` share of the iteration (TRL's
-"collect remaining", CaffeGPI's finalization, DDP's final wait).
+the ratio to ``nocomm``, the ``collect_remaining`` share of the iteration (TRL's
+"collect remaining", CaffeGPI's finalization, DDP's final wait), and the CPU seconds a
+worker process (all its threads) used per iteration, which other jobs move far less.
 
 Run: ``python -m shmtrain.bench.overlap --workers 2 --json FILE`` (or, once wired,
 ``shmtrain bench overlap``).
@@ -82,23 +83,25 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
                 dp.step()
         steps[mode] = step
     samples: dict[str, list[float]] = {m: [] for m in steps}
+    cpu: dict[str, list[float]] = {m: [] for m in steps}
     phases: dict[str, list[dict[str, float]]] = {m: [] for m in steps}
     modes = list(steps)
     for rnd in range(payload["warmup"] + payload["rounds"]):
         shift = rnd % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             ctx.host.barrier(f"bench overlap {mode}")
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps[mode]()
-            elapsed = time.perf_counter() - start
+            elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
             record = timers[mode].finish_iteration()
             timers[mode].take_details()
             if rnd >= payload["warmup"]:
                 samples[mode].append(elapsed)
+                cpu[mode].append(used)
                 phases[mode].append(record)
     for close in closers:
         close()
-    return {"samples": samples, "phases": phases}
+    return {"samples": samples, "cpu": cpu, "phases": phases}
 
 
 def run(modes: list[str], workers: int, payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,12 +116,20 @@ def run(modes: list[str], workers: int, payload: dict[str, Any]) -> list[dict[st
             "mode": mode, "workers": workers, "model": payload["model"], "batch_size": payload["batch_size"],
             "threads": payload["threads"], "rounds": payload["rounds"],
             "median_s": statistics.median(per_round), "min_s": min(per_round), "samples_s": per_round,
+            # CPU seconds of a worker process (all its threads) per iteration: unlike wall
+            # time, barely moved by other jobs on the machine
+            "cpu_s": statistics.median(c for r in results for c in r["cpu"][mode]),
             "phases_s": mean,
+            # median, not mean: one stalled iteration must not stand for the typical one
+            "collect_remaining_median_s": statistics.median(
+                p["collect_remaining"] for r in results for p in r["phases"][mode]
+            ) if "collect_remaining" in mean else None,
         })
     base = next((r for r in rows if r["mode"] == "nocomm"), None)
     for row in rows:
         row["vs_nocomm"] = row["median_s"] / base["median_s"] if base else None
-        remaining = row["phases_s"].get("collect_remaining")
+        row["cpu_vs_nocomm"] = row["cpu_s"] / base["cpu_s"] if base else None
+        remaining = row.pop("collect_remaining_median_s")
         row["collect_remaining_share"] = remaining / row["median_s"] if remaining is not None else None
     return rows
 
@@ -135,7 +146,8 @@ def _handler(args: argparse.Namespace) -> int:
     rows = run(modes, args.workers, payload)
     print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
                        ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
-                       ("collect_remaining_share", "remaining", ".2%")]))
+                       ("collect_remaining_share", "remaining", ".2%"), ("cpu_s", "cpu s", ".4f"),
+                       ("cpu_vs_nocomm", "cpu vs nocomm", ".3f")]))
     write_json(args.json, rows)
     return 0
 
