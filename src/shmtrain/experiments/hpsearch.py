@@ -337,9 +337,9 @@ def add_experiment_parsers(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--out", required=True, type=Path, help="folder for hpsearch.json and the PNG plots")
-    p.add_argument("--workers", type=_list(int), help=f"worker counts (default {','.join(map(str, d.workers))})")
-    p.add_argument("--batch-sizes", type=_list(int), help=f"per worker (default {','.join(map(str, d.batch_sizes))})")
-    p.add_argument("--lrs", type=_list(float), help=f"learning rates (default {','.join(map(str, d.lrs))})")
+    p.add_argument("--workers", type=_list(int), nargs="+", help=f"worker counts, e.g. 1,2,4 or 1 2 4 (default {','.join(map(str, d.workers))})")
+    p.add_argument("--batch-sizes", type=_list(int), nargs="+", help=f"per worker (default {','.join(map(str, d.batch_sizes))})")
+    p.add_argument("--lrs", type=_list(float), nargs="+", help=f"learning rates (default {','.join(map(str, d.lrs))})")
     p.add_argument("--samples", type=int, help=f"training samples seen per run (default {d.samples})")
     p.add_argument("--threshold", type=float, help=f"keep runs whose minimum loss is <= this (default {d.threshold})")
     p.add_argument("--model", help=f"a registry model (default {d.model}; folded_mlp uses FoldedLinear)")
@@ -353,7 +353,9 @@ def add_experiment_parsers(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     values = dict(PAPER_GRID) if args.full else {}
     for name in ("workers", "batch_sizes", "lrs", "samples", "threshold", "model", "area_over", "seed"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
+        value = getattr(args, name)
+        if value is not None:
+            # list options take "1,2,4" or "1 2 4"
+            values[name] = tuple(v for part in value for v in part) if isinstance(value, list) else value
     run_hpsearch(args.out, SearchConfig(**values))
     return 0

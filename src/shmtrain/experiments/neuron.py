@@ -336,7 +336,8 @@ def add_experiment_parsers(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--out", required=True, type=Path, help="folder for neuron.json and the PNG plots")
-    p.add_argument("--workers", type=_ints, default=WORKERS, help="worker counts (default 2,4,8,16)")
+    p.add_argument("--workers", type=_ints, nargs="+", default=[WORKERS],
+                   help="worker counts, e.g. 2,4,8,16 or 2 4 8 16 (default 2,4,8,16)")
     p.add_argument("--steps", type=int, default=10_000, help="steps per worker (default 10000)")
     p.add_argument("--lr", type=float, default=0.5, help="learning rate (default 0.5)")
     p.add_argument("--batch-size", type=int, default=1, help="samples per worker per step (default 1)")
@@ -354,7 +355,7 @@ def add_experiment_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = NeuronConfig(workers=tuple(args.workers), steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+    cfg = NeuronConfig(workers=tuple(n for part in args.workers for n in part), steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                        average_interval=args.average_interval, seed=args.seed, engine=args.engine,
                        check_workers=args.check_workers, check_steps=args.check_steps)
     run_neuron(args.out, cfg)
