@@ -200,26 +200,32 @@ def dying_worker(ctx, payload: dict[str, Any]) -> None:
             hidden = torch.relu(model.conv(x)).flatten(1)
             if step == 3 and ctx.rank == payload["victim"]:
                 # fires after the upper layers' gradients went out, before the conv's
-                hidden.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+                hidden.register_hook(lambda grad: _die(payload["dir"]))
             out = model.head(torch.relu(model.wide(hidden))) * model.scale
             loss_fn(out, y).backward()
             dp.step()
     except Exception as exc:
-        Path(payload["dir"], f"rank{ctx.rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        Path(payload["dir"], f"rank{ctx.rank}.txt").write_text(f"{time.time()}\n{type(exc).__name__}: {exc}")
         raise
     dp.close()
+
+
+def _die(folder: str) -> None:
+    Path(folder, "killed.txt").write_text(str(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @pytest.mark.parametrize("mode", ["gpi", "cpu_acc", "ssgd_overlap"])
 def test_worker_killed_mid_backward(mode: str, tmp_path: Path) -> None:
     victim, workers = 1, 3
-    start = time.monotonic()
     with pytest.raises(WorkerFailed):
         launch("test_overlap:dying_worker", workers,
                {"mode": mode, "victim": victim, "dir": str(tmp_path)}, timeout=60)
-    elapsed = time.monotonic() - start
-    assert elapsed < 40, f"{mode}: the survivors took {elapsed:.0f} s to give up"
+    killed = float((tmp_path / "killed.txt").read_text())
     for rank in set(range(workers)) - {victim}:
         report = tmp_path / f"rank{rank}.txt"
         assert report.exists(), f"{mode}: rank {rank} did not raise an error"
-        assert f"local rank {victim}" in report.read_text(), report.read_text()
+        when, message = report.read_text().split("\n", 1)
+        assert f"local rank {victim}" in message, message
+        # detection, not the 60 s timeout: waits check liveness every 50 ms
+        assert float(when) - killed < 15, f"{mode}: rank {rank} gave up {float(when) - killed:.1f} s after the kill"

@@ -22,6 +22,7 @@ from shmtrain.fabric.segment import SharedSegment
 LINE = 64
 MAX_CHANNELS = 48
 _SLICE_S = 0.05  # how often a sleeping waiter re-checks abort and peer liveness
+DIED = 255  # abort code a peer records for a rank it found dead (its exit code is unknown)
 
 # header line 0: [magic, local_world, abort_rank+1, abort_code]
 _MAGIC = 0x53484D54
@@ -175,6 +176,9 @@ class ControlBlock:
                 f"worker waited for {what}"
             )
         if not _alive(self.pid(rank)):
+            # Record the dead peer as the first failure before this worker's own error
+            # does (first writer wins), so every other waiter names the root cause.
+            self.abort(rank, DIED)
             raise PeerFailure(
                 f"local rank {rank} (pid {self.pid(rank)}) died while this worker waited for {what}"
             )

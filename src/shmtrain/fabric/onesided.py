@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from shmtrain.fabric.control import LINE, PeerFailure, PeerTimeout, _alive
+from shmtrain.fabric.control import DIED, LINE, PeerFailure, PeerTimeout, _alive
 from shmtrain.fabric.futex import futex_wait, futex_wake
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import align
@@ -166,6 +166,7 @@ class OneSidedWindow:
             )
         for peer in senders:
             if not _alive(control.pid(peer)):
+                control.abort(peer, DIED)  # the root cause, before this worker's own failure
                 raise PeerFailure(
                     f"local rank {peer} (pid {control.pid(peer)}) died while this worker "
                     f"waited for {what}"

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shmtrain.fabric.control import PeerFailure, _alive
+from shmtrain.fabric.control import DIED, PeerFailure, _alive
 from shmtrain.fabric.critical import CriticalCounters
 from shmtrain.fabric.flat import FlatLayout
 from shmtrain.fabric.segment import align
@@ -229,6 +229,7 @@ class CPUAccumulation(Strategy):
                               "during gradient accumulation")
         for peer in range(self.world):
             if peer != self.me and not _alive(control.pid(peer)):
+                control.abort(peer, DIED)  # the root cause, before this worker's own failure
                 raise PeerFailure(f"local rank {peer} (pid {control.pid(peer)}) died during "
                                   "gradient accumulation")
 
