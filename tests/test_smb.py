@@ -39,7 +39,7 @@ def api_worker(ctx, payload: Any) -> dict[str, Any]:
     ctx.host.barrier("all accumulated")
     out["shared"] = smb.read(shared, torch.empty(NUMEL))
     try:
-        smb.accumulate(mine, smb.attach(smb.create("small", 3)))
+        smb.accumulate(mine, smb.attach(smb.create(f"small.{smb.rank}", 3)))
     except ValueError as exc:
         out["size_error"] = str(exc)
     try:

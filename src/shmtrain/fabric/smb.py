@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from shmtrain.fabric.control import PeerFailure, PeerTimeout, _alive
+from shmtrain.fabric.control import DIED, PeerFailure, PeerTimeout, _alive
 from shmtrain.fabric.futex import futex_wait, futex_wake
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import SharedSegment, align
@@ -219,7 +219,7 @@ class LocalBufferService(BufferService):
         if numel <= 0:
             raise ValueError(f"buffer {name!r}: numel must be positive, got {numel}")
         store = self.host.store
-        if store.check([f"smb/key/{name}"]):
+        if store.add(f"smb/claim/{name}", 1) != 1:  # atomic: one creator per name
             raise ValueError(f"buffer name {name!r} is already taken on this service")
         buffer_id = store.add("smb/next", 1) - 1
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -326,6 +326,7 @@ class LocalBufferService(BufferService):
             who, code = failed
             raise PeerFailure(f"local rank {who} failed (code {code}) while this worker waited for {what}")
         if not self.alive(self.owner):
+            self.control.abort(self.owner, DIED)  # the root cause, for every other waiter
             raise PeerFailure(
                 f"SMB owner (local rank {self.owner}, pid {self.control.pid(self.owner)}) died "
                 f"while this worker waited for {what}"

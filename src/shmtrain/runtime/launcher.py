@@ -117,7 +117,8 @@ def launch(
                 rank, code = bad[0]
                 control.abort(rank, code if code > 0 else 128 - code)
                 failure = WorkerFailed(
-                    f"worker rank {rank} (pid {children[rank].pid}) failed: {describe_exit(code)}",
+                    f"worker rank {rank} (pid {children[rank].pid}) failed: {describe_exit(code)}"
+                    + "".join(f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),
                     rank, code,
                 )
                 _end(children, GRACE_S)
