@@ -209,7 +209,7 @@ def test_sigkill_of_one_async_worker_leaves_the_others_training(strategy: str) -
     # "average": the survivors make up for the dead worker's missing iterations
     counts = [survivors[0]["iterations"], survivors[1]["iterations"], 4]
     assert sum(counts) >= 3 * target and sum(counts) <= 3 * target + 3
-    assert min(counts[:2]) > target
+    assert min(counts[:2]) > 4  # both trained on after the death
 
 
 # -- hsgd ------------------------------------------------------------------------------
