@@ -268,3 +268,14 @@ def test_check_eq8() -> None:
     assert check_eq8([{"time": slow}] * 5)["holds"]
     # a wait that eq. (8) does not explain
     assert not check_eq8([{"time": dict(slow, wait=0.2, iteration=0.305)}] * 5)["holds"]
+
+
+def test_hsgd_check_world_before_launch() -> None:
+    from shmtrain.strategies.hsgd import HSGD
+
+    assert HSGD.check_world(make_config("hsgd", {"groups": 2}), 4) == 2
+    assert HSGD.check_world(make_config("hsgd", {"groups": 2, "group_size": 3}), 6) == 3
+    with pytest.raises(ValueError, match="--groups 3 does not divide the 4 workers"):
+        HSGD.check_world(make_config("hsgd", {"groups": 3}), 4)
+    with pytest.raises(ValueError, match=r"--groups 2 x --group-size 3 = 6 must equal the number of workers \(4\)"):
+        HSGD.check_world(make_config("hsgd", {"groups": 2, "group_size": 3}), 4)

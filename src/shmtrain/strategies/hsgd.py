@@ -110,15 +110,32 @@ class HSGD(SharedWeightsStrategy):
                     "or 0 for workers / groups"
                 )
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        world = ctx.local_world
-        size = config.group_size or (world // config.groups if world % config.groups == 0 else 0)
-        if ctx.num_nodes > 1 or config.groups * size != world or size == 0:
+    @classmethod
+    def check_world(cls, config: HSGD.Config, workers: int, num_nodes: int = 1) -> int:
+        """The group size for ``workers`` on one host; ValueError naming the options."""
+        if num_nodes > 1:
             raise ValueError(
-                f"--groups {config.groups} x --group-size {config.group_size or size} must equal "
-                f"the number of workers ({ctx.world_size}) on one host; e.g. --groups 2 "
-                f"--group-size {max(world // 2, 1)} for {world} workers"
+                f"--strategy hsgd runs on one host for now ({num_nodes} hosts in this job): the "
+                "buffer service for other hosts (SMB-REMOTE) is not built yet"
             )
+        size = config.group_size
+        if size == 0:
+            if workers % config.groups:
+                raise ValueError(
+                    f"--groups {config.groups} does not divide the {workers} workers; choose "
+                    f"--groups and --group-size with groups x group-size = {workers}"
+                )
+            size = workers // config.groups
+        if config.groups * size != workers:
+            raise ValueError(
+                f"--groups {config.groups} x --group-size {size} = {config.groups * size} must "
+                f"equal the number of workers ({workers}); e.g. --groups 2 --group-size "
+                f"{max(workers // 2, 1)} for {workers} workers"
+            )
+        return size
+
+    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+        size = self.check_world(config, ctx.world_size, ctx.num_nodes)
         self.group_host = GroupHost(ctx.host, config.groups, size)
         self.is_root = self.group_host.local_rank == 0
         self.updates_global = self.is_root
