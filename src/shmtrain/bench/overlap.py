@@ -6,7 +6,8 @@ the same worker processes (one model copy each, same seed, same batch) and runs 
 rounds, one iteration of each mode per round, in an order rotated every round, with a
 host barrier (untimed) before each iteration. A sample is the slowest worker's
 iteration time (the pace of a synchronous job); a row gives the median over rounds,
-the ratio to ``nocomm``, the ``collect_remaining`` share of the iteration (TRL's
+the ratio to ``nocomm`` (of the medians, and paired: the median over rounds of the
+ratio to the same round's ``nocomm`` iteration), the ``collect_remaining`` share of the iteration (TRL's
 "collect remaining", CaffeGPI's finalization, DDP's final wait), and the CPU seconds a
 worker process (all its threads) used per iteration, which other jobs move far less.
 
@@ -110,6 +111,7 @@ def run(modes: list[str], workers: int, payload: dict[str, Any]) -> list[dict[st
     rows = []
     for mode in modes:
         per_round = [max(r["samples"][mode][i] for r in results) for i in range(payload["rounds"])]
+        cpu_round = [statistics.fmean(r["cpu"][mode][i] for r in results) for i in range(payload["rounds"])]
         names = sorted({k for r in results for p in r["phases"][mode] for k in p})
         mean = {k: statistics.fmean(p.get(k, 0.0) for r in results for p in r["phases"][mode]) for k in names}
         rows.append({
@@ -118,7 +120,7 @@ def run(modes: list[str], workers: int, payload: dict[str, Any]) -> list[dict[st
             "median_s": statistics.median(per_round), "min_s": min(per_round), "samples_s": per_round,
             # CPU seconds of a worker process (all its threads) per iteration: unlike wall
             # time, barely moved by other jobs on the machine
-            "cpu_s": statistics.median(c for r in results for c in r["cpu"][mode]),
+            "cpu_s": statistics.median(cpu_round), "cpu_samples_s": cpu_round,
             "phases_s": mean,
             # median, not mean: one stalled iteration must not stand for the typical one
             "collect_remaining_median_s": statistics.median(
@@ -129,6 +131,12 @@ def run(modes: list[str], workers: int, payload: dict[str, Any]) -> list[dict[st
     for row in rows:
         row["vs_nocomm"] = row["median_s"] / base["median_s"] if base else None
         row["cpu_vs_nocomm"] = row["cpu_s"] / base["cpu_s"] if base else None
+        # paired: the ratio to the nocomm iteration of the same round (seconds apart), so
+        # load that drifts over the run cancels; the median over rounds
+        row["paired_vs_nocomm"] = statistics.median(
+            a / b for a, b in zip(row["samples_s"], base["samples_s"], strict=True)) if base else None
+        row["paired_cpu_vs_nocomm"] = statistics.median(
+            a / b for a, b in zip(row["cpu_samples_s"], base["cpu_samples_s"], strict=True)) if base else None
         remaining = row.pop("collect_remaining_median_s")
         row["collect_remaining_share"] = remaining / row["median_s"] if remaining is not None else None
     return rows
@@ -146,8 +154,8 @@ def _handler(args: argparse.Namespace) -> int:
     rows = run(modes, args.workers, payload)
     print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
                        ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
-                       ("collect_remaining_share", "remaining", ".2%"), ("cpu_s", "cpu s", ".4f"),
-                       ("cpu_vs_nocomm", "cpu vs nocomm", ".3f")]))
+                       ("paired_vs_nocomm", "paired", ".3f"), ("collect_remaining_share", "remaining", ".2%"),
+                       ("cpu_s", "cpu s", ".4f"), ("paired_cpu_vs_nocomm", "cpu paired", ".3f")]))
     write_json(args.json, rows)
     return 0
 
