@@ -83,7 +83,7 @@ class TrainConfig:
                 f"--workers {self.workers}: --strategy {self.strategy} runs in one process; "
                 "use --workers 1, or --strategy ssgd for several workers"
             )
-        make_config(self.strategy, self.options)  # validates the strategy's own options
+        cls.check_world(make_config(self.strategy, self.options), self.workers)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

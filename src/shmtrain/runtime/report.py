@@ -76,7 +76,8 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     rank0 = next(r for r in results if r["rank"] == 0)
     summary = {
         "strategy": config["strategy"],
-        "workers": len(results),
+        "workers": config.get("workers", len(results)),
+        "workers_finished": len(results),
         "model": config["model"],
         "data": config["data"],
         "accuracy": rank0.get("accuracy"),
@@ -87,6 +88,11 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
         "final_loss": rank0.get("final_loss"),
         "phases_ms": {k: v * 1e3 for k, v in means.items()},
     }
+    from shmtrain import strategies
+
+    checks = strategies.get(config["strategy"]).check_metrics(rows)
+    if checks:
+        summary.update(checks)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(out, rows, f"{config['strategy']}, {len(results)} workers, {config['model']} on {config['data']}")
     return summary

@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shmtrain import strategies
 from shmtrain.runtime import report
 from shmtrain.runtime.config import TrainConfig, to_toml
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launcher import WorkerFailed, launch
 
 TARGET = "shmtrain.runtime.loop:train_worker"
 
@@ -35,8 +36,16 @@ def run_training(config: TrainConfig, echo=print) -> dict[str, Any] | None:
     echo(f"shmtrain: {config.strategy}, {config.workers} workers x {config.threads} thread(s), "
          f"{config.model} on {config.data}; run folder {out}")
     start = time.perf_counter()
-    results = launch(TARGET, config.workers, {"config": config.to_dict(), "out": str(out)},
-                     threads=config.threads, timeout=config.timeout)
+    try:
+        results = launch(TARGET, config.workers, {"config": config.to_dict(), "out": str(out)},
+                         threads=config.threads, timeout=config.timeout,
+                         tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss)
+    except WorkerFailed as exc:
+        if exc.results and 0 in exc.results:
+            # An asynchronous run lost a worker and the others trained to the end:
+            # report what they did, then fail so the exit status says a worker died.
+            _finish(out, config, list(exc.results.values()), time.perf_counter() - start, echo)
+        raise
     return _finish(out, config, results, time.perf_counter() - start, echo)
 
 
@@ -44,6 +53,12 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     summary = report.summarize(out, config.to_dict(), results, wall)
     echo("\nTime per iteration (mean over workers and iterations):")
     echo(report.breakdown_table({k: v / 1e3 for k, v in summary["phases_ms"].items()}))
+    if "eq8" in summary:
+        checks = summary["eq8"].values()
+        worst = max((c["relative_error"] for c in checks), default=0.0)
+        holds = all(c["holds"] for c in checks)
+        echo(f"ShmCaffe eq. (8) T_iter = max[T_comp, T_wwi + T_ugw] + T_rgw + T_ulw: "
+             f"{'holds' if holds else 'does NOT hold'} on every worker (worst relative error {worst:.1%})")
     acc = summary["accuracy"]
     echo(f"\nheld-out accuracy {acc * 100:.2f}%  |  {summary['iterations']} iterations  |  "
          f"wall {wall:.1f} s  |  {out}/summary.json, {out}/plot.png")

@@ -37,6 +37,18 @@ class Strategy:
     Config: ClassVar[type[StrategyConfig]] = StrategyConfig
     #: what the strategy needs of the job: "any" size, or exactly "one" process
     world: ClassVar[str] = "any"
+    #: asynchronous strategies: a worker killed during training does not end the others
+    tolerates_peer_loss: ClassVar[bool] = False
+
+    @classmethod
+    def check_world(cls, config: StrategyConfig, workers: int, num_nodes: int = 1) -> None:
+        """Reject a job shape the strategy cannot run (before any worker starts)."""
+
+    @classmethod
+    def check_metrics(cls, rows: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | None:
+        """Strategy-specific checks of a finished run's metrics rows (rank -> rows), for
+        ``summary.json``; None when the strategy has none."""
+        return None
 
     def __init__(
         self,

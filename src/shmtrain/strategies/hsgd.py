@@ -111,6 +111,13 @@ class HSGD(SharedWeightsStrategy):
                 )
 
     @classmethod
+    def check_metrics(cls, rows):
+        """Eq. (8) of ShmCaffe on every worker's metrics (group roots run SEASGD)."""
+        from shmtrain.strategies.seasgd import check_eq8
+
+        return {"eq8": {rank: check_eq8(r, skip=2) for rank, r in rows.items() if len(r) > 2}}
+
+    @classmethod
     def check_world(cls, config: HSGD.Config, workers: int, num_nodes: int = 1) -> int:
         """The group size for ``workers`` on one host; ValueError naming the options."""
         if num_nodes > 1:

@@ -162,6 +162,11 @@ class SEASGD(SharedWeightsStrategy):
 
     name = "seasgd"
 
+    @classmethod
+    def check_metrics(cls, rows):
+        """Eq. (8) of ShmCaffe on every worker's metrics (see :func:`check_eq8`)."""
+        return {"eq8": {rank: check_eq8(r, skip=2) for rank, r in rows.items() if len(r) > 2}}
+
     @dataclass(kw_only=True, slots=True)
     class Config(ElasticConfig):
         pass
