@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -82,3 +84,24 @@ def test_sigkill_of_the_launcher_takes_the_workers_down(tmp_path: Path) -> None:
         time.sleep(0.2)
     assert not [p for p in workers if psutil.pid_exists(p)]
     assert not leftover(), leftover()
+
+
+def test_sigkill_of_an_async_worker_lets_the_others_finish(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = dict(os.environ, SHMTRAIN_NO_PROGRESS="1")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shmtrain", "train", "--strategy", "seasgd", "--workers", "3",
+         "--iterations", "400", "--timeout", "60", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )
+    wait_for_training(out, launcher)
+    workers = [c.pid for c in psutil.Process(launcher.pid).children()]
+    os.kill(worker_pid(launcher, 2), signal.SIGKILL)
+    stdout, err = launcher.communicate(timeout=150)
+    assert launcher.returncode == 1
+    assert "worker rank 2" in err and "SIGKILL" in err, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers_finished"] == 2 and summary["accuracy"] is not None
+    rows = (out / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    assert all(math.isfinite(json.loads(r)["loss"]) for r in rows)
+    assert_all_gone(launcher, workers)
