@@ -71,7 +71,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
                 with timer.phase("update"):
                     optimizer.step()
         else:
-            strategy, options = MODES[mode]
+            strategy, options = payload["specs"][mode]
             dp = DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **options)
             closers.append(dp.close)
 
@@ -105,8 +105,11 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     return {"samples": samples, "cpu": cpu, "phases": phases}
 
 
-def run(modes: list[str], workers: int, payload: dict[str, Any]) -> list[dict[str, Any]]:
-    results = launch("shmtrain.bench.overlap:_worker", workers, dict(payload, modes=modes),
+def run(modes: list[str], workers: int, payload: dict[str, Any],
+        specs: dict[str, tuple[str, dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+    """Run ``modes`` (names in ``specs``, default :data:`MODES`, or ``ddp``) in one launch."""
+    specs = {m: (specs or MODES)[m] for m in modes if m != "ddp"}
+    results = launch("shmtrain.bench.overlap:_worker", workers, dict(payload, modes=modes, specs=specs),
                      threads=payload["threads"], timeout=payload.get("timeout", 600))
     rows = []
     for mode in modes:

@@ -9,13 +9,14 @@ the host's accumulator (GPU: ``MemcpyD2HAsync`` on its own stream into pinned me
 then a callback on that stream; CPU: the gradient already is in host memory, so the
 hand-off is a queue entry, no copy), and every layer whose accumulation is finished
 comes back to the worker while backward goes on (GPU: ``MemcpyH2DAsync`` on another
-stream; CPU: one pass that copies the sum and divides by the number of workers).
+stream; CPU: the worker's ``param.grad`` becomes a view of the shared sum, no copy; it
+is dropped after the update so no later backward accumulates into shared memory).
 
 Algorithm 7 (accumulation): one accumulator thread per worker ("a CPU thread per GPU")
-adds its worker's partial gradient into the host's global gradient of that layer, a
-shared segment, inside the layer's critical section with a counter
-(:mod:`shmtrain.fabric.critical`); the first arrival of an iteration copies instead of
-adding, so nothing is zeroed. ``isUpdated(u)`` is ``counter[u] >= workers * iteration``
+adds its worker's partial gradient, scaled by 1/N so the result is the mean, into the
+host's global gradient of that layer, a shared segment, inside the layer's critical
+section with a counter (:mod:`shmtrain.fabric.critical`); the first arrival of an
+iteration writes instead of adding, so nothing is zeroed. ``isUpdated(u)`` is ``counter[u] >= workers * iteration``
 (counters are cumulative, never reset). The global gradients alternate between two
 sets by iteration parity: a worker reaches iteration k+2 only after everyone finished
 k+1, i.e. after everyone read back iteration k's sums.
@@ -95,6 +96,7 @@ class CPUAccumulation(Strategy):
         self._lock_wait_s = np.zeros(n)
         self._accumulate_s = np.zeros(n)
         self._done_total = 0
+        self._scale = 1.0 / self.world
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._accumulate_loop, name="shmtrain-cpu-acc", daemon=True)
@@ -154,11 +156,12 @@ class CPUAccumulation(Strategy):
             with torch.cuda.stream(h2d):
                 begin.record(h2d)
                 p.grad.copy_(total, non_blocking=True)
-                p.grad.mul_(1.0 / self.world)
                 end.record(h2d)
             self._h2d_events.append((layer, begin, end))
         else:
-            torch.mul(total, 1.0 / self.world, out=p.grad)
+            # Host memory is where the sum already is: the worker's gradient becomes a view
+            # of it (read-only for the optimizer), no copy.
+            p.grad = total
             self._copy_back_s[layer] = time.perf_counter() - start
         self._returned[layer] = True
 
@@ -180,10 +183,12 @@ class CPUAccumulation(Strategy):
                 entered = time.perf_counter()
                 count = int(self.critical.counters[layer])
                 target = self.global_grads[seq % 2][layer]
-                if count % self.world == 0:  # first arrival of this iteration
-                    target.copy_(partial)
+                # The mean, as a sum of partials scaled by 1/N (no pass after the last one);
+                # the first arrival of the iteration writes instead of adding.
+                if count % self.world == 0:
+                    torch.mul(partial, self._scale, out=target)
                 else:
-                    target.add_(partial)
+                    target.add_(partial, alpha=self._scale)
                 self._lock_wait_s[layer] = entered - start
                 self._accumulate_s[layer] = time.perf_counter() - entered
                 self.critical.release(layer, count + 1)
@@ -255,6 +260,9 @@ class CPUAccumulation(Strategy):
 
     # -- closing the iteration ----------------------------------------------------------------
     def after_update(self) -> None:
+        if not self.cuda:  # the gradients are views of the shared sums: never accumulate there
+            for p in self.params:
+                p.grad = None
         self._handed[:] = False
         self._returned[:] = False
         self._order.clear()
