@@ -85,6 +85,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
         steps[mode] = step
     samples: dict[str, list[float]] = {m: [] for m in steps}
     cpu: dict[str, list[float]] = {m: [] for m in steps}
+    layers: dict[str, list[list[dict[str, Any]]]] = {}
     phases: dict[str, list[dict[str, float]]] = {m: [] for m in steps}
     modes = list(steps)
     for rnd in range(payload["warmup"] + payload["rounds"]):
@@ -95,14 +96,16 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
             steps[mode]()
             elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
             record = timers[mode].finish_iteration()
-            timers[mode].take_details()
+            details = timers[mode].take_details()
             if rnd >= payload["warmup"]:
                 samples[mode].append(elapsed)
                 cpu[mode].append(used)
                 phases[mode].append(record)
+                if "layers" in details:
+                    layers.setdefault(mode, []).append(details["layers"])
     for close in closers:
         close()
-    return {"samples": samples, "cpu": cpu, "phases": phases}
+    return {"samples": samples, "cpu": cpu, "phases": phases, "layers": layers}
 
 
 def run(modes: list[str], workers: int, payload: dict[str, Any],
@@ -130,6 +133,9 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
                 p["collect_remaining"] for r in results for p in r["phases"][mode]
             ) if "collect_remaining" in mean else None,
         })
+        per_layer = [it for r in results for it in r["layers"].get(mode, [])]
+        if per_layer:
+            rows[-1]["layers"] = _layer_medians(per_layer)
     base = next((r for r in rows if r["mode"] == "nocomm"), None)
     for row in rows:
         row["vs_nocomm"] = row["median_s"] / base["median_s"] if base else None
@@ -159,8 +165,30 @@ def _handler(args: argparse.Namespace) -> int:
                        ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
                        ("paired_vs_nocomm", "paired", ".3f"), ("collect_remaining_share", "remaining", ".2%"),
                        ("cpu_s", "cpu s", ".4f"), ("paired_cpu_vs_nocomm", "cpu paired", ".3f")]))
+    for row in rows:
+        if "layers" in row:  # TRL Table 4: per-layer copy and accumulation times (ms)
+            print(f"\n{row['mode']}: per-layer medians in ms, backward order")
+            print(table(row["layers"], [("layer", "layer", "s"), ("numel", "numel", "d"),
+                                        ("copy_ms", "copy", ".3f"), ("lock_wait_ms", "lock wait", ".3f"),
+                                        ("accumulate_ms", "accumulate", ".3f"), ("copy_back_ms", "back", ".3f")]))
     write_json(args.json, rows)
     return 0
+
+
+def _layer_medians(iterations: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Median over iterations and workers of each layer's times, in milliseconds."""
+    order = [entry["layer"] for entry in iterations[0]]
+    by_layer: dict[str, list[dict[str, Any]]] = {}
+    for iteration in iterations:
+        for entry in iteration:
+            by_layer.setdefault(entry["layer"], []).append(entry)
+    return [
+        {"layer": name, "numel": by_layer[name][0]["numel"], **{
+            key[:-2] + "_ms": 1e3 * statistics.median(e[key] for e in by_layer[name])
+            for key in ("copy_s", "lock_wait_s", "accumulate_s", "copy_back_s")
+        }}
+        for name in order
+    ]
 
 
 def add_bench_overlap_parser(bench: argparse._SubParsersAction) -> None:
