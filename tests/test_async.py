@@ -195,7 +195,9 @@ def training_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("strategy", ["seasgd", "easgd", "downpour"])
+@pytest.mark.parametrize("strategy", [
+    "seasgd", pytest.param("easgd", marks=pytest.mark.slow), pytest.param("downpour", marks=pytest.mark.slow),
+])
 def test_sigkill_of_one_async_worker_leaves_the_others_training(strategy: str) -> None:
     target = 25
     payload = {"strategy": strategy, "target": target, "victim": 2, "kill_at": 4}

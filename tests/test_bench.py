@@ -31,6 +31,7 @@ def test_bench_allreduce_rows(tmp_path: Path) -> None:
     assert "gloo/shm" in result.stdout
 
 
+@pytest.mark.slow
 def test_bench_step_rows(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     result = run("step", "--model", "smallcnn", "--input-shape", "1x8x8", "--workers", "1", "2",

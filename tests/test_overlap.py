@@ -97,8 +97,15 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     return {"errors": errors, "digests": digests, "last": rows[-1]}
 
 
-@pytest.mark.parametrize("workers", [2, 3, 4])
-@pytest.mark.parametrize("mode", ["gpi", "cpu_acc", "ssgd_overlap"])
+# One world size per strategy in the default suite (together they cover 2, 3 and 4
+# workers); the full 3 x 3 grid runs with -m slow (CI runs both).
+_DEFAULT = {("gpi", 4), ("cpu_acc", 3), ("ssgd_overlap", 2)}
+
+
+@pytest.mark.parametrize("mode,workers", [
+    (mode, workers) if (mode, workers) in _DEFAULT else pytest.param(mode, workers, marks=pytest.mark.slow)
+    for mode in ("gpi", "cpu_acc", "ssgd_overlap") for workers in (2, 3, 4)
+])
 def test_same_weights_as_single_process_sgd(mode: str, workers: int) -> None:
     results = launch("test_overlap:equivalence_worker", workers,
                      {"mode": mode, "steps": STEPS, "batch": BATCH}, timeout=90)
@@ -215,7 +222,9 @@ def _die(folder: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("mode", ["gpi", "cpu_acc", "ssgd_overlap"])
+@pytest.mark.parametrize("mode", [
+    pytest.param("gpi", marks=pytest.mark.slow), "cpu_acc", pytest.param("ssgd_overlap", marks=pytest.mark.slow),
+])
 def test_worker_killed_mid_backward(mode: str, tmp_path: Path) -> None:
     victim, workers = 1, 3
     with pytest.raises(WorkerFailed):

@@ -119,7 +119,10 @@ def weight_averaging(p: dict[str, Any], world: int, interval: int) -> tuple[list
     return history, final
 
 
-@pytest.mark.parametrize("workers,transport", [(2, "shm"), (3, "shm"), (4, "shm"), (3, "gloo")])
+@pytest.mark.parametrize("workers,transport", [
+    pytest.param(2, "shm", marks=pytest.mark.slow), pytest.param(3, "shm", marks=pytest.mark.slow),
+    (4, "shm"), (3, "gloo"),
+])
 def test_ps_grad_equals_single_process_sgd_on_the_union_batch(workers: int, transport: str) -> None:
     p = {"strategy": "ps_grad", "steps": 8, "batch": 5, "lr": 0.2, "momentum": 0.9, "weight_decay": 1e-3,
          "options": {"ps_transport": transport}, "repeat": 2}
