@@ -11,8 +11,8 @@ ratio to the same round's ``nocomm`` iteration), the ``collect_remaining`` share
 "collect remaining", CaffeGPI's finalization, DDP's final wait), and the CPU seconds a
 worker process (all its threads) used per iteration, which other jobs move far less.
 
-Run: ``python -m shmtrain.bench.overlap --workers 2 --json FILE`` (or, once wired,
-``shmtrain bench overlap``).
+Run: ``shmtrain bench overlap --workers 2 --json FILE`` (or ``python -m
+shmtrain.bench.overlap``, the same options).
 """
 
 from __future__ import annotations
