@@ -1,7 +1,8 @@
 """``shmtrain bench allreduce``: the shared-memory allreduce against gloo, same host, one run.
 
-For each process count and size: median time of ``ShmAllreduce`` (mean of float32
-buffers) and of ``torch.distributed.all_reduce`` over gloo, each sample the slowest
+For each process count and size: median time of ``ShmAllreduce`` (elementwise sum of
+float32 buffers, the same operation as gloo's) and of ``torch.distributed.all_reduce``
+over gloo, each sample the slowest
 rank's time, beside the memory-traffic floor: every input read once and every output
 written once (``2 * procs * bytes``) at the copy bandwidth measured with all ranks
 copying at once.
@@ -34,10 +35,10 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
     for nbytes in payload["sizes"]:
         n = nbytes // 4
         reps = payload["reps"] if nbytes <= 64 << 20 else max(3, payload["reps"] // 2)
-        ar = ShmAllreduce(ctx.host, n, op="mean", tag=f"bench{nbytes}")
+        ar = ShmAllreduce(ctx.host, n, op="sum", tag=f"bench{nbytes}")
         shm = timed_collective(ar, reps, 2, before=lambda a=ar: a.input().fill_(1.0),
                                barrier=lambda: ctx.host.barrier("bench"))
-        expected = 1.0
+        expected = float(ctx.world_size)
         ok = bool(torch.all(ar.result() == expected))
         ar.close()
         del ar

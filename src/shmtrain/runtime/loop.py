@@ -84,7 +84,8 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
             phases["iteration"] = time.perf_counter() - iter_start
             value = float(loss.detach())
             losses.append(value)
-            log.write(json.dumps({"iteration": dp.strategy.iteration, "loss": value, "time": phases}) + "\n")
+            row = {"iteration": dp.strategy.iteration, "loss": value, "time": phases, **timer.take_details()}
+            log.write(json.dumps(row) + "\n")
             progress.update(dp.strategy.iteration, value)
         progress.close()
         wall = time.perf_counter() - start
