@@ -39,6 +39,8 @@ class Strategy:
     world: ClassVar[str] = "any"
     #: asynchronous strategies: a worker killed during training does not end the others
     tolerates_peer_loss: ClassVar[bool] = False
+    #: why the strategy runs on one host only (None: it runs across hosts)
+    one_host_reason: ClassVar[str | None] = None
 
     @classmethod
     def check_world(cls, config: StrategyConfig, workers: int, num_nodes: int = 1) -> None:
@@ -58,6 +60,11 @@ class Strategy:
         optimizer: torch.optim.Optimizer,
         timer: PhaseTimer | None = None,
     ) -> None:
+        if self.one_host_reason and ctx.num_nodes > 1:
+            raise ValueError(
+                f"--strategy {self.name} runs on one host ({ctx.num_nodes} hosts in this job): "
+                f"{self.one_host_reason}"
+            )
         self.config = config
         self.ctx = ctx
         self.model = model

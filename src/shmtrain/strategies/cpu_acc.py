@@ -52,6 +52,8 @@ class CPUAccumulation(Strategy):
     """Synchronous SGD; gradients summed by host threads while backward runs."""
 
     name = "cpu_acc"
+    one_host_reason = ("the gradients are accumulated in one host's memory; use "
+                       "--strategy ssgd --overlap across hosts")
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
@@ -59,11 +61,6 @@ class CPUAccumulation(Strategy):
 
     def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer)
-        if ctx.num_nodes > 1:
-            raise ValueError(
-                f"--strategy cpu_acc: the job spans {ctx.num_nodes} hosts, but the gradients "
-                "are accumulated in one host's memory; use --strategy ssgd --overlap across hosts"
-            )
         host = ctx.host
         self.world = host.local_world
         self.me = host.local_rank

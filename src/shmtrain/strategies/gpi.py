@@ -70,6 +70,8 @@ class GPI(Strategy):
     """Synchronous SGD with layer-wise one-sided tree reduction and broadcast."""
 
     name = "gpi"
+    one_host_reason = ("its one-sided writes go through one host's shared memory; use "
+                       "--strategy ssgd --overlap across hosts")
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
@@ -77,12 +79,6 @@ class GPI(Strategy):
 
     def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer)
-        if ctx.num_nodes > 1:
-            raise ValueError(
-                f"--strategy gpi: the job spans {ctx.num_nodes} hosts, but gpi's one-sided "
-                "writes go through one host's shared memory; use --strategy ssgd --overlap "
-                "across hosts"
-            )
         if any(p.device.type != "cpu" for p in self.params):
             raise ValueError(
                 "--strategy gpi keeps the parameters in host shared memory (the peers write "

@@ -110,16 +110,12 @@ class SharedWeightsStrategy(Strategy):
 
     #: the launcher records a worker's death without ending the survivors
     tolerates_peer_loss: ClassVar[bool] = True
+    one_host_reason = "the buffer service for other hosts (SMB-REMOTE) is not built yet"
     #: whether this worker writes increments into the global weights
     updates_global: bool = True
 
     def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer)
-        if ctx.num_nodes > 1:
-            raise ValueError(
-                f"--strategy {self.name} runs on one host for now ({ctx.num_nodes} hosts in this "
-                "job): the buffer service for other hosts (SMB-REMOTE) is not built yet"
-            )
         self.layout = FlatLayout(self.params)
         broadcast_parameters(self.layout)
         self.weights = self.local_weights_storage()
