@@ -29,6 +29,7 @@ from shmtrain.fabric.collectives.reducers import (
     GlooAllreduce,
     Op,
     ScheduledAllreduce,
+    _TwoBuffers,
     host_topology,
 )
 from shmtrain.fabric.collectives.transport import GlooTransport
@@ -74,7 +75,7 @@ class _ShmCandidate:
         return own
 
 
-class AutotunedAllreduce:
+class AutotunedAllreduce(_TwoBuffers):  # input()/result() over self.buffers
     """``--allreduce auto``: the interface of :class:`ShmAllreduce`, tuned at run time.
 
     Attributes:
@@ -142,14 +143,6 @@ class AutotunedAllreduce:
                         impl.run(sequence)
                     else:
                         impl.reduce_step(sequence)
-
-    def input(self, step: int | None = None) -> torch.Tensor:
-        step = self.count + 1 if step is None else step
-        return self.buffers[step % 2]
-
-    def result(self, step: int | None = None) -> torch.Tensor:
-        step = self.count if step is None else step
-        return self.buffers[step % 2]
 
     def __call__(self) -> torch.Tensor:
         self.count += 1
