@@ -26,17 +26,12 @@ import torch
 from torch import nn
 
 from shmtrain.bench.common import table, write_json
+
+# mode -> (strategy, options): the same table as ``shmtrain bench step``; ``ddp`` apart.
+from shmtrain.bench.step import MODES
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.runtime.launcher import launch
 
-#: mode -> (strategy, options); ``ddp`` is PyTorch DistributedDataParallel over gloo.
-MODES: dict[str, tuple[str, dict[str, Any]]] = {
-    "nocomm": ("nocomm", {}),
-    "ssgd": ("ssgd", {}),
-    "gpi": ("gpi", {}),
-    "cpu_acc": ("cpu_acc", {}),
-    "ssgd_overlap": ("ssgd", {"overlap": True}),
-}
 DEFAULT_MODES = ["nocomm", "ddp", "gpi", "cpu_acc", "ssgd_overlap"]
 
 
