@@ -68,9 +68,13 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     step (all ranks must hold the same bits)."""
     strategy, options = STRATEGIES[payload["mode"]]
     world, batch = ctx.world_size, payload["batch"]
+    device = torch.device(payload.get("device", "cpu"))
+    if device.type == "cuda":  # float32 everywhere (no TF32), the same kernels every step
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.manual_seed(0)
-    model = Mixed()
-    reference = Mixed()
+    model = Mixed().to(device)
+    reference = Mixed().to(device)
     reference.load_state_dict(model.state_dict())
     opt, ref_opt = _optimizer(model), _optimizer(reference)
     timer = PhaseTimer()
@@ -79,14 +83,14 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     errors, digests, rows = [], [], []
     for _ in range(payload["steps"]):
-        x = torch.randn((world * batch, 3, 8, 8), generator=gen)
-        y = torch.randint(0, 5, (world * batch,), generator=gen)
+        x = torch.randn((world * batch, 3, 8, 8), generator=gen).to(device)
+        y = torch.randint(0, 5, (world * batch,), generator=gen).to(device)
         mine = slice(ctx.rank * batch, (ctx.rank + 1) * batch)
         dp.zero_grad()
         loss_fn(dp(x[mine]), y[mine]).backward()
         dp.step()
         rows.append({"time": timer.finish_iteration(), **timer.take_details()})
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         digests.append(hashlib.sha1(flat.numpy().tobytes()).hexdigest())
         if ctx.rank == 0:
             ref_opt.zero_grad()
