@@ -22,6 +22,7 @@ from torch import nn
 from shmtrain import strategies
 from shmtrain.fabric import context as fabric_context
 from shmtrain.fabric.context import ProcessContext
+from shmtrain.runtime.memory import keep_freed_memory
 from shmtrain.strategies.base import StrategyConfig
 from shmtrain.timing import PhaseTimer
 
@@ -61,6 +62,7 @@ class DataParallel(nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
+        keep_freed_memory()  # no page-fault storm each iteration (shmtrain.runtime.memory)
         self.module = module
         self.optimizer = optimizer
         self._own_ctx = ctx is None

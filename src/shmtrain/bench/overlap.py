@@ -18,6 +18,7 @@ shmtrain.bench.overlap``, the same options).
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from typing import Any
@@ -80,6 +81,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
         steps[mode] = step
     samples: dict[str, list[float]] = {m: [] for m in steps}
     cpu: dict[str, list[float]] = {m: [] for m in steps}
+    faults: dict[str, list[int]] = {m: [] for m in steps}
     layers: dict[str, list[list[dict[str, Any]]]] = {}
     phases: dict[str, list[dict[str, float]]] = {m: [] for m in steps}
     modes = list(steps)
@@ -88,19 +90,22 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
         for mode in modes[shift:] + modes[:shift]:
             ctx.host.barrier(f"bench overlap {mode}")
             start, start_cpu = time.perf_counter(), time.process_time()
+            start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             steps[mode]()
             elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
+            faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults
             record = timers[mode].finish_iteration()
             details = timers[mode].take_details()
             if rnd >= payload["warmup"]:
                 samples[mode].append(elapsed)
                 cpu[mode].append(used)
+                faults[mode].append(faulted)
                 phases[mode].append(record)
                 if "layers" in details:
                     layers.setdefault(mode, []).append(details["layers"])
     for close in closers:
         close()
-    return {"samples": samples, "cpu": cpu, "phases": phases, "layers": layers}
+    return {"samples": samples, "cpu": cpu, "faults": faults, "phases": phases, "layers": layers}
 
 
 def run(modes: list[str], workers: int, payload: dict[str, Any],
@@ -123,6 +128,8 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
             # time, barely moved by other jobs on the machine
             "cpu_s": statistics.median(cpu_round), "cpu_samples_s": cpu_round,
             "phases_s": mean,
+            # minor page faults of a worker process per iteration (fresh memory touched)
+            "page_faults": statistics.median(f for r in results for f in r["faults"][mode]),
             # median, not mean: one stalled iteration must not stand for the typical one
             "collect_remaining_median_s": statistics.median(
                 p["collect_remaining"] for r in results for p in r["phases"][mode]
@@ -159,7 +166,8 @@ def _handler(args: argparse.Namespace) -> int:
     print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
                        ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
                        ("paired_vs_nocomm", "paired", ".3f"), ("collect_remaining_share", "remaining", ".2%"),
-                       ("cpu_s", "cpu s", ".4f"), ("paired_cpu_vs_nocomm", "cpu paired", ".3f")]))
+                       ("cpu_s", "cpu s", ".4f"), ("paired_cpu_vs_nocomm", "cpu paired", ".3f"),
+                       ("page_faults", "faults", ".0f")]))
     for row in rows:
         if "layers" in row:  # TRL Table 4: per-layer copy and accumulation times (ms)
             print(f"\n{row['mode']}: per-layer medians in ms, backward order")

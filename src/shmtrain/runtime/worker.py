@@ -44,6 +44,9 @@ def main() -> int:
     threads = int(os.environ.get("SHMTRAIN_THREADS", "1"))
     ctx = None
     try:
+        from shmtrain.runtime.memory import keep_freed_memory
+
+        keep_freed_memory()
         import torch
 
         torch.set_num_threads(threads)
