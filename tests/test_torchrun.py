@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,8 +51,14 @@ def test_own_loop_example_under_torchrun_matches_single_process(tmp_path: Path) 
     assert not leftover()
 
 
-def test_two_hosts_equal_one_host_of_four(tmp_path: Path) -> None:
-    common = ["--strategy", "ssgd", "--iterations", "15", "--batch-size", "8", "--seed", "3", "--no-progress"]
+@pytest.mark.parametrize("options", [
+    [],
+    # buckets reduced in each host's shared memory, then between the hosts' leaders (gloo)
+    pytest.param(["--overlap", "--bucket-mb", "0.02"], id="overlap"),
+])
+def test_two_hosts_equal_one_host_of_four(tmp_path: Path, options: list[str]) -> None:
+    common = ["--strategy", "ssgd", *options, "--iterations", "15", "--batch-size", "8", "--seed", "3",
+              "--no-progress"]
     port = free_port()
     procs = []
     for node in (0, 1):

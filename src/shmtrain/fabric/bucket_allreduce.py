@@ -10,29 +10,32 @@ shared memory (the hooks live in :mod:`shmtrain.strategies.ssgd_overlap`).
 
 Each worker writes a bucket's gradients into its own slot (one flat slot per worker,
 two sets alternating by step parity, as in :mod:`shmtrain.fabric.shm_allreduce`).
-A communication thread per worker takes launched buckets in order and, for bucket ``b``
-of step ``k`` (sequence number ``s = (k - 1) * B + b + 1``): posts "arrived" = ``s``,
-sleeps until every local rank has posted ``s``, reduces its chunk of the bucket (local
-rank ``r`` owns the r-th of ``L`` slices, PAR-SUM) from all slots into the shared
-result, and posts "reduced" = ``s``. Sequence words grow monotonically, so "every rank
-posted ``k * B``" means every bucket of step ``k`` is reduced. Across hosts, local
-rank 0 allreduces each reduced bucket with the other hosts' leaders (gloo) and posts
-"published". The torch ops and the futex waits release the GIL, so the thread runs
-beside backward.
+Bucket ``b`` of step ``k`` has the sequence number ``s = (k - 1) * B + b + 1``.
+:meth:`BucketAllreduce.launch` posts "arrived" = ``s`` and makes progress: for every
+launched bucket, in order, whose inputs have arrived from every local rank, local rank
+``r`` reduces the r-th of ``L`` slices of the bucket (PAR-SUM) from all slots into the
+shared result and posts "reduced" = ``s``. Progress never blocks during backward: a
+bucket whose peers are late is reduced at a later launch, or in :meth:`wait` after
+backward, which sleeps for what is left. Sequence words grow monotonically, so "every
+rank posted ``k * B``" means every bucket of step ``k`` is reduced. Across hosts, local
+rank 0 starts a gloo allreduce (``async_op``) of each bucket reduced by every local rank
+and, in :meth:`wait`, waits for them and posts "published".
+
+Progress runs on the training thread, inside the gradient hooks, not on a communication
+thread: with one compute thread per core (2 workers on 2 cores here) a thread only takes
+time slices from backward and moves every bucket to another core's cache, while in the
+hook the gradients it reduces were just written. Measured with ``shmtrain bench overlap``
+(docs/overlap.md).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import PeerTimeout
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import align
 from shmtrain.fabric.shm_allreduce import split
@@ -105,12 +108,11 @@ class BucketAllreduce:
         self._arrived = host.channel(f"{tag}.arrived")
         self._reduced = host.channel(f"{tag}.reduced")
         self._published = host.channel(f"{tag}.published")
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = 0  # sequence number of the last bucket this worker finished
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="shmtrain-buckets", daemon=True)
-        self._thread.start()
+        self._B = len(self.buckets)
+        self._launched = 0  # sequence number of the last bucket this worker launched
+        self._done = 0  # ... whose chunk this worker reduced
+        self._sent = 0  # ... started between hosts (local rank 0 of a multi-host job)
+        self._works: list[tuple[torch.Tensor, dist.Work]] = []
 
     def input(self, step: int) -> torch.Tensor:
         """This worker's slot for ``step``: write the gradients here before launching."""
@@ -122,73 +124,85 @@ class BucketAllreduce:
 
     def launch(self, bucket: int, step: int) -> None:
         """Start bucket ``bucket`` of ``step``; call in bucket order, every bucket, every step."""
-        self._queue.put((bucket, step))
+        seq = (step - 1) * self._B + bucket + 1
+        if seq != self._launched + 1:
+            raise RuntimeError(f"bucket {bucket} of step {step} launched out of order "
+                               f"(expected sequence {self._launched + 1}, got {seq})")
+        self._launched = seq
+        self.host.control.post(self._arrived, self.host.local_rank, seq)
+        self.progress()
+
+    def progress(self, block: bool = False) -> None:
+        """Reduce this worker's chunk of every launched bucket whose inputs arrived, in
+        order; stop at the first one still waiting for a peer unless ``block``."""
+        host, control = self.host, self.host.control
+        while self._done < self._launched:
+            seq = self._done + 1
+            if block:
+                control.wait(self._arrived, host.ranks, seq, timeout=host.timeout,
+                             what=f"bucket {(seq - 1) % self._B} gradients")
+            elif not self._posted(self._arrived, seq):
+                break
+            self._reduce(seq)
+            control.post(self._reduced, host.local_rank, seq)
+            self._done = seq
+        if self.leaders is not None and host.local_rank == 0:
+            while self._sent < self._done:
+                seq = self._sent + 1
+                if block:
+                    control.wait(self._reduced, host.ranks, seq, timeout=host.timeout,
+                                 what=f"bucket {(seq - 1) % self._B} reduction")
+                elif not self._posted(self._reduced, seq):
+                    break
+                step, bucket = divmod(seq - 1, self._B)
+                lo, hi = self.buckets[bucket]
+                view = self.results[(step + 1) % 2][lo:hi]
+                self._works.append((view, dist.all_reduce(view, group=self.leaders, async_op=True)))
+                self._sent = seq
 
     def wait(self, step: int) -> None:
-        """Sleep until every bucket of ``step`` is reduced on every worker of the job."""
-        target = step * len(self.buckets)
-        deadline = time.monotonic() + self.host.timeout + 5.0  # the thread times out first
-        with self._cond:
-            while self._done < target and self._error is None:
-                if not self._thread.is_alive():
-                    raise RuntimeError("the bucket allreduce thread has stopped")
-                if time.monotonic() > deadline:
-                    raise PeerTimeout(f"bucket allreduce of step {step} did not finish within {self.host.timeout:.0f} s")
-                self._cond.wait(0.05)
-        if self._error is not None:
-            raise self._error
-        control = self.host.control
+        """Finish every bucket of ``step`` (all launched) and sleep until every worker of
+        the job holds the result."""
+        target = step * self._B
+        if self._launched < target:
+            raise RuntimeError(f"wait for step {step} before all its {self._B} buckets were launched")
+        self.progress(block=True)
+        host, control = self.host, self.host.control
         if self.leaders is None:
-            control.wait(self._reduced, self.host.ranks, target, timeout=self.host.timeout, what="bucket reduction")
-        elif self.host.local_rank != 0:
-            control.wait(self._published, [0], target, timeout=self.host.timeout, what="hosts' buckets")
+            control.wait(self._reduced, host.ranks, target, timeout=host.timeout, what="bucket reduction")
+        elif host.local_rank == 0:
+            for view, work in self._works:
+                work.wait()
+                if self.op == "mean":
+                    view.mul_(1.0 / (host.local_world * self.num_hosts))
+            self._works.clear()
+            control.post(self._published, 0, target)
+        else:
+            control.wait(self._published, [0], target, timeout=host.timeout, what="hosts' buckets")
 
     def close(self) -> None:
-        """Stop the communication thread (after the last :meth:`wait`)."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=self.host.timeout)
+        """Nothing runs in the background; kept so callers release it like the others."""
+        self._works.clear()
 
-    # -- the communication thread -------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                bucket, step = item
-                self._reduce(bucket, step)
-                with self._cond:
-                    self._done = (step - 1) * len(self.buckets) + bucket + 1
-                    self._cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
+    def _posted(self, channel: int, seq: int) -> bool:
+        control = self.host.control
+        return all(control.get(channel, r) >= seq for r in self.host.ranks)
 
-    def _reduce(self, bucket: int, step: int) -> None:
-        host, control = self.host, self.host.control
-        seq = (step - 1) * len(self.buckets) + bucket + 1
-        me = host.local_rank
-        control.post(self._arrived, me, seq)
-        control.wait(self._arrived, host.ranks, seq, timeout=host.timeout, what=f"bucket {bucket} gradients")
+    def _reduce(self, seq: int) -> None:
+        step, bucket = divmod(seq - 1, self._B)
         lo, hi = self._chunks[bucket]
-        slots, out = self.slots[step % 2], self.results[step % 2][lo:hi]
-        if hi > lo:
-            if len(slots) == 1:
-                out.copy_(slots[0][lo:hi])
-            else:
-                torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
-                for slot in slots[2:]:
-                    out.add_(slot[lo:hi])
-                if self.op == "mean" and self.leaders is None:
-                    out.mul_(1.0 / len(slots))
-        control.post(self._reduced, me, seq)
-        if self.leaders is not None and me == 0:
-            control.wait(self._reduced, host.ranks, seq, timeout=host.timeout, what=f"bucket {bucket} reduction")
-            blo, bhi = self.buckets[bucket]
-            view = self.results[step % 2][blo:bhi]
-            dist.all_reduce(view, group=self.leaders)
-            if self.op == "mean":
-                view.mul_(1.0 / (len(slots) * self.num_hosts))
-            control.post(self._published, me, seq)
+        if hi <= lo:
+            return
+        parity = (step + 1) % 2
+        slots, out = self.slots[parity], self.results[parity][lo:hi]
+        mean = self.op == "mean" and self.leaders is None
+        if len(slots) == 1:
+            out.copy_(slots[0][lo:hi])
+        elif len(slots) == 2 and mean:  # the mean of two in one pass
+            torch.lerp(slots[0][lo:hi], slots[1][lo:hi], 0.5, out=out)
+        else:
+            torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
+            for slot in slots[2:]:
+                out.add_(slot[lo:hi])
+            if mean:
+                out.mul_(1.0 / len(slots))

@@ -31,10 +31,14 @@ rank's gradient hook for a parameter fires after the last use of that parameter 
 backward. Receive slots are reused one iteration later only after the receiver consumed
 them, because nobody starts iteration k+1 before holding every layer of iteration k.
 
-The optimizer runs on the root only, one parameter at a time, on the user's optimizer
-object (its ``param_groups`` are narrowed to one parameter for the call, so state, hyper-
-parameters and schedulers stay the user's). Optimizers whose step couples parameters
-(L-BFGS) are not supported.
+The optimizer runs on the root only, on the user's optimizer object (its
+``param_groups`` are narrowed to the layers being updated for the call, so state, hyper-
+parameters and schedulers stay the user's). A large layer is updated alone as soon as its
+gradient is complete; small layers (a BatchNorm's 64 weights) are updated together once
+``UPDATE_BATCH`` elements are ready, or at the finalization: one optimizer call costs
+~25 us of Python whatever its size, and ResNet-18's 62 calls per iteration on the root's
+critical path cost 3% of an iteration (measured with cProfile, 1 worker). Optimizers
+whose step couples parameters (L-BFGS) are not supported.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ import torch
 from shmtrain.fabric.flat import FlatLayout
 from shmtrain.fabric.onesided import OneSidedWindow
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
+
+#: the root updates ready layers once they hold this many elements (or at finalization)
+UPDATE_BATCH = 1 << 18
 
 
 def tree_parent(rank: int) -> int:
@@ -120,6 +127,8 @@ class GPI(Strategy):
         self._own = np.zeros(n, dtype=bool)  # this rank's gradient is ready
         self._sent = np.zeros(n, dtype=bool)  # reduced and sent up (root: updated)
         self._have = np.zeros(n, dtype=bool)  # new weights in place and sent down
+        self._ready: list[int] = []  # root: averaged, awaiting the optimizer
+        self._ready_numel = 0
 
     # -- notification ids (per receiver) -------------------------------------------
     def _grad_id(self, layer: int, child_slot: int) -> int:
@@ -156,19 +165,33 @@ class GPI(Strategy):
     def _reduce(self, layer: int, seq: int) -> None:
         p = self.params[layer]
         grad = p.grad
-        for slot in self._slots:
-            grad.add_(slot[layer])
         self._sent[layer] = True
         if self.parent >= 0:
+            for slot in self._slots:
+                grad.add_(slot[layer])
             self.window.write_notify(
                 self.parent, self._parent_slot[layer], grad,
                 self._grad_id(layer, self._parent_slot_id), seq,
             )
             return
-        if self.world > 1:
+        if self.world == 2:  # the mean of two in one pass
+            grad.lerp_(self._slots[0][layer], 0.5)
+        elif self.world > 2:
+            for slot in self._slots:
+                grad.add_(slot[layer])
             grad.mul_(1.0 / self.world)
-        self._step_layer(layer)
-        self._send_down(layer, seq)
+        self._ready.append(layer)
+        self._ready_numel += p.numel()
+        if self._ready_numel >= UPDATE_BATCH:
+            self._update_ready(seq)
+
+    def _update_ready(self, seq: int) -> None:
+        """Root: one optimizer call for the averaged layers, then their weights go down."""
+        if self._ready:
+            self._step_layers(self._ready)
+            for layer in self._ready:
+                self._send_down(layer, seq)
+            self._ready, self._ready_numel = [], 0
 
     def _send_down(self, layer: int, seq: int) -> None:
         weights = self._weights[layer]
@@ -176,11 +199,15 @@ class GPI(Strategy):
             self.window.write_notify(child, views[layer], weights, self._weights_id(layer), seq)
         self._have[layer] = True
 
-    def _step_layer(self, layer: int) -> None:
-        """The optimizer's step for one parameter (the layer-wise update of CaffeGPI)."""
+    def _step_layers(self, layers: list[int]) -> None:
+        """The optimizer's step for some parameters only (CaffeGPI's layer-wise update)."""
         optimizer = self.optimizer
         groups = optimizer.param_groups
-        optimizer.param_groups = [dict(self._groups[layer], params=[self.params[layer]])]
+        narrowed: dict[int, dict] = {}
+        for layer in layers:
+            group = self._groups[layer]
+            narrowed.setdefault(id(group), dict(group, params=[]))["params"].append(self.params[layer])
+        optimizer.param_groups = list(narrowed.values())
         try:
             optimizer.step()
         finally:
@@ -198,6 +225,7 @@ class GPI(Strategy):
         while True:
             token = self.window.doorbell()
             self._turn()
+            self._update_ready(self.iteration + 1)
             if self._have.all():
                 break
             senders, what = self._waiting_for()

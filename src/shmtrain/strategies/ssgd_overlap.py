@@ -6,9 +6,11 @@ does it: parameters in reverse registration order are grouped into buckets of at
 hook copies its gradient into the bucket and, when the bucket is complete, launches
 its allreduce, buckets strictly in order; after backward only the unfinished buckets
 are waited for (``collect_remaining``). With ``--allreduce shm`` (default) the buckets
-go through :class:`shmtrain.fabric.bucket_allreduce.BucketAllreduce` (a communication
-thread per worker, shared memory, gloo between hosts); with ``--allreduce gloo``
-through ``torch.distributed.all_reduce(async_op=True)``, exactly DDP's transport.
+go through :class:`shmtrain.fabric.bucket_allreduce.BucketAllreduce` (shared memory,
+gloo between hosts; its progress runs in these hooks, on the training thread: every hook
+reduces this worker's share of each launched bucket whose peers' gradients have arrived,
+without waiting); with ``--allreduce gloo`` through
+``torch.distributed.all_reduce(async_op=True)``, exactly DDP's transport.
 
 Unlike DDP, buckets are not rebuilt from the observed gradient order after the first
 iteration; a parameter that backward did not reach is filled with zeros after backward
@@ -90,14 +92,17 @@ class OverlapSSGD(SSGD):
         i = self._slot[id(param)]
         self._inputs[self._step % 2][i].copy_(param.grad)
         self._mark(i)
-        self._launch_ready()
+        if not self._launch_ready() and not self.gloo:
+            self.reducer.progress()  # buckets whose peers were late at their launch
 
     def _mark(self, i: int) -> None:
         self._seen[i] = True
         self._pending[self._bucket_of[i]] -= 1
 
-    def _launch_ready(self) -> None:
-        """Launch complete buckets in order (every rank issues the same sequence)."""
+    def _launch_ready(self) -> bool:
+        """Launch complete buckets in order (every rank issues the same sequence); True if
+        any was launched."""
+        first = self._next
         while self._next < len(self._sizes) and self._pending[self._next] == 0:
             b = self._next
             if self.gloo:
@@ -106,6 +111,7 @@ class OverlapSSGD(SSGD):
             else:
                 self.reducer.launch(b, self._step)
             self._next += 1
+        return self._next > first
 
     def after_backward(self) -> None:
         start = time.perf_counter()
