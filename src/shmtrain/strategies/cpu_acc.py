@@ -21,6 +21,12 @@ iteration writes instead of adding, so nothing is zeroed. ``isUpdated(u)`` is ``
 sets by iteration parity: a worker reaches iteration k+2 only after everyone finished
 k+1, i.e. after everyone read back iteration k's sums.
 
+Hand-offs are queued in batches: a large layer goes to the accumulator thread at once,
+small ones (a BatchNorm's 64 weights) together once ``HANDOFF_BATCH`` elements are
+waiting, and the rest right after backward. Each queue entry wakes the thread, and on a
+machine whose cores all run backward every wake-up takes a core from a compute thread
+(ResNet-18: 62 wake-ups per iteration per worker unbatched, ~20 batched).
+
 Timings (TRL Tables 3 and 4): ``broadcast`` (once, in the first row), ``collect_remaining``
 (the wait after backward; also counted in ``comm``), ``accumulate`` (seconds this
 worker's accumulator thread spent adding, in the background), and per layer, under the
@@ -45,6 +51,9 @@ from shmtrain.fabric.segment import align
 from shmtrain.fabric.stitch import PAGE
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 from shmtrain.strategies.ssgd import broadcast_parameters
+
+#: small layers are handed to the accumulator thread together once this many elements wait
+HANDOFF_BATCH = 1 << 18
 
 
 @register
@@ -96,6 +105,8 @@ class CPUAccumulation(Strategy):
         self._scale = 1.0 / self.world
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._batch: list[tuple] = []  # hand-offs not yet queued
+        self._batch_numel = 0
         self._thread = threading.Thread(target=self._accumulate_loop, name="shmtrain-cpu-acc", daemon=True)
         self._thread.start()
 
@@ -129,12 +140,21 @@ class CPUAccumulation(Strategy):
                 self._pinned[layer].copy_(grad, non_blocking=True)
                 end.record(d2h)
             grad.record_stream(d2h)
-            self._queue.put((layer, seq, self._pinned[layer], (begin, end)))
+            self._batch.append((layer, seq, self._pinned[layer], (begin, end)))
         else:
-            self._queue.put((layer, seq, grad, None))
+            self._batch.append((layer, seq, grad, None))
             self._copy_s[layer] = time.perf_counter() - start
         self._handed[layer] = True
         self._order.append(layer)
+        self._batch_numel += grad.numel()
+        if self._batch_numel >= HANDOFF_BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Queue the waiting hand-offs for the accumulator thread (one wake-up)."""
+        if self._batch:
+            self._queue.put(self._batch)
+            self._batch, self._batch_numel = [], 0
 
     def _return_finished(self) -> None:
         """Lines 7-10: bring back every handed-off layer whose sum is complete."""
@@ -166,33 +186,37 @@ class CPUAccumulation(Strategy):
     def _accumulate_loop(self) -> None:
         try:
             while True:
-                item = self._queue.get()
-                if item is None:
+                batch = self._queue.get()
+                if batch is None:
                     return
-                layer, seq, partial, events = item
-                if events is not None:
-                    events[1].synchronize()  # the D2H copy has landed in pinned memory
-                    self._copy_s[layer] = events[0].elapsed_time(events[1]) / 1e3
-                deadline = time.monotonic() + self.ctx.timeout
-                start = time.perf_counter()
-                self.critical.acquire(layer, deadline=deadline, check=self._check,
-                                      what=f"the global gradient of layer {layer}")
-                entered = time.perf_counter()
-                count = int(self.critical.counters[layer])
-                target = self.global_grads[seq % 2][layer]
-                # The mean, as a sum of partials scaled by 1/N (no pass after the last one);
-                # the first arrival of the iteration writes instead of adding.
-                if count % self.world == 0:
-                    torch.mul(partial, self._scale, out=target)
-                else:
-                    target.add_(partial, alpha=self._scale)
-                self._lock_wait_s[layer] = entered - start
-                self._accumulate_s[layer] = time.perf_counter() - entered
-                self.critical.release(layer, count + 1)
-                self._done_total += 1
-                self.ctx.host.control.post(self._accumulated, self.me, self._done_total)
+                for item in batch:
+                    self._accumulate(*item)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
+
+    def _accumulate(self, layer: int, seq: int, partial: torch.Tensor, events: tuple | None) -> None:
+        """Algorithm 7 for one layer: add the partial inside the layer's critical section."""
+        if events is not None:
+            events[1].synchronize()  # the D2H copy has landed in pinned memory
+            self._copy_s[layer] = events[0].elapsed_time(events[1]) / 1e3
+        deadline = time.monotonic() + self.ctx.timeout
+        start = time.perf_counter()
+        self.critical.acquire(layer, deadline=deadline, check=self._check,
+                              what=f"the global gradient of layer {layer}")
+        entered = time.perf_counter()
+        count = int(self.critical.counters[layer])
+        target = self.global_grads[seq % 2][layer]
+        # The mean, as a sum of partials scaled by 1/N (no pass after the last one);
+        # the first arrival of the iteration writes instead of adding.
+        if count % self.world == 0:
+            torch.mul(partial, self._scale, out=target)
+        else:
+            target.add_(partial, alpha=self._scale)
+        self._lock_wait_s[layer] = entered - start
+        self._accumulate_s[layer] = time.perf_counter() - entered
+        self.critical.release(layer, count + 1)
+        self._done_total += 1
+        self.ctx.host.control.post(self._accumulated, self.me, self._done_total)
 
     # -- collectRemainingGradsFromCPU ------------------------------------------------------
     def after_backward(self) -> None:
@@ -202,6 +226,7 @@ class CPUAccumulation(Strategy):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             self._hand_off(int(layer), p.grad)
+        self._flush()
         target = self.world * (self.iteration + 1)
         deadline = time.monotonic() + self.ctx.timeout
         for layer in self._order:
