@@ -8,10 +8,19 @@ gradient, the worker
    arrived (higher ranks send to lower ones: ``parent(r) = r - lowbit(r)``), adds them
    to its own and writes the sum into its parent's segment with a notification;
 2. at the root (rank 0): averages the layer's gradient, updates *that layer* with the
-   optimizer (the layer-wise update the paper adds to Caffe's solver) and writes the
-   new weights into its children's parameters, which forward them down the same tree
+   optimizer (the layer-wise update the paper adds to Caffe's solver) and notifies its
+   children that the layer's new weights are in place; they flow down the same tree
    (lower ranks to higher);
-3. forwards any updated layer that has arrived from its parent.
+3. for every layer whose new weights its parent has announced: copies them from the
+   parent's segment into its own parameters (a one-sided read, GASPI's ``gaspi_read``)
+   and notifies its own children.
+
+Down the tree the data is read by the child rather than written by the parent (the
+paper writes): both are one-sided, but the root is the busiest rank of the tree (it
+reduces, updates and feeds every subtree) while its children wait for it at the
+finalization, so moving the copies to the children shortens the critical path. On
+ResNet-18 with 2 workers the root spent 9 ms per iteration writing weights into its
+child's parameters while the child slept 17 ms in the finalization (cProfile).
 
 Sends are triggered, never awaited (a write into a peer's shared memory plus a
 notification, :mod:`shmtrain.fabric.onesided`). A finalization phase
@@ -25,11 +34,12 @@ finalization loop. A helper thread sleeping on the doorbell would react sooner, 
 one compute thread per core it only takes time slices from backward, and it would race
 the optimizer and autograd over the same tensors; the turn-based design is the paper's.
 
-Why it is safe to write weights into a peer's parameters while it still runs backward:
-a layer's new weights exist only after every rank's gradient for it arrived, and a
-rank's gradient hook for a parameter fires after the last use of that parameter in its
-backward. Receive slots are reused one iteration later only after the receiver consumed
-them, because nobody starts iteration k+1 before holding every layer of iteration k.
+Why reading a parent's weights is safe: a parent overwrites a layer's weights only at
+the next iteration's update (or read) of that layer, which needs this rank's gradient of
+that layer in the next iteration, i.e. after this rank holds every layer of this
+iteration. Gradient slots are reused one iteration later only after the receiver
+consumed them, for the same reason: nobody starts iteration k+1 before holding every
+layer of iteration k.
 
 The optimizer runs on the root only, on the user's optimizer object (its
 ``param_groups`` are narrowed to the layers being updated for the call, so state, hyper-
@@ -109,7 +119,8 @@ class GPI(Strategy):
         if me != 0:  # one broadcast of the initial weights, from the root's area
             self.window.area(me, dtype, 0, numel).copy_(self.window.area(0, dtype, 0, numel))
         host.barrier("gpi initial weights")
-        self._child_weights = [layout.views(self.window.area(c, dtype, 0, numel)) for c in self.children]
+        if self.parent >= 0:
+            self._parent_weights = layout.views(self.window.area(self.parent, dtype, 0, numel))
         self._slots = [
             layout.views(self.window.area(me, dtype, (1 + j) * self.layer_bytes, numel))
             for j in range(len(self.children))
@@ -158,6 +169,7 @@ class GPI(Strategy):
         if self.parent >= 0:
             arrived = (words[self.num_layers * self.fanin :] >= seq) & ~self._have
             for layer in np.flatnonzero(arrived):
+                self._weights[layer].copy_(self._parent_weights[layer])  # the one-sided read
                 self._send_down(int(layer), seq)
                 moved = True
         return moved
@@ -194,9 +206,9 @@ class GPI(Strategy):
             self._ready, self._ready_numel = [], 0
 
     def _send_down(self, layer: int, seq: int) -> None:
-        weights = self._weights[layer]
-        for child, views in zip(self.children, self._child_weights, strict=True):
-            self.window.write_notify(child, views[layer], weights, self._weights_id(layer), seq)
+        """This rank holds the layer's new weights: tell the children to read them."""
+        for child in self.children:
+            self.window.notify(child, self._weights_id(layer), seq)
         self._have[layer] = True
 
     def _step_layers(self, layers: list[int]) -> None:
