@@ -8,8 +8,14 @@ allreduce is launched asynchronously, buckets strictly in order so every rank is
 the same sequence. This module is that machinery's communication half over the host's
 shared memory (the hooks live in :mod:`shmtrain.strategies.ssgd_overlap`).
 
-Each worker writes a bucket's gradients into its own slot (one flat slot per worker,
-two sets alternating by step parity, as in :mod:`shmtrain.fabric.shm_allreduce`).
+Each worker writes a bucket's gradients into its own slot (one flat slot per worker)
+and the reduced buckets go to one shared result. One set of each is enough, unlike
+:mod:`shmtrain.fabric.shm_allreduce` (which reduces in place and needs two sets by step
+parity): a worker writes its slot for step ``k + 1`` only after every chunk of step ``k``
+was reduced (its :meth:`BucketAllreduce.wait` saw that), and a chunk of the result is
+overwritten for step ``k + 1`` only after every worker posted its bucket of step
+``k + 1``, i.e. finished reading the result of step ``k`` in its optimizer. One set also
+halves the memory the gradients stream through each iteration.
 Bucket ``b`` of step ``k`` has the sequence number ``s = (k - 1) * B + b + 1``.
 :meth:`BucketAllreduce.launch` posts "arrived" = ``s`` and makes progress: for every
 launched bucket, in order, whose inputs have arrived from every local rank, local rank
@@ -98,10 +104,9 @@ class BucketAllreduce:
         L = host.local_world
         itemsize = torch.empty((), dtype=dtype).element_size()
         stride = align(max(numel, 1) * itemsize, PAGE)
-        self.segment = host.allocate(tag, stride * (L + 1) * 2)
-        self.slots = [[self.segment.tensor(dtype, ((L + 1) * s + r) * stride, numel) for r in range(L)]
-                      for s in (0, 1)]
-        self.results = [self.segment.tensor(dtype, ((L + 1) * s + L) * stride, numel) for s in (0, 1)]
+        self.segment = host.allocate(tag, stride * (L + 1))
+        self.slots = [self.segment.tensor(dtype, r * stride, numel) for r in range(L)]
+        self.result_buffer = self.segment.tensor(dtype, L * stride, numel)
         self._chunks = [
             [(lo + a, lo + b) for a, b in split(hi - lo, L)][host.local_rank] for lo, hi in self.buckets
         ]
@@ -115,12 +120,14 @@ class BucketAllreduce:
         self._works: list[tuple[torch.Tensor, dist.Work]] = []
 
     def input(self, step: int) -> torch.Tensor:
-        """This worker's slot for ``step``: write the gradients here before launching."""
-        return self.slots[step % 2][self.host.local_rank]
+        """This worker's slot (the same every step): write the gradients here before
+        launching; free again once :meth:`wait` of the step returned."""
+        return self.slots[self.host.local_rank]
 
     def result(self, step: int) -> torch.Tensor:
-        """The shared reduced buffer of ``step`` (valid until this worker's step + 1 ends)."""
-        return self.results[step % 2]
+        """The shared reduced buffer (the same every step): valid after :meth:`wait` of
+        ``step`` until this worker launches the first bucket of the next step."""
+        return self.result_buffer
 
     def launch(self, bucket: int, step: int) -> None:
         """Start bucket ``bucket`` of ``step``; call in bucket order, every bucket, every step."""
@@ -154,9 +161,8 @@ class BucketAllreduce:
                                  what=f"bucket {(seq - 1) % self._B} reduction")
                 elif not self._posted(self._reduced, seq):
                     break
-                step, bucket = divmod(seq - 1, self._B)
-                lo, hi = self.buckets[bucket]
-                view = self.results[(step + 1) % 2][lo:hi]
+                lo, hi = self.buckets[(seq - 1) % self._B]
+                view = self.result_buffer[lo:hi]
                 self._works.append((view, dist.all_reduce(view, group=self.leaders, async_op=True)))
                 self._sent = seq
 
@@ -189,12 +195,10 @@ class BucketAllreduce:
         return all(control.get(channel, r) >= seq for r in self.host.ranks)
 
     def _reduce(self, seq: int) -> None:
-        step, bucket = divmod(seq - 1, self._B)
-        lo, hi = self._chunks[bucket]
+        lo, hi = self._chunks[(seq - 1) % self._B]
         if hi <= lo:
             return
-        parity = (step + 1) % 2
-        slots, out = self.slots[parity], self.results[parity][lo:hi]
+        slots, out = self.slots, self.result_buffer[lo:hi]
         mean = self.op == "mean" and self.leaders is None
         if len(slots) == 1:
             out.copy_(slots[0][lo:hi])

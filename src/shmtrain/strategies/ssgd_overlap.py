@@ -59,16 +59,16 @@ class OverlapSSGD(SSGD):
         self.gloo = config.allreduce == "gloo"
         if self.gloo:
             self._flat = torch.zeros(layout.numel, dtype=layout.dtype)
-            self._inputs = [layout.views(self._flat)] * 2
-            self._results = self._inputs
+            self._inputs = self._results = layout.views(self._flat)
             self._works: list[dist.Work] = []
         else:
             self.reducer = BucketAllreduce(
                 ctx.host, layout.numel, self.bucket_ranges, dtype=layout.dtype,
                 op="mean", leaders=ctx.leaders, tag="buckets",
             )
-            self._inputs = [layout.views(self.reducer.input(s)) for s in (0, 1)]
-            self._results = [layout.views(self.reducer.result(s)) for s in (0, 1)]
+            # one slot and one result, reused every step (see BucketAllreduce)
+            self._inputs = layout.views(self.reducer.input(1))
+            self._results = layout.views(self.reducer.result(1))
         self._step = 0
         self._seen = np.zeros(len(order), dtype=bool)
         self._pending = self._sizes.copy()
@@ -90,7 +90,7 @@ class OverlapSSGD(SSGD):
     def on_gradient_ready(self, param: torch.Tensor) -> None:
         self._begin()
         i = self._slot[id(param)]
-        self._inputs[self._step % 2][i].copy_(param.grad)
+        self._inputs[i].copy_(param.grad)
         self._mark(i)
         if not self._launch_ready() and not self.gloo:
             self.reducer.progress()  # buckets whose peers were late at their launch
@@ -116,7 +116,7 @@ class OverlapSSGD(SSGD):
     def after_backward(self) -> None:
         start = time.perf_counter()
         self._begin()
-        inputs = self._inputs[self._step % 2]
+        inputs = self._inputs
         for i in np.flatnonzero(~self._seen):  # parameters backward did not reach
             inputs[int(i)].zero_()
             self._mark(int(i))
@@ -127,7 +127,7 @@ class OverlapSSGD(SSGD):
             self._flat.mul_(1.0 / dist.get_world_size())
         else:
             self.reducer.wait(self._step)
-        self.layout.bind_grads(self._results[self._step % 2])
+        self.layout.bind_grads(self._results)
         elapsed = time.perf_counter() - start
         self.timer.add("collect_remaining", elapsed)
         self.timer.add("comm", elapsed)
