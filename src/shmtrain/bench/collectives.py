@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shmtrain.argtypes import comma_list
 from shmtrain.bench.common import median, parse_size, table, timed_collective, write_json
 from shmtrain.fabric.collectives.algorithms import ALGORITHMS
 from shmtrain.fabric.collectives.reducers import GlooAllreduce, ScheduledAllreduce
@@ -105,17 +106,6 @@ def side_by_side(rows: list[dict[str, Any]], impls: list[str]) -> list[dict[str,
     return out
 
 
-def _impls(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in IMPLEMENTATIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown allreduce {', '.join(unknown) or repr(text)}; choose from "
-            f"{', '.join(IMPLEMENTATIONS)}"
-        )
-    return names
-
-
 def _handler(args: argparse.Namespace) -> int:
     procs = args.procs or [2, 4]
     if any(p < 1 for p in procs):
@@ -157,7 +147,7 @@ def add_bench_collectives_parser(bench: argparse._SubParsersAction) -> argparse.
     p.add_argument("--sizes", nargs="+",
                    help="buffer sizes, e.g. 64KiB 1MiB 16MiB (the default)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per size (default 10)")
-    p.add_argument("--impls", type=_impls,
+    p.add_argument("--impls", type=comma_list("allreduce", IMPLEMENTATIONS),
                    help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)} (default all)")
     p.add_argument("--group-size", type=int,
                    help="processes per pretend group for topo/hierarchical (default: all)")

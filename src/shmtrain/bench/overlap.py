@@ -29,7 +29,7 @@ from torch import nn
 from shmtrain.bench.common import table, write_json
 
 # mode -> (strategy, options): the same table as ``shmtrain bench step``; ``ddp`` apart.
-from shmtrain.bench.step import MODES
+from shmtrain.bench.step import MODES, check_modes
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.runtime.launcher import launch
 
@@ -155,9 +155,7 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
 
 def _handler(args: argparse.Namespace) -> int:
     modes = args.modes or DEFAULT_MODES
-    unknown = [m for m in modes if m != "ddp" and m not in MODES]
-    if unknown:
-        raise ValueError(f"--modes {unknown}: unknown; choose from ddp, {', '.join(MODES)}")
+    check_modes(modes)
     if args.workers < 1 or args.rounds < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:
         raise ValueError("--workers, --rounds, --batch-size and --threads must be at least 1 and --warmup not negative")
     payload = {"model": args.model, "input_shape": args.input_shape, "batch_size": args.batch_size,

@@ -111,11 +111,16 @@ def run(modes: list[str], workers: list[int], payload: dict[str, Any]) -> list[d
     return rows
 
 
-def _handler(args: argparse.Namespace) -> int:
-    modes = args.modes or DEFAULT_MODES
+def check_modes(modes: list[str]) -> None:
+    """Reject a ``--modes`` name that is neither ``ddp`` nor in :data:`MODES`."""
     unknown = [m for m in modes if m != "ddp" and m not in MODES]
     if unknown:
         raise ValueError(f"--modes {unknown}: unknown; choose from ddp, {', '.join(MODES)}")
+
+
+def _handler(args: argparse.Namespace) -> int:
+    modes = args.modes or DEFAULT_MODES
+    check_modes(modes)
     if any(w < 1 for w in args.workers):
         raise ValueError(f"--workers {args.workers}: every worker count must be at least 1")
     if args.iterations < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:

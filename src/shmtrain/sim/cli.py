@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from shmtrain.argtypes import comma_list
 from shmtrain.fabric.collectives.algorithms import ALGORITHMS
 from shmtrain.sim.model import CostModel
 from shmtrain.sim.simulate import format_table, parse_bytes, simulate_all
@@ -52,17 +53,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _algorithms(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALGORITHMS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown algorithm {', '.join(unknown) or repr(text)}; choose from "
-            f"{', '.join(ALGORITHMS)}"
-        )
-    return names
-
-
 def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``sim`` (with its ``allreduce`` command) to the top-level ``subparsers``."""
     defaults = CostModel()
@@ -82,7 +72,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                    help="nodes per group (supernode, host); must divide --nodes")
     p.add_argument("--bytes", type=_size, nargs="+", required=True, metavar="N",
                    help="buffer size(s), e.g. 97.7MB 232.6MB (MB = 10^6 B, MiB = 2^20 B)")
-    p.add_argument("--algorithms", type=_algorithms, default=list(ALGORITHMS),
+    p.add_argument("--algorithms", type=comma_list("algorithm", ALGORITHMS), default=list(ALGORITHMS),
                    help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: all)")
     p.add_argument("--itemsize", type=_positive_int("--itemsize"), default=4,
                    help="bytes per element (4: float32)")
