@@ -25,7 +25,7 @@ Hand-offs are queued in batches: a large layer goes to the accumulator thread at
 small ones (a BatchNorm's 64 weights) together once ``HANDOFF_BATCH`` elements are
 waiting, and the rest right after backward. Each queue entry wakes the thread, and on a
 machine whose cores all run backward every wake-up takes a core from a compute thread
-(ResNet-18: 62 wake-ups per iteration per worker unbatched, ~20 batched).
+(ResNet-18: 62 queue entries per iteration per worker unbatched, 11 batched).
 
 Timings (TRL Tables 3 and 4): ``broadcast`` (once, in the first row), ``collect_remaining``
 (the wait after backward; also counted in ``comm``), ``accumulate`` (seconds this
