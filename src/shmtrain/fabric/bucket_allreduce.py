@@ -119,14 +119,14 @@ class BucketAllreduce:
         self._sent = 0  # ... started between hosts (local rank 0 of a multi-host job)
         self._works: list[tuple[torch.Tensor, dist.Work]] = []
 
-    def input(self, step: int) -> torch.Tensor:
+    def input(self) -> torch.Tensor:
         """This worker's slot (the same every step): write the gradients here before
         launching; free again once :meth:`wait` of the step returned."""
         return self.slots[self.host.local_rank]
 
-    def result(self, step: int) -> torch.Tensor:
-        """The shared reduced buffer (the same every step): valid after :meth:`wait` of
-        ``step`` until this worker launches the first bucket of the next step."""
+    def result(self) -> torch.Tensor:
+        """The shared reduced buffer (the same every step): valid after :meth:`wait` of a
+        step until this worker launches the first bucket of the next step."""
         return self.result_buffer
 
     def launch(self, bucket: int, step: int) -> None:
@@ -142,29 +142,16 @@ class BucketAllreduce:
     def progress(self, block: bool = False) -> None:
         """Reduce this worker's chunk of every launched bucket whose inputs arrived, in
         order; stop at the first one still waiting for a peer unless ``block``."""
-        host, control = self.host, self.host.control
-        while self._done < self._launched:
-            seq = self._done + 1
-            if block:
-                control.wait(self._arrived, host.ranks, seq, timeout=host.timeout,
-                             what=f"bucket {(seq - 1) % self._B} gradients")
-            elif not self._posted(self._arrived, seq):
-                break
-            self._reduce(seq)
-            control.post(self._reduced, host.local_rank, seq)
-            self._done = seq
-        if self.leaders is not None and host.local_rank == 0:
-            while self._sent < self._done:
-                seq = self._sent + 1
-                if block:
-                    control.wait(self._reduced, host.ranks, seq, timeout=host.timeout,
-                                 what=f"bucket {(seq - 1) % self._B} reduction")
-                elif not self._posted(self._reduced, seq):
-                    break
-                lo, hi = self.buckets[(seq - 1) % self._B]
+        while self._done < self._launched and self._ready(self._arrived, self._done + 1, block, "gradients"):
+            self._reduce(self._done + 1)
+            self._done += 1
+            self.host.control.post(self._reduced, self.host.local_rank, self._done)
+        if self.leaders is not None and self.host.local_rank == 0:
+            while self._sent < self._done and self._ready(self._reduced, self._sent + 1, block, "reduction"):
+                self._sent += 1
+                lo, hi = self.buckets[(self._sent - 1) % self._B]
                 view = self.result_buffer[lo:hi]
                 self._works.append((view, dist.all_reduce(view, group=self.leaders, async_op=True)))
-                self._sent = seq
 
     def wait(self, step: int) -> None:
         """Finish every bucket of ``step`` (all launched) and sleep until every worker of
@@ -190,9 +177,15 @@ class BucketAllreduce:
         """Nothing runs in the background; kept so callers release it like the others."""
         self._works.clear()
 
-    def _posted(self, channel: int, seq: int) -> bool:
-        control = self.host.control
-        return all(control.get(channel, r) >= seq for r in self.host.ranks)
+    def _ready(self, channel: int, seq: int, block: bool, what: str) -> bool:
+        """Has every local rank posted ``seq`` on ``channel``? With ``block``, sleep until
+        it has (errors name a dead or late peer)."""
+        host, control = self.host, self.host.control
+        if block:
+            control.wait(channel, host.ranks, seq, timeout=host.timeout,
+                         what=f"bucket {(seq - 1) % self._B} {what}")
+            return True
+        return all(control.get(channel, r) >= seq for r in host.ranks)
 
     def _reduce(self, seq: int) -> None:
         lo, hi = self._chunks[(seq - 1) % self._B]

@@ -53,12 +53,8 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     summary = report.summarize(out, config.to_dict(), results, wall)
     echo("\nTime per iteration (mean over workers and iterations):")
     echo(report.breakdown_table({k: v / 1e3 for k, v in summary["phases_ms"].items()}))
-    if "eq8" in summary:
-        checks = summary["eq8"].values()
-        worst = max((c["relative_error"] for c in checks), default=0.0)
-        holds = all(c["holds"] for c in checks)
-        echo(f"ShmCaffe eq. (8) T_iter = max[T_comp, T_wwi + T_ugw] + T_rgw + T_ulw: "
-             f"{'holds' if holds else 'does NOT hold'} on every worker (worst relative error {worst:.1%})")
+    for line in strategies.get(config.strategy).describe_metrics(summary):
+        echo(line)
     acc = summary["accuracy"]
     echo(f"\nheld-out accuracy {acc * 100:.2f}%  |  {summary['iterations']} iterations  |  "
          f"wall {wall:.1f} s  |  {out}/summary.json, {out}/plot.png")

@@ -43,6 +43,15 @@ class Strategy:
     one_host_reason: ClassVar[str | None] = None
 
     @classmethod
+    def check_hosts(cls, num_nodes: int) -> None:
+        """Refuse a job over several hosts when the strategy runs on one (``one_host_reason``)."""
+        if cls.one_host_reason and num_nodes > 1:
+            raise ValueError(
+                f"--strategy {cls.name} runs on one host ({num_nodes} hosts in this job): "
+                f"{cls.one_host_reason}"
+            )
+
+    @classmethod
     def check_world(cls, config: StrategyConfig, workers: int, num_nodes: int = 1) -> None:
         """Reject a job shape the strategy cannot run (before any worker starts)."""
 
@@ -52,6 +61,11 @@ class Strategy:
         ``summary.json``; None when the strategy has none."""
         return None
 
+    @classmethod
+    def describe_metrics(cls, summary: dict[str, Any]) -> list[str]:
+        """Lines that ``shmtrain train`` prints about the checks in ``summary``."""
+        return []
+
     def __init__(
         self,
         config: StrategyConfig,
@@ -60,11 +74,7 @@ class Strategy:
         optimizer: torch.optim.Optimizer,
         timer: PhaseTimer | None = None,
     ) -> None:
-        if self.one_host_reason and ctx.num_nodes > 1:
-            raise ValueError(
-                f"--strategy {self.name} runs on one host ({ctx.num_nodes} hosts in this job): "
-                f"{self.one_host_reason}"
-            )
+        self.check_hosts(ctx.num_nodes)
         self.config = config
         self.ctx = ctx
         self.model = model

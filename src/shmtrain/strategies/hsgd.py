@@ -27,7 +27,7 @@ from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import SharedSegment, align
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
 from shmtrain.strategies.base import register
-from shmtrain.strategies.seasgd import ElasticExchange
+from shmtrain.strategies.seasgd import ElasticExchange, describe_eq8, eq8_metrics
 from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
 
 
@@ -113,18 +113,16 @@ class HSGD(SharedWeightsStrategy):
     @classmethod
     def check_metrics(cls, rows):
         """Eq. (8) of ShmCaffe on every worker's metrics (group roots run SEASGD)."""
-        from shmtrain.strategies.seasgd import check_eq8
+        return eq8_metrics(rows)
 
-        return {"eq8": {rank: check_eq8(r, skip=2) for rank, r in rows.items() if len(r) > 2}}
+    @classmethod
+    def describe_metrics(cls, summary):
+        return describe_eq8(summary)
 
     @classmethod
     def check_world(cls, config: HSGD.Config, workers: int, num_nodes: int = 1) -> int:
         """The group size for ``workers`` on one host; ValueError naming the options."""
-        if num_nodes > 1:
-            raise ValueError(
-                f"--strategy hsgd runs on one host for now ({num_nodes} hosts in this job): the "
-                "buffer service for other hosts (SMB-REMOTE) is not built yet"
-            )
+        cls.check_hosts(num_nodes)  # before the group arithmetic, whose error would mislead
         size = config.group_size
         if size == 0:
             if workers % config.groups:

@@ -165,7 +165,11 @@ class SEASGD(SharedWeightsStrategy):
     @classmethod
     def check_metrics(cls, rows):
         """Eq. (8) of ShmCaffe on every worker's metrics (see :func:`check_eq8`)."""
-        return {"eq8": {rank: check_eq8(r, skip=2) for rank, r in rows.items() if len(r) > 2}}
+        return eq8_metrics(rows)
+
+    @classmethod
+    def describe_metrics(cls, summary):
+        return describe_eq8(summary)
 
     @dataclass(kw_only=True, slots=True)
     class Config(ElasticConfig):
@@ -240,3 +244,20 @@ def check_eq8(rows: Iterable[Mapping[str, Any]], *, skip: int = 1, tolerance: fl
         "exposed_comm": exposed, "exposed_fraction": exposed / t_iter if t_iter > 0 else 0.0,
         "relative_error": error, "holds": error <= tolerance,
     }
+
+
+def eq8_metrics(rows: Mapping[int, list[Mapping[str, Any]]]) -> dict[str, Any]:
+    """``{"eq8": {rank: check_eq8(...)}}`` for a run's metrics rows (rank -> rows), the
+    warm-up rows left out; what ``summary.json`` holds for the SEASGD family."""
+    return {"eq8": {rank: check_eq8(r, skip=2) for rank, r in rows.items() if len(r) > 2}}
+
+
+def describe_eq8(summary: Mapping[str, Any]) -> list[str]:
+    """One line for the end of ``shmtrain train``: does eq. (8) hold on every worker?"""
+    checks = summary.get("eq8", {}).values()
+    if not checks:
+        return []
+    worst = max(c["relative_error"] for c in checks)
+    holds = all(c["holds"] for c in checks)
+    return [f"ShmCaffe eq. (8) T_iter = max[T_comp, T_wwi + T_ugw] + T_rgw + T_ulw: "
+            f"{'holds' if holds else 'does NOT hold'} on every worker (worst relative error {worst:.1%})"]

@@ -67,8 +67,8 @@ class OverlapSSGD(SSGD):
                 op="mean", leaders=ctx.leaders, tag="buckets",
             )
             # one slot and one result, reused every step (see BucketAllreduce)
-            self._inputs = layout.views(self.reducer.input(1))
-            self._results = layout.views(self.reducer.result(1))
+            self._inputs = layout.views(self.reducer.input())
+            self._results = layout.views(self.reducer.result())
         self._step = 0
         self._seen = np.zeros(len(order), dtype=bool)
         self._pending = self._sizes.copy()
