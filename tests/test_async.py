@@ -118,7 +118,7 @@ def conservation_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     if smb.rank:
         total = smb.attach(smb.lookup("total"))
     smb.ready()
-    smb.set_progress(0, STATE_TRAINING)
+    smb.board.set_progress(0, STATE_TRAINING)
     base = pattern()
     for m in range(INCREMENTS):
         smb.write(increment, base * float((smb.rank + 1) * (m + 1)))  # waits for the last one

@@ -74,6 +74,8 @@ def test_toml_config_and_flags_win(tmp_path: Path) -> None:
         (["--data", "/no/such/dir"], ["--data", "/no/such/dir", "folder"]),
         (["--iterations", "5", "--epochs", "1"], ["--iterations", "--epochs", "drop one"]),
         (["--strategy", "single", "--workers", "2"], ["--workers", "2", "one process"]),
+        (["--device", "cuda"], ["--device", "cuda", "not supported yet", "--device cpu"]),
+        (["--moving-rate", "0.5"], ["--moving-rate", "does not apply", "--strategy ssgd"]),
     ],
 )
 def test_bad_input_names_option_value_and_rule(args: list[str], words: list[str], capsys) -> None:
@@ -89,6 +91,22 @@ def test_unknown_toml_key_is_named(tmp_path: Path, capsys) -> None:
     assert main(["train", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "batchsize" in err and "does not exist" in err and "batch-size" in err
+
+
+def test_toml_value_of_the_wrong_type_is_named(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('workers = "four"\n')
+    assert main(["train", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {cfg}: key 'workers' = 'four' must be an integer; e.g. workers = 4" in err
+
+
+def test_bad_choice_of_a_strategy_option_is_an_argparse_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--allreduce", "bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--allreduce" in err and "bogus" in err and "shm" in err and "hierarchical" in err
 
 
 def test_folder_of_images(tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
 """The CUDA path of ``cpu_acc`` (TRL Algorithm 6 on a GPU: D2H copies on their own
-stream into pinned memory, H2D copies of the finished sums on another stream).
+stream into pinned memory, H2D copies of the finished sums on another stream), all
+through :class:`shmtrain.fabric.staging.HostStaging` (its own round trip:
+``tests/test_staging.py``).
 
 Runs only where a GPU is present (no CPU test depends on it); on a GPU host two workers
 share device 0, which exercises the same streams, events and pinned/registered host

@@ -1,4 +1,4 @@
-"""Workers keep freed memory (shmtrain.runtime.memory): the tensors a training step frees
+"""Workers keep freed memory (shmtrain.memory): the tensors a training step frees
 and allocates again every iteration reuse the same pages instead of faulting in fresh
 ones (ResNet-18, batch 32 of 3x64x64, one thread: ~11,000 faults per step with malloc's
 defaults on the development machine, 0 with the memory kept)."""
@@ -14,7 +14,7 @@ import pytest
 _PROBE = """
 import resource, sys, torch
 from torch import nn
-from shmtrain.runtime.memory import keep_freed_memory
+from shmtrain.memory import keep_freed_memory
 applied = keep_freed_memory()
 torch.set_num_threads(1)
 from torchvision.models import resnet18

@@ -3,6 +3,7 @@ ps_weight equals a re-implementation of eq. 2.2 step by step; one host and two h
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import subprocess
@@ -19,8 +20,8 @@ from torch import nn
 
 from shmtrain.api import DataParallel, make_config
 from shmtrain.fabric.segment import PREFIX, sweep
+from shmtrain.fabric.star import average_, open_star
 from shmtrain.runtime.launcher import WorkerFailed, launch
-from shmtrain.strategies.ps_grad import average_
 
 IN, HIDDEN, OUT = 6, 16, 4
 
@@ -180,6 +181,8 @@ def test_bad_options_are_clear_errors() -> None:
         make_config("ps_grad", {"ps_transport": "mpi"})
     with pytest.raises(ValueError, match="--average-interval does not apply to --strategy ps_grad"):
         make_config("ps_grad", {"average_interval": 2})
+    with pytest.raises(ValueError, match="--ps-transport 'mpi' .*shm or gloo"):
+        open_star(None, "mpi", "ps_grad", 4, torch.float32, torch.zeros(4))
 
 
 def test_average_in_place_and_into_another_buffer() -> None:
@@ -190,6 +193,83 @@ def test_average_in_place_and_into_another_buffer() -> None:
     assert torch.equal(inputs[2], torch.full((100_000,), 3.0))
     with pytest.raises(ValueError):
         average_(out, [])
+
+
+def resume_worker(ctx, p: dict[str, Any]) -> dict[str, Any]:
+    """Per (strategy, transport): ``steps`` iterations straight, and ``steps // 2``, a
+    checkpoint (model, optimizer, strategy), a fresh model, optimizer and strategy (other
+    initial weights) that load it, and the remaining iterations."""
+    x, y = data(p["steps"], p["batch"], ctx.world_size)
+    half = p["steps"] // 2
+
+    def train(dp: DataParallel, steps: range) -> None:
+        for step in steps:
+            xs, ys = shard(x, y, step, ctx.rank, p["batch"], ctx.world_size)
+            dp.zero_grad()
+            nn.functional.cross_entropy(dp(xs), ys).backward()
+            dp.step()
+
+    out = {}
+    for name, options in p["runs"].items():
+        strategy = name.split(":")[0]
+        net = model()
+        dp = DataParallel(net, optimizer(net, p), strategy, ctx=ctx, **options)
+        train(dp, range(p["steps"]))
+        straight, straight_state = flat(net), dp.strategy.state_dict()
+        dp.close()
+
+        net = model()
+        opt = optimizer(net, p)
+        dp = DataParallel(net, opt, strategy, ctx=ctx, **options)
+        train(dp, range(half))
+        dp.strategy.quiesce()
+        checkpoint = io.BytesIO()
+        torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
+                    "strategy": dp.strategy.state_dict()}, checkpoint)
+        dp.close()  # ps_weight: off an averaging round, close() averages once more
+
+        net = model(seed=7)
+        fresh = flat(net)  # (ps_grad shm: the weights are shared once wrapped, so read them here)
+        opt = optimizer(net, p)
+        dp = DataParallel(net, opt, strategy, ctx=ctx, **options)
+        checkpoint.seek(0)
+        state = torch.load(checkpoint, weights_only=True)
+        with torch.no_grad():
+            net.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        dp.strategy.load_state_dict(state["strategy"])
+        server = dp.strategy.star.server.clone()
+        loaded = flat(net)
+        train(dp, range(half, p["steps"]))
+        out[name] = {"straight": straight, "resumed": flat(net), "fresh": fresh, "loaded": loaded,
+                     "server": server, "straight_state": straight_state,
+                     "resumed_state": dp.strategy.state_dict()}
+        dp.close()
+    return out
+
+
+def test_a_run_resumed_from_its_state_equals_the_run_straight_through() -> None:
+    """State contract: model + optimizer + strategy.state_dict() after N/2 iterations, in a
+    fresh strategy, continue exactly (ps_weight: checkpoint between two averages)."""
+    p = {"steps": 6, "batch": 4, "lr": 0.2, "momentum": 0.9, "weight_decay": 1e-3,
+         "runs": {"ps_grad": {"ps_transport": "shm"},
+                  "ps_weight": {"ps_transport": "shm", "average_interval": 2},
+                  "ps_grad:gloo": {"ps_transport": "gloo"},
+                  "ps_weight:gloo": {"ps_transport": "gloo", "average_interval": 2}}}
+    results = launch("test_ps:resume_worker", 2, p, timeout=120)
+    for name in p["runs"]:
+        weights_of_rank0 = results[0][name]["loaded"]
+        for rank, result in enumerate(results):
+            run = result[name]
+            assert rel(run["resumed"], run["straight"]) < 1e-6, (name, rank)
+            assert run["resumed_state"] == run["straight_state"], (name, rank)
+            assert rel(run["fresh"], run["loaded"]) > 1e-2  # the load did replace the weights
+            assert torch.equal(run["server"], weights_of_rank0), (name, rank)  # rank 0's everywhere
+            assert rel(run["straight"], run["fresh"]) > 1e-2
+        if name.startswith("ps_weight"):
+            assert results[0][name]["straight_state"]["rounds"] == 3
+            # the checkpoint is between two averages: the workers' weights differ there
+            assert rel(results[0][name]["loaded"], results[1][name]["loaded"]) > 1e-4
 
 
 def failing_worker(ctx, p: dict[str, Any]) -> None:

@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from shmtrain.fabric.smb import STATE_TRAINING, BufferKey, LocalBufferService
+from shmtrain.fabric.smb import (
+    STATE_TRAINING,
+    BufferKey,
+    LocalBufferService,
+    LocalProgressBoard,
+    open_buffer_service,
+)
 from shmtrain.runtime.launcher import WorkerFailed, launch
 
 NUMEL = 4099  # not a multiple of anything convenient
@@ -21,8 +27,8 @@ def pattern(numel: int = NUMEL) -> torch.Tensor:
 
 
 def api_worker(ctx, payload: Any) -> dict[str, Any]:
-    smb = LocalBufferService(ctx.host)
-    out: dict[str, Any] = {}
+    smb = open_buffer_service(ctx, "local")
+    out: dict[str, Any] = {"types": (type(smb), type(smb.board))}
     if smb.rank == 0:  # Fig. 2: the master creates and initialises, the others attach by key
         shared = smb.attach(smb.create("shared", NUMEL))
         smb.write(shared, pattern())
@@ -46,9 +52,11 @@ def api_worker(ctx, payload: Any) -> dict[str, Any]:
         smb.create(f"mine.{smb.rank}", NUMEL)
     except ValueError as exc:
         out["name_error"] = str(exc)
-    smb.set_progress(7 + smb.rank, STATE_TRAINING)
+    smb.board.set_progress(7 + smb.rank, STATE_TRAINING)
     ctx.host.barrier("progress published")
-    out["progress"] = [smb.progress(r) for r in range(smb.world)]
+    out["progress"] = [smb.board.progress(r) for r in range(smb.world)]
+    out["states"] = [smb.board.state(r) for r in range(smb.world)]
+    out["alive"] = [smb.board.alive(r) for r in range(smb.world)]
     out["applied"] = smb.applied
     smb.close()
     return out
@@ -61,7 +69,10 @@ def test_create_attach_read_write_accumulate(workers: int) -> None:
     for rank, out in enumerate(results):
         assert torch.equal(out["shared"], expected), rank
         assert out["done"]
+        assert out["types"] == (LocalBufferService, LocalProgressBoard)
         assert out["progress"] == [7 + r for r in range(workers)]
+        assert out["states"] == [STATE_TRAINING] * workers
+        assert out["alive"] == [True] * workers
         assert "cannot accumulate" in out["size_error"]
         assert "already taken" in out["name_error"]
         if rank:
@@ -77,10 +88,10 @@ def owner_death_worker(ctx, payload: Any) -> str:
     if smb.rank:
         target = smb.attach(smb.lookup("target"))
     smb.ready()
-    smb.set_progress(0, STATE_TRAINING)
+    smb.board.set_progress(0, STATE_TRAINING)
     if smb.rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)  # the memory server goes away
-    while smb.alive(0):
+    while smb.board.alive(0):
         time.sleep(0.01)
     smb.wait(smb.accumulate(inc, target), timeout=30)  # must raise, naming the owner
     return "unreachable"
@@ -93,3 +104,15 @@ def test_a_dead_owner_is_named_not_waited_for(capfd) -> None:
     assert time.monotonic() - start < 25
     err = capfd.readouterr().err
     assert "SMB owner (local rank 0" in err and "died" in err
+
+
+class _Untouchable:
+    """A stand-in context that fails any use: the name must be checked first."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"open_buffer_service used ctx.{name} before checking the name")
+
+
+def test_an_unknown_buffer_service_is_named() -> None:
+    with pytest.raises(ValueError, match="'bogus'.*local"):
+        open_buffer_service(_Untouchable(), "bogus")

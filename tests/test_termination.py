@@ -11,13 +11,13 @@ from torch import nn
 
 from reference import batches, tiny_model, worker_batch
 from shmtrain.api import DataParallel
-from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING
+from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
 from shmtrain.runtime.launcher import launch
 from shmtrain.strategies.termination import Termination
 
 
-class FakeService:
-    """The control-block part of a buffer service, for policy unit tests."""
+class FakeBoard(ProgressBoard):
+    """A progress board in memory, for policy unit tests."""
 
     def __init__(self, rank: int, progress: list[int], states: list[int], alive: list[bool] | None = None):
         self.rank, self.world = rank, len(progress)
@@ -43,42 +43,42 @@ T, D = STATE_TRAINING, STATE_DONE
 
 
 def test_master_policy() -> None:
-    assert Termination("master", FakeService(0, [9, 3, 3], [T, T, T])).decide(10, 10)
-    assert not Termination("master", FakeService(0, [8, 30, 30], [T, T, T])).decide(9, 10)
+    assert Termination("master", FakeBoard(0, [9, 3, 3], [T, T, T])).decide(10, 10)
+    assert not Termination("master", FakeBoard(0, [8, 30, 30], [T, T, T])).decide(9, 10)
     # a non-master runs past its own target until the master has finished...
-    assert not Termination("master", FakeService(1, [5, 12, 3], [T, T, T])).decide(20, 10)
-    assert Termination("master", FakeService(1, [10, 12, 3], [D, T, T])).decide(3, 10)
+    assert not Termination("master", FakeBoard(1, [5, 12, 3], [T, T, T])).decide(20, 10)
+    assert Termination("master", FakeBoard(1, [10, 12, 3], [D, T, T])).decide(3, 10)
     # ...or died (its buffer service went with it)
-    assert Termination("master", FakeService(1, [4, 1, 1], [T, T, T], [False, True, True])).decide(1, 10)
+    assert Termination("master", FakeBoard(1, [4, 1, 1], [T, T, T], [False, True, True])).decide(1, 10)
 
 
 def test_first_policy() -> None:
-    assert Termination("first", FakeService(1, [2, 10, 3], [T, T, T])).decide(10, 10)
-    assert Termination("first", FakeService(1, [10, 2, 3], [D, T, T])).decide(2, 10)
-    assert not Termination("first", FakeService(1, [2, 2, 3], [T, T, T])).decide(2, 10)
+    assert Termination("first", FakeBoard(1, [2, 10, 3], [T, T, T])).decide(10, 10)
+    assert Termination("first", FakeBoard(1, [10, 2, 3], [D, T, T])).decide(2, 10)
+    assert not Termination("first", FakeBoard(1, [2, 2, 3], [T, T, T])).decide(2, 10)
     # a killed worker never finished: it does not end the others
-    dead = FakeService(0, [2, 2, 4], [T, T, T], [True, True, False])
+    dead = FakeBoard(0, [2, 2, 4], [T, T, T], [True, True, False])
     assert not Termination("first", dead).decide(2, 10)
 
 
 def test_average_policy() -> None:
-    assert not Termination("average", FakeService(0, [0, 8, 9], [T, T, T])).decide(12, 10)  # 29 < 30
-    assert Termination("average", FakeService(0, [0, 8, 9], [T, T, T])).decide(13, 10)  # 30
+    assert not Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(12, 10)  # 29 < 30
+    assert Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(13, 10)  # 30
     # a dead worker's frozen count stays in the mean: the survivors make up for it
-    assert not Termination("average", FakeService(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(15, 10)
-    assert not Termination("average", FakeService(0, [0, 5, 5], [T, T, T])).decide(10**6, None)
+    assert not Termination("average", FakeBoard(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(15, 10)
+    assert not Termination("average", FakeBoard(0, [0, 5, 5], [T, T, T])).decide(10**6, None)
 
 
 def test_decision_is_published_and_sticky() -> None:
-    service = FakeService(2, [10, 10, 0], [T, T, T])
-    term = Termination("average", service)
-    assert term.decide(10, 10) and service.state(2) == STATE_DONE and service.progress(2) == 10
+    board = FakeBoard(2, [10, 10, 0], [T, T, T])
+    term = Termination("average", board)
+    assert term.decide(10, 10) and board.state(2) == STATE_DONE and board.progress(2) == 10
     assert term.decide(10, 10)
 
 
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="--terminate 'last'.*master, first, average"):
-        Termination("last", FakeService(0, [0], [T]))
+        Termination("last", FakeBoard(0, [0], [T]))
 
 
 # -- every worker ends, with the counts the policy promises -----------------------------

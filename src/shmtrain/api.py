@@ -13,7 +13,6 @@ Example (started by ``torchrun --nproc-per-node 2 script.py``)::
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -22,21 +21,11 @@ from torch import nn
 from shmtrain import strategies
 from shmtrain.fabric import context as fabric_context
 from shmtrain.fabric.context import ProcessContext
-from shmtrain.runtime.memory import keep_freed_memory
+from shmtrain.fabric.transports import Transports
+from shmtrain.memory import keep_freed_memory
 from shmtrain.strategies.base import StrategyConfig
+from shmtrain.strategies.base import build_config as make_config
 from shmtrain.timing import PhaseTimer
-
-
-def make_config(strategy: str, options: dict[str, Any]) -> StrategyConfig:
-    """Build the strategy's typed Config from ``options``; reject options it does not take."""
-    cls = strategies.get(strategy)
-    known = {f.name for f in dataclasses.fields(cls.Config)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
-        takes = ", ".join("--" + k.replace("_", "-") for k in sorted(known)) or "no options"
-        raise ValueError(f"{flags} does not apply to --strategy {strategy} (it takes {takes})")
-    return cls.Config(**options)
 
 
 class DataParallel(nn.Module):
@@ -46,9 +35,11 @@ class DataParallel(nn.Module):
         module: the model (the same initial weights are taken from rank 0).
         optimizer: its optimizer (each worker keeps its own).
         strategy: a registered strategy name (``ssgd``, ``single``, ...).
+        config: the strategy's typed ``Config`` (built from ``options`` when omitted).
         ctx: the process context; joined from the environment (torchrun) when omitted.
         timer: where phase times go (one per worker).
-        **options: the strategy's Config fields.
+        transports: where the strategy's transports come from (default: built from ``ctx``).
+        **options: the strategy's Config fields (when ``config`` is not given).
     """
 
     def __init__(
@@ -57,25 +48,36 @@ class DataParallel(nn.Module):
         optimizer: torch.optim.Optimizer,
         strategy: str = "ssgd",
         *,
+        config: StrategyConfig | None = None,
         ctx: ProcessContext | None = None,
         timer: PhaseTimer | None = None,
+        transports: Transports | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
-        keep_freed_memory()  # no page-fault storm each iteration (shmtrain.runtime.memory)
+        keep_freed_memory()  # no page-fault storm each iteration (shmtrain.memory)
         self.module = module
         self.optimizer = optimizer
+        cls = strategies.get(strategy)
+        if config is None:
+            config = make_config(strategy, options)
+        elif options:
+            raise ValueError(f"give the options of --strategy {strategy} either as config= or "
+                             f"as keywords, not both ({', '.join(sorted(options))})")
+        elif not isinstance(config, cls.Config):
+            raise ValueError(f"config is a {type(config).__qualname__}, but --strategy {strategy} "
+                             f"takes a {cls.Config.__qualname__}")
         self._own_ctx = ctx is None
         self.ctx = ctx if ctx is not None else fabric_context.from_env()
         self.timer = timer or PhaseTimer()
-        config = make_config(strategy, options)
-        cls = strategies.get(strategy)
         if cls.world == "one" and self.ctx.world_size != 1:
             raise ValueError(
                 f"--strategy {strategy} runs in one process, but the job has "
                 f"{self.ctx.world_size}; use --workers 1 or another strategy"
             )
-        self.strategy = cls(config, self.ctx, module, optimizer, self.timer)
+        self.strategy = cls.implementation(config)(
+            config, self.ctx, module, optimizer, self.timer, transports=transports
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.strategy.before_forward()

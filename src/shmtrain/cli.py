@@ -25,51 +25,57 @@ that mostly sleeps; with more workers than cores, workers time-share and waiting
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from shmtrain import strategies
-    from shmtrain.models import model_names
-    from shmtrain.runtime.config import TrainConfig
+    """Register ``shmtrain train``: one flag per TrainConfig field (grouped by section),
+    ``--config FILE``, and one flag per strategy option."""
+    from shmtrain.runtime.config import SECTIONS, TrainConfig, train_fields
 
-    defaults = TrainConfig.__dataclass_fields__
     p = sub.add_parser(
         "train", help="train a model data-parallel",
         description="Train a model data-parallel over local workers (or as one torchrun worker).",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
     )
-
-    def default(name: str) -> Any:
-        return defaults[name].default
-
-    g = p.add_argument_group("job")
-    g.add_argument("--strategy", help=f"how workers share parameters: {', '.join(sorted(strategies.registry()))} (default {default('strategy')})")
-    g.add_argument("--workers", type=int, help=f"local worker processes (default {default('workers')}; ignored under torchrun)")
-    g.add_argument("--threads", type=int, help=f"torch threads per worker (default {default('threads')})")
-    g.add_argument("--config", help="TOML file with the same keys as these flags (flags win)")
-    g.add_argument("--out", help="run folder (default runs/<time>-<strategy>)")
-    g.add_argument("--timeout", type=float, help=f"seconds to wait for a peer before failing (default {default('timeout')})")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", help=f"{', '.join(model_names())} (default {default('model')})")
-    g.add_argument("--data", help="digits, synthetic, or a folder with one sub-folder of images per class (default digits)")
-    g.add_argument("--input-shape", help=f"CxHxW of synthetic data (default {default('input_shape')})")
-    g.add_argument("--samples", type=int, help=f"synthetic samples (default {default('samples')})")
-    g.add_argument("--image-size", type=int, help=f"side images of a folder are resized to (default {default('image_size')})")
-    g.add_argument("--prefetch", type=int, help=f"batches the prefetch thread keeps ready (default {default('prefetch')})")
-    g = p.add_argument_group("optimisation (SGD)")
-    g.add_argument("--batch-size", type=int, help=f"per worker, the papers' convention (default {default('batch_size')})")
-    g.add_argument("--lr", type=float, help=f"learning rate (default {default('lr')})")
-    g.add_argument("--momentum", type=float, help=f"(default {default('momentum')})")
-    g.add_argument("--weight-decay", type=float, help=f"(default {default('weight_decay')})")
-    g.add_argument("--iterations", type=int, help="iterations per worker")
-    g.add_argument("--epochs", type=float, help="epochs over the sharded data (default 20 when neither is given)")
-    g.add_argument("--seed", type=int, help="makes a run repeatable (default 0)")
+    groups = {key: p.add_argument_group(title) for key, title in SECTIONS.items()}
+    hints = typing.get_type_hints(TrainConfig)
+    for f in train_fields():
+        _add_field_flag(groups[f.metadata["section"]], f, hints[f.name])
+    groups["job"].add_argument(
+        "--config", metavar="FILE",
+        help="TOML file with the same keys as these flags (flags win) (default none)",
+    )
     _add_strategy_options(p)
     p.set_defaults(handler=_train)
+
+
+def _add_field_flag(g: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any) -> None:
+    """The flag of one TrainConfig field, from its annotation and its metadata."""
+    from shmtrain.runtime.config import hint_kind
+
+    meta = f.metadata
+    flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+    text = meta["help"]
+    if "names" in meta:
+        text = f"{text}: {', '.join(meta['names']())}"
+    text = f"{text} (default {meta.get('default_text', f.default)})"
+    kwargs: dict[str, Any] = {"dest": f.name, "help": text.replace("%", "%%")}
+    kind, choices = hint_kind(hint)
+    if "action" in meta:
+        kwargs["action"] = meta["action"]
+    elif kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+    else:
+        kwargs["type"] = kind
+        if choices:
+            kwargs["choices"] = choices
+    if "metavar" in meta:
+        kwargs["metavar"] = meta["metavar"]
+    g.add_argument(flag, **kwargs)
 
 
 def _add_strategy_options(p: argparse.ArgumentParser) -> None:
     """One flag per field of every strategy's Config (shared names share one flag)."""
     from shmtrain import strategies
+    from shmtrain.runtime.config import hint_kind
 
     seen: dict[str, tuple[list[str], dataclasses.Field, Any]] = {}
     for name, cls in sorted(strategies.registry().items()):
@@ -86,18 +92,12 @@ def _add_strategy_options(p: argparse.ArgumentParser) -> None:
         flag = "--" + field_name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         doc = f.metadata.get("help", "") if f.metadata else ""
-        text = f"{doc} [{', '.join(owners)}; default {default}]".strip()
-        if hint is bool:
+        text = f"{doc} [{', '.join(owners)}; default {default}]".strip().replace("%", "%%")
+        kind, choices = hint_kind(hint)
+        if kind is bool:
             g.add_argument(flag, dest=field_name, action="store_true", help=text)
         else:
-            g.add_argument(flag, dest=field_name, type=_scalar(hint), help=text)
-
-
-def _scalar(hint: Any):
-    for kind in (int, float, str):
-        if hint is kind or kind in typing.get_args(hint):
-            return kind
-    return str
+            g.add_argument(flag, dest=field_name, type=kind, choices=choices, help=text)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -140,6 +140,7 @@ def _add_experiment(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``shmtrain`` parser with every sub-command."""
     from shmtrain import __version__
 
     parser = argparse.ArgumentParser(
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; the exit status (2: bad input, 1: a worker failed)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     from shmtrain.fabric.control import PeerFailure, PeerTimeout

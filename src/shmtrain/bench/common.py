@@ -81,3 +81,40 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return value
+
+
+class DDPEngine:
+    """PyTorch DistributedDataParallel with the three calls :class:`Trainer` drives, so the
+    benchmarks time DDP with the same loop body as every strategy (``update`` timed;
+    DDP's allreduce overlaps backward and is awaited inside it)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.net = DistributedDataParallel(model)
+        self.optimizer = optimizer
+        self.timer = timer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        return self.net(*args)
+
+    def step(self) -> None:
+        with self.timer.phase("update"):
+            self.optimizer.step()
+
+    def close(self) -> None:
+        """Nothing to release (for symmetry with DataParallel)."""
+
+
+def build_engine(mode: str, ctx, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer,
+                 strategy: str | None = None, options: dict[str, Any] | None = None):
+    """``ddp`` -> :class:`DDPEngine`; otherwise ``DataParallel`` with ``strategy`` and
+    ``options`` (each benchmark mode is one of these)."""
+    if mode == "ddp":
+        return DDPEngine(model, optimizer, timer)
+    from shmtrain.api import DataParallel
+
+    return DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **(options or {}))

@@ -37,11 +37,10 @@ DEFAULT_MODES = ["nocomm", "ddp", "gpi", "cpu_acc", "ssgd_overlap"]
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from shmtrain.api import DataParallel
+    from shmtrain.bench.common import build_engine
     from shmtrain.models import build_model
     from shmtrain.runtime.data import parse_shape
+    from shmtrain.runtime.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
     shape = parse_shape(payload["input_shape"])
@@ -55,29 +54,14 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
         model = build_model(payload["model"], shape, 10)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         timer = timers[mode] = PhaseTimer()
-        if mode == "ddp":
-            net = DistributedDataParallel(model)
+        spec = payload["specs"].get(mode, (None, None))
+        engine = build_engine(mode, ctx, model, optimizer, timer, *spec)
+        closers.append(engine.close)
+        trainer = Trainer(engine, loss_fn, timer)
 
-            def step(net=net, optimizer=optimizer, timer=timer) -> None:
-                optimizer.zero_grad()
-                with timer.phase("forward"):
-                    loss = loss_fn(net(x), y)
-                with timer.phase("backward"):
-                    loss.backward()  # DDP's allreduce overlaps and is awaited in here
-                with timer.phase("update"):
-                    optimizer.step()
-        else:
-            strategy, options = payload["specs"][mode]
-            dp = DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **options)
-            closers.append(dp.close)
+        def step(trainer=trainer) -> None:
+            trainer.step(x, y)
 
-            def step(dp=dp, timer=timer) -> None:
-                dp.zero_grad()
-                with timer.phase("forward"):
-                    loss = loss_fn(dp(x), y)
-                with timer.phase("backward"):
-                    loss.backward()
-                dp.step()
         steps[mode] = step
     samples: dict[str, list[float]] = {m: [] for m in steps}
     cpu: dict[str, list[float]] = {m: [] for m in steps}

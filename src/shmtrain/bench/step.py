@@ -34,9 +34,10 @@ DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    from shmtrain.api import DataParallel
+    from shmtrain.bench.common import build_engine
     from shmtrain.models import build_model
     from shmtrain.runtime.data import parse_shape
+    from shmtrain.runtime.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
     shape = parse_shape(payload["input_shape"])
@@ -49,26 +50,12 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     loss_fn = nn.CrossEntropyLoss()
     mode = payload["mode"]
     timer = PhaseTimer()
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+    strategy, options = MODES.get(mode, (None, None))
+    engine = build_engine(mode, ctx, model, optimizer, timer, strategy, options)
+    trainer = Trainer(engine, loss_fn, timer)
 
-        net = DistributedDataParallel(model)
-
-        def step() -> None:
-            optimizer.zero_grad()
-            loss_fn(net(x), y).backward()
-            optimizer.step()
-    else:
-        strategy, options = MODES[mode]
-        dp = DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **options)
-
-        def step() -> None:
-            dp.zero_grad()
-            with timer.phase("forward"):
-                loss = loss_fn(dp(x), y)
-            with timer.phase("backward"):
-                loss.backward()
-            dp.step()
+    def step() -> None:
+        trainer.step(x, y)
 
     samples, phases = [], []
     for i in range(payload["warmup"] + payload["iterations"]):
@@ -79,8 +66,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
         if i >= payload["warmup"]:
             samples.append(elapsed)
             phases.append(record)
-    if mode != "ddp":
-        dp.close()
+    engine.close()
     names = {k for p in phases for k in p}
     return {"samples": samples, "phases": {k: statistics.fmean(p.get(k, 0.0) for p in phases) for k in names},
             "remaining": statistics.median(p["collect_remaining"] for p in phases) if "collect_remaining" in names else None}

@@ -203,3 +203,58 @@ class BucketAllreduce:
                 out.add_(slot[lo:hi])
             if mean:
                 out.mul_(1.0 / len(slots))
+
+
+class GlooBucketAllreduce:
+    """:class:`BucketAllreduce`'s interface over ``torch.distributed.all_reduce(async_op=True)``
+    per bucket: exactly DDP's transport (``ssgd --overlap --allreduce gloo``).
+
+    The input and the result are one private flat buffer, reduced in place.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        buckets: Sequence[tuple[int, int]],
+        *,
+        dtype: torch.dtype = torch.float32,
+        op: Literal["mean", "sum"] = "mean",
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.buckets = list(buckets)
+        self.op = op
+        self.group = group
+        self._flat = torch.zeros(numel, dtype=dtype)
+        self._works: list[dist.Work] = []
+
+    def input(self) -> torch.Tensor:
+        """The flat buffer the gradients are written into (reused every step)."""
+        return self._flat
+
+    def result(self) -> torch.Tensor:
+        """The reduced buffer: the input itself (in place)."""
+        return self._flat
+
+    def launch(self, bucket: int, step: int) -> None:  # noqa: ARG002 - same interface
+        """Start bucket ``bucket``'s allreduce (every rank launches the same sequence)."""
+        if bucket == 0:
+            self._works.clear()
+        lo, hi = self.buckets[bucket]
+        self._works.append(dist.all_reduce(self._flat[lo:hi], group=self.group, async_op=True))
+
+    def progress(self, block: bool = False) -> None:
+        """Nothing to do: gloo progresses on its own threads."""
+
+    def wait(self, step: int) -> None:  # noqa: ARG002 - same interface
+        """Wait for every launched bucket; scale to the mean."""
+        for work in self._works:
+            work.wait()
+        self._works.clear()
+        if self.op == "mean":
+            self._flat.mul_(1.0 / dist.get_world_size(self.group))
+
+    def close(self) -> None:
+        """Drain anything still in flight (so no gloo work outlives the process group)."""
+        for work in self._works:
+            work.wait()
+        self._works.clear()

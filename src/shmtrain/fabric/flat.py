@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 
 class FlatLayout:
@@ -68,3 +69,12 @@ class FlatLayout:
         with torch.no_grad():
             for p, v in zip(self.params, self.views(flat), strict=True):
                 p.data.copy_(v)
+
+
+def broadcast_parameters(layout: FlatLayout, src: int = 0) -> None:
+    """Make every worker's weights equal to rank ``src``'s (once, at the start; every
+    strategy begins this way, e.g. TRL Algorithm 5 line 2)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flat = layout.gather()
+        dist.broadcast(flat, src=src)
+        layout.scatter(flat)

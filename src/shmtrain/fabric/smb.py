@@ -1,25 +1,38 @@
 """The shared memory buffer service (SMB-API): named buffers, keys, read, write, accumulate.
 
-ShmCaffe's Soft Memory Box (Section III-B, Figs. 2 and 5) as an interface plus its
-local implementation. The master creates a named buffer and hands out its key; other
-workers attach by key; everyone reads and writes whole buffers; a worker asks the
-service to *accumulate* one buffer into another and is notified when that has been
-applied; a control block holds every worker's progress.
+ShmCaffe's Soft Memory Box (Section III-B, Figs. 2 and 5) in three parts:
+
+:class:`BufferService` (the client)
+    What a worker calls. The master creates a named buffer and hands out its key;
+    other workers attach by key (Fig. 2); everyone reads and writes whole buffers; a
+    worker asks the service to *accumulate* one buffer into another and is notified
+    when that has been applied (Fig. 5). :class:`LocalBufferService` implements it
+    over one host's POSIX shared memory.
+:class:`BufferServer` (the memory server)
+    The one owner that applies accumulations, exclusively, one request at a time. The
+    local client of local rank 0 runs it in a thread; it reaches buffers only through a
+    ``tensor_of(buffer_id)`` callable, so a memory server on another host can reuse it
+    over another transport.
+:class:`ProgressBoard` (the control information of Figs. 3-4, Section III-E)
+    Every worker's iterations done, state and liveness, which termination alignment
+    reads. :class:`LocalProgressBoard` keeps them in the host's control block. A
+    service carries its clients' board as ``service.board``.
 
 Accumulation is exclusive and done by ONE owner, never by the writer: each worker
 writes its increment into a buffer only it writes (its ``weight_increment``, Fig. 5),
 then posts a request in its own single-writer request slot (a sequence number). The
-owner, a service thread of local rank 0 (the paper's memory server), drains the slots
-one request at a time, adds source into destination, and posts the request's sequence
-number in the worker's "done" word. No locks: every shared word has one writer, so
-an increment can be neither lost nor applied twice, and a worker killed while writing
-its increment leaves nothing half-applied (the owner only reads a slot once its
-sequence number is published). Waiting sleeps on futex words.
+owner (the paper's memory server) drains the slots one request at a time, adds source
+into destination, and posts the request's sequence number in the worker's "done"
+word. No locks: every shared word has one writer, so an increment can be neither lost
+nor applied twice, and a worker killed while writing its increment leaves nothing
+half-applied (the owner only reads a slot once its sequence number is published).
+Waiting sleeps on futex words.
 
-Transport neutrality: :class:`BufferService` is the interface; strategies hold a
-:class:`Buffer` handle and never touch its bytes except through ``read``, ``write``
-and ``accumulate``, so the remote service (another host's memory server) can stand in
-for :class:`LocalBufferService` without a change in the strategies.
+Transport neutrality: strategies hold a :class:`Buffer` handle and never touch its
+bytes except through ``read``, ``write`` and ``accumulate``, and read progress through
+a :class:`ProgressBoard`, so the remote service (SMB-REMOTE, another host's memory
+server) can stand in for :class:`LocalBufferService` without a change in the
+strategies. :func:`open_buffer_service` builds a service by name.
 """
 
 from __future__ import annotations
@@ -28,12 +41,14 @@ import json
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from shmtrain.fabric.control import DIED, PeerFailure, PeerTimeout, _alive
+from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.control import DIED, ControlBlock, PeerFailure, PeerTimeout, _alive
 from shmtrain.fabric.futex import futex_wait, futex_wake
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import SharedSegment, align
@@ -43,6 +58,34 @@ _SLICE_S = 0.05  # how often a sleeper re-checks liveness and abort
 _MAGIC = 0x534D4231  # "SMB1"
 # worker states in the control block (termination alignment reads them too)
 STATE_SETUP, STATE_TRAINING, STATE_DONE = 0, 1, 2
+#: the buffer services :func:`open_buffer_service` knows
+BUFFER_SERVICES = ("local",)
+
+# -- request words: one writer per cache line ------------------------------------------
+# line 0: magic and world; DOORBELL: written by every requester (a value no other request
+# writes); APPLIED: the owner's count; then per client rank: its request slot (seq, src id,
+# dst id), its done word (written by the owner), its closed word.
+_DOORBELL, _APPLIED = 1, 2
+
+
+def _idx(line: int, word: int = 0) -> int:
+    return line * LINE // 4 + word
+
+
+def _request_line(rank: int) -> int:
+    return 3 + 3 * rank
+
+
+def _done_line(rank: int) -> int:
+    return 4 + 3 * rank
+
+
+def _closed_line(rank: int) -> int:
+    return 5 + 3 * rank
+
+
+def _words_nbytes(world: int) -> int:
+    return LINE * (3 + 3 * world)
 
 
 @dataclass(frozen=True)
@@ -90,15 +133,74 @@ class Ticket:
     seq: int
 
 
-class BufferService(ABC):
-    """The SMB-API every transport implements (ShmCaffe Section III-B, Figs. 2 and 5).
+class ProgressBoard(ABC):
+    """Progress, state and liveness of every client of a buffer service (ShmCaffe's
+    control information, Figs. 3-4; termination alignment, Section III-E).
 
-    ``rank``/``world`` are the service's clients (the workers sharing the buffers);
-    the control-block calls (``set_progress`` ...) index workers by that rank.
+    ``rank``/``world`` are the clients (the workers sharing the buffers); every call
+    indexes workers by that rank. Each worker writes only its own entry; any worker may
+    read every entry, without blocking.
     """
 
     rank: int
     world: int
+
+    @abstractmethod
+    def set_progress(self, iterations: int, state: int | None = None) -> None:
+        """Publish this worker's iterations done (and state)."""
+
+    @abstractmethod
+    def progress(self, rank: int) -> int:
+        """Iterations done by worker ``rank``."""
+
+    @abstractmethod
+    def state(self, rank: int) -> int:
+        """``STATE_SETUP``, ``STATE_TRAINING`` or ``STATE_DONE`` of worker ``rank``."""
+
+    @abstractmethod
+    def alive(self, rank: int) -> bool:
+        """False once worker ``rank`` is known to have died."""
+
+
+class LocalProgressBoard(ProgressBoard):
+    """The progress board of one host's workers, on the host's control block.
+
+    Args:
+        control: the host's control block (progress, state and pid words per local rank).
+        rank: this worker's local rank.
+        world: the host's local ranks.
+    """
+
+    def __init__(self, control: ControlBlock, rank: int, world: int) -> None:
+        self.control = control
+        self.rank = rank
+        self.world = world
+
+    def set_progress(self, iterations: int, state: int | None = None) -> None:
+        self.control.set_progress(self.rank, iterations)
+        if state is not None:
+            self.control.set_state(self.rank, state)
+
+    def progress(self, rank: int) -> int:
+        return self.control.progress(rank)
+
+    def state(self, rank: int) -> int:
+        return self.control.state(rank)
+
+    def alive(self, rank: int) -> bool:
+        return _alive(self.control.pid(rank))
+
+
+class BufferService(ABC):
+    """The SMB-API every transport implements (ShmCaffe Section III-B, Figs. 2 and 5).
+
+    ``rank``/``world`` are the service's clients (the workers sharing the buffers);
+    ``board`` holds their progress, state and liveness, indexed by the same rank.
+    """
+
+    rank: int
+    world: int
+    board: ProgressBoard
 
     @abstractmethod
     def create(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> BufferKey:
@@ -136,26 +238,106 @@ class BufferService(ABC):
     def done(self, ticket: Ticket) -> bool:
         """True once ``ticket``'s accumulate has been applied."""
 
-    # -- control block: progress and state of every worker (Section III-E) ---------
-    @abstractmethod
-    def set_progress(self, iterations: int, state: int | None = None) -> None:
-        """Publish this worker's iterations done (and state)."""
-
-    @abstractmethod
-    def progress(self, rank: int) -> int:
-        """Iterations done by worker ``rank``."""
-
-    @abstractmethod
-    def state(self, rank: int) -> int:
-        """``STATE_SETUP``, ``STATE_TRAINING`` or ``STATE_DONE`` of worker ``rank``."""
-
-    @abstractmethod
-    def alive(self, rank: int) -> bool:
-        """False once worker ``rank`` is known to have died."""
-
     @abstractmethod
     def close(self) -> None:
         """Leave the service; the owner keeps serving until every live peer has left."""
+
+
+class BufferServer:
+    """The memory server: applies accumulate requests exclusively, one at a time, round
+    robin over the clients (ShmCaffe Fig. 5, T.A3; Fig. 6).
+
+    It reads each client's single-writer request slot in ``words`` (a request is read
+    only once its sequence number is published), adds source into destination, bumps the
+    applied count and posts the sequence number in the client's done word, waking it.
+    Between requests it sleeps on the doorbell word. A failure of the loop is kept in
+    :attr:`failure` for the clients and :meth:`check` to surface.
+
+    Args:
+        words: the request words (int32), laid out as this module's ``_*_line`` say.
+        base: the address of ``words[0]`` (for the futex calls).
+        world: the clients.
+        tensor_of: maps a buffer id to the server's tensor of that buffer (mapping it on
+            first use); the only way the server reaches buffer bytes.
+        name: the thread's name.
+    """
+
+    def __init__(
+        self,
+        words: np.ndarray,
+        base: int,
+        world: int,
+        tensor_of: Callable[[int], torch.Tensor],
+        *,
+        name: str = "smb-owner",
+    ) -> None:
+        self.words = words
+        self.base = base
+        self.world = world
+        self.tensor_of = tensor_of
+        self.name = name
+        self.failure: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Serve in a daemon thread."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name}: the buffer server is already running")
+        self._stop = False
+        self._thread = threading.Thread(target=self.serve, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10) -> None:
+        """Stop serving and join the thread (requests not yet applied stay unapplied);
+        does not raise the loop's failure: :meth:`check` does."""
+        self._stop = True
+        futex_wake(self.base + _idx(_DOORBELL) * 4)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            self._thread = None
+
+    def check(self) -> None:
+        """Raise :class:`PeerFailure` if the serving loop failed."""
+        if self.failure is not None:
+            raise PeerFailure(f"SMB owner thread failed: {self.failure!r}")
+
+    def serve(self) -> None:
+        """The loop: apply requests one at a time, round robin over the clients, until
+        :meth:`stop` (a failure is recorded in :attr:`failure`, not raised)."""
+        words = self.words
+        bell = _idx(_DOORBELL)
+        applied = _idx(_APPLIED)
+        next_rank = 0
+        try:
+            while not self._stop:
+                seen = int(words[bell])
+                served = False
+                for i in range(self.world):
+                    rank = (next_rank + i) % self.world
+                    seq = int(words[_idx(_request_line(rank))])
+                    done_idx = _idx(_done_line(rank))
+                    if seq <= int(words[done_idx]):
+                        continue
+                    req = _request_line(rank)
+                    src = self.tensor_of(int(words[_idx(req, 1)]))
+                    dst = self.tensor_of(int(words[_idx(req, 2)]))
+                    dst.add_(src)
+                    words[applied] += 1
+                    words[done_idx] = seq
+                    futex_wake(self.base + done_idx * 4)
+                    served = True
+                    next_rank = (rank + 1) % self.world
+                    break  # one at a time; re-scan so no worker starves the others
+                if not served:
+                    futex_wait(self.base + bell * 4, seen, _SLICE_S)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to waiters and close()
+            self.failure = exc
 
 
 class LocalBufferService(BufferService):
@@ -163,7 +345,9 @@ class LocalBufferService(BufferService):
 
     Construction is collective among the host's local ranks. Buffers are separate
     segments named ``<host prefix>-smb-<name>``; :meth:`ready` unlinks the names once
-    everyone (the owner included) has them mapped, so nothing outlives the run.
+    everyone (the owner included) has them mapped, so nothing outlives the run. The
+    owner's client runs the :class:`BufferServer` in a thread until :meth:`close`;
+    ``board`` is a :class:`LocalProgressBoard` on the host's control block.
 
     Args:
         host: the host's workers; its control block carries progress and state.
@@ -176,9 +360,10 @@ class LocalBufferService(BufferService):
         self.control = host.control
         self.rank = host.local_rank
         self.world = host.local_world
+        self.board = LocalProgressBoard(self.control, self.rank, self.world)
         self.owner = owner
         self.timeout = host.timeout if timeout is None else timeout
-        nbytes = LINE * (3 + 3 * self.world)
+        nbytes = _words_nbytes(self.world)
         self._segment = host.allocate("smb", nbytes, _init_words(self.world))
         self._words = np.frombuffer(self._segment.buffer, dtype=np.int32, count=nbytes // 4)
         self._base = self._segment.address(0)
@@ -187,32 +372,15 @@ class LocalBufferService(BufferService):
         self._created: list[SharedSegment] = []
         self._seq = 0
         self._pending: dict[int, Ticket] = {}  # source buffer id -> its last request
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._server: BufferServer | None = None
         if self.rank == owner:
-            self._thread = threading.Thread(target=self._serve, name="smb-owner", daemon=True)
-            self._thread.start()
-
-    # -- word layout: one writer per cache line -----------------------------------
-    _DOORBELL, _APPLIED = 1, 2  # lines; line 0 holds the magic
-
-    def _idx(self, line: int, word: int = 0) -> int:
-        return line * LINE // 4 + word
-
-    def _request_line(self, rank: int) -> int:
-        return 3 + 3 * rank
-
-    def _done_line(self, rank: int) -> int:
-        return 4 + 3 * rank
-
-    def _closed_line(self, rank: int) -> int:
-        return 5 + 3 * rank
+            self._server = BufferServer(self._words, self._base, self.world, self._tensor_of)
+            self._server.start()
 
     @property
     def applied(self) -> int:
         """Accumulations the owner has applied so far (all workers)."""
-        return int(self._words[self._idx(self._APPLIED)])
+        return int(self._words[_idx(_APPLIED)])
 
     # -- buffers ------------------------------------------------------------------
     def create(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> BufferKey:
@@ -257,6 +425,12 @@ class LocalBufferService(BufferService):
             self._tensors[key.id] = segment.tensor(dtype, 0, key.numel)
         return self._tensors[key.id]
 
+    def _tensor_of(self, buffer_id: int) -> torch.Tensor:
+        """The server's view of a buffer by id (what :class:`BufferServer` is handed)."""
+        if buffer_id not in self._tensors:  # created after ready(): its name still exists
+            self._map(BufferKey.decode(self.host.store.get(f"smb/id/{buffer_id}")))
+        return self._tensors[buffer_id]
+
     def ready(self) -> None:
         self.host.barrier("SMB buffers created")
         if self.rank == self.owner:  # the memory server maps every buffer before names go
@@ -284,14 +458,14 @@ class LocalBufferService(BufferService):
             raise ValueError(f"cannot accumulate {src} into {dst}: sizes or dtypes differ")
         if self._seq:  # one request in flight per worker: its slot is single-entry
             self.wait(Ticket(self.rank, self._seq))
-        words, req = self._words, self._request_line(self.rank)
+        words, req = self._words, _request_line(self.rank)
         self._seq += 1
-        words[self._idx(req, 1)] = src.key.id
-        words[self._idx(req, 2)] = dst.key.id
-        words[self._idx(req)] = self._seq  # publish last: the owner reads ids only after
+        words[_idx(req, 1)] = src.key.id
+        words[_idx(req, 2)] = dst.key.id
+        words[_idx(req)] = self._seq  # publish last: the owner reads ids only after
         # A doorbell value no other request can write (seq*world+rank), so the owner
         # never sleeps through a request posted between its scan and its sleep.
-        bell = self._idx(self._DOORBELL)
+        bell = _idx(_DOORBELL)
         words[bell] = (self._seq * self.world + self.rank) & 0x7FFFFFFF
         futex_wake(self._base + bell * 4)
         ticket = Ticket(self.rank, self._seq)
@@ -299,11 +473,11 @@ class LocalBufferService(BufferService):
         return ticket
 
     def done(self, ticket: Ticket) -> bool:
-        return int(self._words[self._idx(self._done_line(ticket.rank))]) >= ticket.seq
+        return int(self._words[_idx(_done_line(ticket.rank))]) >= ticket.seq
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
-        idx = self._idx(self._done_line(ticket.rank))
+        idx = _idx(_done_line(ticket.rank))
         deadline = time.monotonic() + timeout
         while True:
             value = int(self._words[idx])
@@ -319,90 +493,40 @@ class LocalBufferService(BufferService):
             futex_wait(self._base + idx * 4, value, min(_SLICE_S, deadline - now))
 
     def _check_owner(self, what: str) -> None:
-        if self._failure is not None:
-            raise PeerFailure(f"SMB owner thread failed: {self._failure!r}")
+        if self._server is not None:
+            self._server.check()
         failed = self.control.aborted()
         if failed is not None:
             who, code = failed
             raise PeerFailure(f"local rank {who} failed (code {code}) while this worker waited for {what}")
-        if not self.alive(self.owner):
+        if not self.board.alive(self.owner):
             self.control.abort(self.owner, DIED)  # the root cause, for every other waiter
             raise PeerFailure(
                 f"SMB owner (local rank {self.owner}, pid {self.control.pid(self.owner)}) died "
                 f"while this worker waited for {what}"
             )
 
-    def _serve(self) -> None:
-        """The memory server: apply requests one at a time, round robin over workers."""
-        words = self._words
-        bell = self._idx(self._DOORBELL)
-        applied = self._idx(self._APPLIED)
-        next_rank = 0
-        try:
-            while not self._stop:
-                seen = int(words[bell])
-                served = False
-                for i in range(self.world):
-                    rank = (next_rank + i) % self.world
-                    seq = int(words[self._idx(self._request_line(rank))])
-                    done_idx = self._idx(self._done_line(rank))
-                    if seq <= int(words[done_idx]):
-                        continue
-                    req = self._request_line(rank)
-                    src = self._tensor_of(int(words[self._idx(req, 1)]))
-                    dst = self._tensor_of(int(words[self._idx(req, 2)]))
-                    dst.add_(src)
-                    words[applied] += 1
-                    words[done_idx] = seq
-                    futex_wake(self._base + done_idx * 4)
-                    served = True
-                    next_rank = (rank + 1) % self.world
-                    break  # one at a time; re-scan so no worker starves the others
-                if not served:
-                    futex_wait(self._base + bell * 4, seen, _SLICE_S)
-        except BaseException as exc:  # noqa: BLE001 - surfaced to waiters and close()
-            self._failure = exc
-
-    def _tensor_of(self, buffer_id: int) -> torch.Tensor:
-        if buffer_id not in self._tensors:  # created after ready(): its name still exists
-            self._map(BufferKey.decode(self.host.store.get(f"smb/id/{buffer_id}")))
-        return self._tensors[buffer_id]
-
-    # -- control block ------------------------------------------------------------
-    def set_progress(self, iterations: int, state: int | None = None) -> None:
-        self.control.set_progress(self.rank, iterations)
-        if state is not None:
-            self.control.set_state(self.rank, state)
-
-    def progress(self, rank: int) -> int:
-        return self.control.progress(rank)
-
-    def state(self, rank: int) -> int:
-        return self.control.state(rank)
-
-    def alive(self, rank: int) -> bool:
-        return _alive(self.control.pid(rank))
-
     def close(self) -> None:
         """Leave the service. The owner waits (sleeping, with a timeout naming the peer)
-        until every other live worker has left, then stops its thread."""
-        if self._seq and self.alive(self.owner):
+        until every other live worker has left, then stops its server thread."""
+        if self._seq and self.board.alive(self.owner):
             try:
                 self.wait(Ticket(self.rank, self._seq))
             except PeerFailure:
                 pass
         for segment in self._created:  # buffers created after ready() still have names
             segment.unlink()
-        closed = self._idx(self._closed_line(self.rank))
+        closed = _idx(_closed_line(self.rank))
         self._words[closed] = 1
         futex_wake(self._base + closed * 4)
-        if self._thread is None:
+        server = self._server
+        if server is None or not server.running:
             return
         try:
             deadline = time.monotonic() + self.timeout
             for rank in range(self.world):
-                idx = self._idx(self._closed_line(rank))
-                while not self._words[idx] and self.alive(rank):
+                idx = _idx(_closed_line(rank))
+                while not self._words[idx] and self.board.alive(rank):
                     if self.control.aborted() is not None:
                         break
                     now = time.monotonic()
@@ -413,12 +537,23 @@ class LocalBufferService(BufferService):
                         )
                     futex_wait(self._base + idx * 4, 0, min(_SLICE_S, deadline - now))
         finally:
-            self._stop = True
-            futex_wake(self._base + self._idx(self._DOORBELL) * 4)
-            self._thread.join(timeout=10)
-            self._thread = None
-        if self._failure is not None:
-            raise PeerFailure(f"SMB owner thread failed: {self._failure!r}")
+            server.stop(timeout=10)
+        server.check()
+
+
+def open_buffer_service(ctx: ProcessContext, name: str = "local") -> BufferService:
+    """The buffer service ``name`` for this worker of ``ctx`` (collective: every local
+    rank opens it, in the same order as its other collectives).
+
+    ``local`` is :class:`LocalBufferService` on the host's shared memory (every worker
+    of the host a client). The name is checked before ``ctx`` is used.
+    """
+    if name not in BUFFER_SERVICES:
+        raise ValueError(
+            f"buffer service {name!r} is unknown; choose one of: {', '.join(BUFFER_SERVICES)} "
+            "(the buffer service for other hosts, SMB-REMOTE, is not built yet)"
+        )
+    return LocalBufferService(ctx.host)
 
 
 def _init_words(world: int):

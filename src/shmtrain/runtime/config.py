@@ -3,15 +3,32 @@
 Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. TOML keys
 are the flags' names (``batch-size`` or ``batch_size``); the chosen strategy's own
 options (its ``Config`` fields, e.g. ``moving-rate``) are accepted the same way.
+
+:class:`TrainConfig` is declared in sections (:class:`JobOptions`, :class:`DataOptions`,
+:class:`OptimOptions`); every field carries ``metadata`` with its ``help`` and its
+``section``, and ``shmtrain train``'s flags are generated from those fields (one
+argument group per section, the type and the choices from the annotation). The chosen
+strategy's options are held typed, built once: ``TrainConfig.strategy_config`` is an
+instance of the strategy's ``Config`` dataclass, and the whole object is what the
+workers receive.
+
+Every value is checked against its annotation (bool, int, float, str, Optional,
+Literal) wherever it comes from: a flag (argparse, by the generated ``type``/``choices``),
+a TOML key (:func:`read_toml`) or Python (:func:`resolve`, ``TrainConfig(...)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import sys
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,57 +36,80 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from shmtrain import strategies
-from shmtrain.api import make_config
 from shmtrain.models import model_names
+from shmtrain.strategies.base import StrategyConfig, build_config
+
+#: section key (``metadata["section"]``) -> title of its argument group in ``--help``
+SECTIONS: dict[str, str] = {"job": "job", "data": "model and data", "optim": "optimisation (SGD)"}
+
+#: values of ``--device``; ``auto`` resolves to ``cpu`` until GPU workers exist
+DEVICES = ("cpu", "auto")
 
 
-@dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    """Everything ``shmtrain train`` needs; validated on construction."""
+def option(default: Any, help: str, section: str, **extra: Any) -> Any:
+    """A :class:`TrainConfig` field: its default, its ``--help`` text and its section.
 
-    strategy: str = "ssgd"
-    workers: int = 4
-    model: str = "smallcnn"
-    data: str = "digits"
-    input_shape: str = "3x64x64"
-    samples: int = 1024
-    image_size: int = 32
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    iterations: int | None = None
-    epochs: float | None = None
-    seed: int = 0
-    threads: int = 1
-    prefetch: int = 10
-    timeout: float = 120.0
-    out: str | None = None
-    progress: bool = True
-    options: dict[str, Any] = field(default_factory=dict)
+    ``extra`` goes into the metadata too: ``flag`` (a flag name other than ``--<name>``),
+    ``action`` (an argparse action for it, e.g. ``store_false``), ``default_text`` (what
+    ``--help`` shows as the default), ``names`` (a callable listing the valid names, shown
+    in ``--help``), ``metavar``, and ``example`` (a valid value for error messages when
+    the default is None).
+    """
+    if section not in SECTIONS:
+        raise ValueError(f"section {section!r} is unknown; choose one of {', '.join(SECTIONS)}")
+    return field(default=default, metadata={"help": help, "section": section, **extra})
 
-    def __post_init__(self) -> None:
-        def need(ok: bool, flag: str, value: Any, rule: str, fix: str) -> None:
-            if not ok:
-                raise ValueError(f"--{flag} {value!r}: {rule}; {fix}")
 
-        need(self.workers >= 1, "workers", self.workers, "at least 1 worker is needed", "use --workers 1 or more")
-        need(self.batch_size >= 1, "batch-size", self.batch_size, "the batch size per worker must be positive", "use e.g. --batch-size 32")
-        need(self.lr > 0, "lr", self.lr, "the learning rate must be positive", "use e.g. --lr 0.05")
-        need(0 <= self.momentum < 1, "momentum", self.momentum, "momentum must be in [0, 1)", "use e.g. --momentum 0.9")
-        need(self.weight_decay >= 0, "weight-decay", self.weight_decay, "weight decay must not be negative", "use 0 to turn it off")
-        need(self.threads >= 1, "threads", self.threads, "each worker needs at least 1 thread", "use --threads 1")
-        need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched", "use e.g. --prefetch 10")
-        need(self.timeout > 0, "timeout", self.timeout, "the peer timeout must be positive", "use e.g. --timeout 120")
-        need(self.samples >= 2, "samples", self.samples, "synthetic data needs at least 2 samples", "use e.g. --samples 1024")
-        need(self.image_size >= 1, "image-size", self.image_size, "must be positive", "use e.g. --image-size 32")
-        need(self.iterations is None or self.iterations >= 1, "iterations", self.iterations, "must be at least 1", "use e.g. --iterations 100")
-        need(self.epochs is None or self.epochs > 0, "epochs", self.epochs, "must be positive", "use e.g. --epochs 5")
-        if self.iterations is not None and self.epochs is not None:
-            raise ValueError(
-                f"--iterations {self.iterations} and --epochs {self.epochs} both given; a run "
-                "is measured in one of them: drop one"
-            )
+def _strategy_names() -> list[str]:
+    return sorted(strategies.registry())
+
+
+@dataclass(kw_only=True)
+class JobOptions:
+    """Section ``job``: which strategy, how many workers, where the run goes.
+
+    The sections are mixins of :class:`TrainConfig` and hold no storage of their own
+    (``__slots__ = ()``): build a :class:`TrainConfig`, not a section.
+    """
+
+    __slots__ = ()
+
+    strategy: str = option("ssgd", "how workers share parameters", "job", names=_strategy_names)
+    workers: int = option(4, "local worker processes (ignored under torchrun)", "job")
+    threads: int = option(1, "torch threads per worker", "job")
+    out: str | None = option(None, "run folder", "job", default_text="runs/<time>-<strategy>",
+                             example="runs/my-run")
+    timeout: float = option(120.0, "seconds to wait for a peer before failing", "job")
+    progress: bool = option(True, "no progress line", "job", flag="--no-progress",
+                            action="store_false", default_text="a progress line on stderr")
+    device: str = option("cpu", "where workers compute: cpu, or auto (cpu until GPU workers exist)",
+                         "job", metavar="{cpu,auto}")
+
+    def _check_job(self) -> None:
+        _need(self.workers >= 1, "workers", self.workers, "at least 1 worker is needed", "use --workers 1 or more")
+        _need(self.threads >= 1, "threads", self.threads, "each worker needs at least 1 thread", "use --threads 1")
+        _need(self.timeout > 0, "timeout", self.timeout, "the peer timeout must be positive", "use e.g. --timeout 120")
+        self.device = resolve_device(self.device)
+
+
+@dataclass(kw_only=True)
+class DataOptions:
+    """Section ``model and data``: the network and what it trains on (a mixin, see
+    :class:`JobOptions`)."""
+
+    __slots__ = ()
+
+    model: str = option("smallcnn", "the network", "data", names=model_names)
+    data: str = option("digits", "digits, synthetic, or a folder with one sub-folder of images per class", "data")
+    input_shape: str = option("3x64x64", "CxHxW of synthetic data", "data")
+    samples: int = option(1024, "synthetic samples", "data")
+    image_size: int = option(32, "side images of a folder are resized to", "data")
+    prefetch: int = option(10, "batches the prefetch thread keeps ready", "data")
+
+    def _check_data(self) -> None:
+        _need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched", "use e.g. --prefetch 10")
+        _need(self.samples >= 2, "samples", self.samples, "synthetic data needs at least 2 samples", "use e.g. --samples 1024")
+        _need(self.image_size >= 1, "image-size", self.image_size, "must be positive", "use e.g. --image-size 32")
         if self.model not in model_names():
             raise ValueError(f"--model {self.model!r} is unknown; choose one of: {', '.join(model_names())}")
         if self.data not in ("digits", "synthetic") and not Path(self.data).is_dir():
@@ -77,19 +117,90 @@ class TrainConfig:
                 f"--data {self.data!r}: not 'digits' or 'synthetic', and no such folder; "
                 "give digits, synthetic, or a folder with one sub-folder of images per class"
             )
+
+
+@dataclass(kw_only=True)
+class OptimOptions:
+    """Section ``optimisation (SGD)``: batch, learning rate, how long (a mixin, see
+    :class:`JobOptions`)."""
+
+    __slots__ = ()
+
+    batch_size: int = option(32, "per worker, the papers' convention", "optim")
+    lr: float = option(0.05, "learning rate", "optim")
+    momentum: float = option(0.9, "SGD momentum", "optim")
+    weight_decay: float = option(1e-4, "L2 weight decay", "optim")
+    iterations: int | None = option(None, "iterations per worker", "optim",
+                                    default_text="from --epochs", example=100)
+    epochs: float | None = option(None, "epochs over the sharded data", "optim",
+                                  default_text="20 when --iterations is not given", example=5)
+    seed: int = option(0, "makes a run repeatable", "optim")
+
+    def _check_optim(self) -> None:
+        _need(self.batch_size >= 1, "batch-size", self.batch_size, "the batch size per worker must be positive", "use e.g. --batch-size 32")
+        _need(self.lr > 0, "lr", self.lr, "the learning rate must be positive", "use e.g. --lr 0.05")
+        _need(0 <= self.momentum < 1, "momentum", self.momentum, "momentum must be in [0, 1)", "use e.g. --momentum 0.9")
+        _need(self.weight_decay >= 0, "weight-decay", self.weight_decay, "weight decay must not be negative", "use 0 to turn it off")
+        _need(self.iterations is None or self.iterations >= 1, "iterations", self.iterations, "must be at least 1", "use e.g. --iterations 100")
+        _need(self.epochs is None or self.epochs > 0, "epochs", self.epochs, "must be positive", "use e.g. --epochs 5")
+        if self.iterations is not None and self.epochs is not None:
+            raise ValueError(
+                f"--iterations {self.iterations} and --epochs {self.epochs} both given; a run "
+                "is measured in one of them: drop one"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig(OptimOptions, DataOptions, JobOptions):
+    """Everything ``shmtrain train`` needs; validated on construction.
+
+    Attributes are flat (``config.batch_size``, ``config.workers``); ``strategy_config``
+    is the chosen strategy's typed ``Config`` (left out, the strategy's defaults). Build
+    one from flat keys (common and strategy options mixed) with :func:`resolve`.
+    """
+
+    strategy_config: StrategyConfig = field(default_factory=StrategyConfig)
+
+    def __post_init__(self) -> None:
+        hints = _hints(TrainConfig)
+        for f in train_fields():
+            value = getattr(self, f.name)
+            _check_flag_value(f, hints[f.name], value)
+            setattr(self, f.name, _coerce(hints[f.name], value))
+        self._check_job()
+        self._check_data()
+        self._check_optim()
         cls = strategies.get(self.strategy)
+        self.strategy_config = _own_config(self.strategy, self.strategy_config)
+        config_hints = _hints(cls.Config)
+        for f in dataclasses.fields(cls.Config):
+            _check_flag_value(f, config_hints[f.name], getattr(self.strategy_config, f.name))
         if cls.world == "one" and self.workers != 1:
             raise ValueError(
                 f"--workers {self.workers}: --strategy {self.strategy} runs in one process; "
                 "use --workers 1, or --strategy ssgd for several workers"
             )
-        cls.check_world(make_config(self.strategy, self.options), self.workers)
+        cls.check_world(self.strategy_config, self.workers)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Flat: every common key and the strategy's options (the keys of ``config.toml``);
+        ``resolve(config.to_dict()) == config``."""
+        return {**{k: getattr(self, k) for k in COMMON_KEYS}, **dataclasses.asdict(self.strategy_config)}
 
 
-COMMON_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "options"]
+def train_fields() -> list[dataclasses.Field]:
+    """The fields of :class:`TrainConfig` that are flags and TOML keys (those with a section)."""
+    return [f for f in dataclasses.fields(TrainConfig) if "section" in f.metadata]
+
+
+COMMON_KEYS = [f.name for f in train_fields()]
+
+
+def resolve_device(value: str) -> str:
+    """The device workers compute on: ``cpu``; ``auto`` is ``cpu`` until GPU workers exist."""
+    if value in DEVICES:
+        return "cpu"
+    raise ValueError(f"--device {value!r}: GPU workers are not supported yet; use --device cpu")
 
 
 def strategy_option_names() -> dict[str, list[str]]:
@@ -102,45 +213,204 @@ def strategy_option_names() -> dict[str, list[str]]:
 
 
 def read_toml(path: str) -> dict[str, Any]:
-    """Read a config file; keys are flag names (dashes or underscores)."""
+    """Read a config file; keys are flag names (dashes or underscores).
+
+    Each value's type is checked against the annotation of its field (a strategy option
+    against every strategy that takes it); an ``[options]`` table of strategy options is
+    accepted too. Returns flat keys with underscores, ready for :func:`resolve`.
+    """
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"--config {path!r}: no such file")
+        raise ValueError(f"--config {path}: no such file")
     try:
         raw = tomllib.loads(file.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"--config {path!r} is not valid TOML: {exc}") from None
+        raise ValueError(f"--config {path} is not valid TOML: {exc}") from None
+    specs = _key_specs()
+    option_names = set(strategy_option_names())
     values: dict[str, Any] = {}
-    known = set(COMMON_KEYS) | set(strategy_option_names())
+
+    def take(key: str, value: Any, allowed: set[str]) -> None:
+        name = key.replace("-", "_")
+        if name not in allowed:
+            choices = ", ".join(sorted(k.replace("_", "-") for k in allowed))
+            raise ValueError(f"--config {path}: key {key!r} does not exist; known keys: {choices}")
+        rules = [(rule, f) for f, hint in specs[name] if (rule := type_rule(hint, value)) is not None]
+        if len(rules) == len(specs[name]):
+            rule, f = rules[0]
+            example = _toml_value(_example(f, specs[name][0][1]))
+            raise ValueError(f"--config {path}: key {key!r} = {value!r} {rule}; e.g. {key} = {example}")
+        values[name] = value
+
     for key, value in raw.items():
         if key == "options" and isinstance(value, dict):
             for sub, subvalue in value.items():
-                values[sub.replace("-", "_")] = subvalue
-            continue
-        name = key.replace("-", "_")
-        if name not in known:
-            choices = ", ".join(sorted(k.replace("_", "-") for k in known))
-            raise ValueError(f"--config {path!r}: key {key!r} does not exist; known keys: {choices}")
-        values[name] = value
+                take(sub, subvalue, option_names)
+        else:
+            take(key, value, set(specs))
     return values
 
 
-def resolve(values: dict[str, Any]) -> TrainConfig:
-    """Split flat ``values`` into common keys and strategy options; build the config."""
+def resolve(values: Mapping[str, Any]) -> TrainConfig:
+    """Split flat ``values`` into common keys and strategy options; build the config.
+
+    The strategy's ``Config`` is built here, once, from the options (its type-checked
+    fields; an option the strategy does not take is an error naming what it takes).
+    """
     common = {k: v for k, v in values.items() if k in COMMON_KEYS}
     options = {k: v for k, v in values.items() if k not in COMMON_KEYS}
-    return TrainConfig(**common, options=options)
+    strategy = common.get("strategy", TrainConfig.__dataclass_fields__["strategy"].default)
+    if not isinstance(strategy, str):
+        raise ValueError(f"--strategy {strategy!r}: must be a string; use e.g. --strategy ssgd")
+    cls = strategies.get(strategy)
+    hints = _hints(cls.Config)
+    for f in dataclasses.fields(cls.Config):
+        if f.name in options:
+            _check_flag_value(f, hints[f.name], options[f.name])
+            options[f.name] = _coerce(hints[f.name], options[f.name])
+    return TrainConfig(**common, strategy_config=build_config(strategy, options))
 
 
 def to_toml(config: TrainConfig) -> str:
-    """The resolved config as TOML (flag names as keys), for ``DIR/config.toml``."""
+    """The resolved config as TOML (flag names as keys), for ``DIR/config.toml``.
+
+    Common keys first, then every option of the strategy's typed config; ``None``
+    values are left out (TOML has no null; they are the defaults).
+    """
     lines = []
-    items = [(k, getattr(config, k)) for k in COMMON_KEYS] + sorted(config.options.items())
+    options = sorted(dataclasses.asdict(config.strategy_config).items())
+    items = [(k, getattr(config, k)) for k in COMMON_KEYS]
     for key, value in items:
-        if value is None:
-            continue
-        lines.append(f"{key.replace('_', '-')} = {_toml_value(value)}")
+        if value is not None:
+            lines.append(f"{key.replace('_', '-')} = {_toml_value(value)}")
+    if options:
+        lines.append(f"# options of --strategy {config.strategy}")
+    for key, value in options:
+        if value is not None:
+            lines.append(f"{key.replace('_', '-')} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+# -- types: annotation -> flag kind, rule, example ---------------------------------------
+def hint_kind(hint: Any) -> tuple[type, tuple[Any, ...] | None]:
+    """The scalar type (bool, int, float or str) and the choices (a Literal's values, or
+    None) of an annotation; ``X | None`` is ``X``. Anything else is ``(str, None)``."""
+    hint = _strip_none(hint)
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return type(choices[0]), choices
+    for kind in (bool, int, float, str):
+        if hint is kind:
+            return kind, None
+    for arg in typing.get_args(hint):
+        if arg in (bool, int, float, str):
+            return arg, None
+    return str, None
+
+
+def type_rule(hint: Any, value: Any) -> str | None:
+    """The rule ``value`` breaks for annotation ``hint`` (e.g. "must be an integer"), or
+    None when it fits. Knows bool, int (for a float field too), float, str, Optional and
+    Literal; anything else fits."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rules = [type_rule(arg, value) for arg in args if arg is not type(None)]
+        return None if None in rules else rules[0]
+    if typing.get_origin(hint) is Literal:
+        if any(value == choice and type(value) is type(choice) for choice in args):
+            return None
+        return "must be one of: " + ", ".join(str(choice) for choice in args)
+    if hint is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if ok else "must be a number"
+    if hint is str:
+        return None if isinstance(value, str) else "must be a string"
+    return None
+
+
+def _strip_none(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    """An int given for a float field becomes a float (``lr = 1`` is ``1.0``)."""
+    if _strip_none(hint) is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _example(f: dataclasses.Field, hint: Any) -> Any:
+    """A valid value of field ``f`` for an error message: its default, or a typical one."""
+    if "example" in f.metadata:
+        return f.metadata["example"]
+    if f.default is not dataclasses.MISSING and f.default is not None:
+        return f.default
+    kind, choices = hint_kind(hint)
+    if choices:
+        return choices[0]
+    return {bool: True, int: 1, float: 1.0}.get(kind, "...")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _key_specs() -> dict[str, list[tuple[dataclasses.Field, Any]]]:
+    """TOML key -> the (field, annotation) pairs that may take it (common keys have one;
+    a strategy option has one per strategy that takes it)."""
+    specs: dict[str, list[tuple[dataclasses.Field, Any]]] = {}
+    hints = _hints(TrainConfig)
+    for f in train_fields():
+        specs[f.name] = [(f, hints[f.name])]
+    for _, cls in sorted(strategies.registry().items()):
+        config_hints = _hints(cls.Config)
+        for f in dataclasses.fields(cls.Config):
+            specs.setdefault(f.name, []).append((f, config_hints[f.name]))
+    return specs
+
+
+def _check_flag_value(f: dataclasses.Field, hint: Any, value: Any) -> None:
+    """Reject a value of the wrong type, in the style of the flag's other errors."""
+    rule = type_rule(hint, value)
+    if rule is None:
+        return
+    if "action" in f.metadata:  # a flag such as --no-progress takes no value: name the field
+        raise ValueError(f"{f.name} = {value!r}: {rule}; use {f.name} = {_example(f, hint)!r}")
+    flag = "--" + f.name.replace("_", "-")
+    if hint_kind(hint)[0] is bool:
+        raise ValueError(f"{flag} {value!r}: {rule}; give True or False")
+    raise ValueError(f"{flag} {value!r}: {rule}; use e.g. {flag} {_example(f, hint)}")
+
+
+def _own_config(strategy: str, config: StrategyConfig) -> StrategyConfig:
+    """``config`` if it is strategy's own Config; the strategy's defaults for the bare
+    :class:`StrategyConfig` (the field's default); otherwise an error."""
+    cls = strategies.get(strategy)
+    if type(config) is cls.Config:
+        return config
+    if type(config) is StrategyConfig:
+        return build_config(strategy, {})
+    raise ValueError(
+        f"strategy_config is a {type(config).__qualname__}, not the Config of --strategy "
+        f"{strategy} ({cls.Config.__qualname__}); build it with "
+        f"shmtrain.strategies.base.build_config({strategy!r}, options), or use resolve()"
+    )
+
+
+def _need(ok: bool, flag: str, value: Any, rule: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"--{flag} {value!r}: {rule}; {fix}")
 
 
 def _toml_value(value: Any) -> str:
@@ -148,5 +418,6 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'
+    # JSON strings are TOML basic strings, but for DEL, which TOML wants escaped
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
+

@@ -135,17 +135,19 @@ class ShardSampler:
 
 
 class Prefetcher:
-    """A thread that keeps ``depth`` batches ready, in step order."""
+    """A thread that keeps ``depth`` batches ready, in step order, from step ``start``."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, sampler: ShardSampler, depth: int = 10) -> None:
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, sampler: ShardSampler, depth: int = 10,
+                 start: int = 0) -> None:
         self.x, self.y, self.sampler = x, y, sampler
+        self.start = start  # the global step of the first batch (a resumed run's position)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shmtrain-prefetch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        step = 0
+        step = self.start
         while not self._stop.is_set():
             index = self.sampler.indices(step)
             item = (self.x.index_select(0, index), self.y.index_select(0, index))

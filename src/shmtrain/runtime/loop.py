@@ -1,9 +1,9 @@
 """The worker loop of ``shmtrain train``: one process, one shard, one strategy.
 
-Per iteration: next batch from the prefetch thread (``data``), ``zero_grad``, forward
-(``forward``), backward (``backward``, gradient hooks fire inside), ``step`` (the
-strategy's communication and the update, ``update``), then one JSON line with the
-loss and the phase times. The loop ends when the strategy says so (its target
+Per iteration: next batch from the prefetch thread (``data``), then one
+:meth:`shmtrain.runtime.trainer.Trainer.step` (``zero_grad``, ``forward``, ``backward``
+with the gradient hooks inside, the strategy's communication and ``update``), then one
+JSON line with the loss and the phase times. The loop ends when the strategy says so (its target
 iterations, or a termination-alignment policy for asynchronous strategies).
 """
 
@@ -24,6 +24,7 @@ from shmtrain.fabric.context import ProcessContext
 from shmtrain.models import build_model
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data import Dataset, Prefetcher, ShardSampler, load_data
+from shmtrain.runtime.trainer import Trainer
 from shmtrain.timing import PhaseTimer
 
 
@@ -48,7 +49,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 25
 
 def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Train this worker's shard; return its summary (rank 0 adds accuracy)."""
-    config = TrainConfig(**payload["config"])
+    config: TrainConfig = payload["config"]
     out = Path(payload["out"])
     torch.manual_seed(config.seed)
     data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
@@ -58,12 +59,13 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     timer = PhaseTimer()
-    dp = DataParallel(model, optimizer, config.strategy, ctx=ctx, timer=timer, **config.options)
+    dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer)
+    trainer = Trainer(dp, nn.CrossEntropyLoss(), timer)
     total = planned_iterations(config, data, ctx.world_size)
     dp.strategy.target_iterations = total
     sampler = ShardSampler(len(data.train_x), config.batch_size, ctx.world_size, ctx.rank, config.seed)
-    prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch)
-    loss_fn = nn.CrossEntropyLoss()
+    prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch,
+                          start=trainer.state.iteration)
     (out / "metrics").mkdir(parents=True, exist_ok=True)
     log = open(out / "metrics" / f"rank-{ctx.rank}.jsonl", "w")  # noqa: SIM115 - closed below
     progress = Progress(total, config.strategy, enabled=config.progress and ctx.rank == 0)
@@ -74,12 +76,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
             iter_start = time.perf_counter()
             with timer.phase("data"):
                 x, y = prefetch.next()
-            dp.zero_grad()
-            with timer.phase("forward"):
-                loss = loss_fn(dp(x), y)
-            with timer.phase("backward"):
-                loss.backward()
-            dp.step()
+            loss = trainer.step(x, y)
             phases = timer.finish_iteration()
             phases["iteration"] = time.perf_counter() - iter_start
             value = float(loss.detach())

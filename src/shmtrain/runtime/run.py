@@ -37,7 +37,7 @@ def run_training(config: TrainConfig, echo=print) -> dict[str, Any] | None:
          f"{config.model} on {config.data}; run folder {out}")
     start = time.perf_counter()
     try:
-        results = launch(TARGET, config.workers, {"config": config.to_dict(), "out": str(out)},
+        results = launch(TARGET, config.workers, {"config": config, "out": str(out)},
                          threads=config.threads, timeout=config.timeout,
                          tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss)
     except WorkerFailed as exc:
@@ -79,7 +79,7 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
             ctx.store.set("out", str(out.resolve()))
         out = Path(ctx.store.get("out").decode())
         config.workers = ctx.world_size
-        result = train_worker(ctx, {"config": config.to_dict(), "out": str(out)})
+        result = train_worker(ctx, {"config": config, "out": str(out)})
         results: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(results, result)
     except BaseException:

@@ -44,7 +44,7 @@ def main() -> int:
     threads = int(os.environ.get("SHMTRAIN_THREADS", "1"))
     ctx = None
     try:
-        from shmtrain.runtime.memory import keep_freed_memory
+        from shmtrain.memory import keep_freed_memory
 
         keep_freed_memory()
         import torch

@@ -10,6 +10,22 @@ runtime (or the :class:`shmtrain.api.DataParallel` wrapper) calls, per iteration
 
 and ``finish()`` once at the end. ``should_stop()`` lets asynchronous strategies end
 the loop early (termination alignment).
+
+Three seams (docs/architecture.md):
+
+- **Transport**: a strategy gets its allreduce, bucket reducer, buffer service and star
+  exchange from the :class:`shmtrain.fabric.transports.Transports` it is handed (built
+  from the context when none is passed); ``hosts_reason(config)`` says, from the
+  transport the config chooses, whether the job may span hosts.
+- **State**: ``state_dict()`` / ``load_state_dict()`` hold what the strategy adds to the
+  model's and optimizer's state (iteration counters, buffers it owns); ``quiesce()``
+  drains exchanges still in flight so the state is consistent. ``iteration`` counts the
+  run's iterations (restored by ``load_state_dict``); ``steps`` counts the exchanges of
+  this process (it starts at 0 with the fabric's fresh sequence words, and protocols
+  number their rounds with it).
+- **Device**: ``devices`` lists the parameter devices the strategy supports; the base
+  constructor refuses others with one message. Copies between a device and the host
+  buffers go through :class:`shmtrain.fabric.staging.HostStaging`.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import torch
 from torch import nn
 
 from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.transports import Transports
 from shmtrain.timing import PhaseTimer
 
 
@@ -39,16 +56,39 @@ class Strategy:
     world: ClassVar[str] = "any"
     #: asynchronous strategies: a worker killed during training does not end the others
     tolerates_peer_loss: ClassVar[bool] = False
-    #: why the strategy runs on one host only (None: it runs across hosts)
-    one_host_reason: ClassVar[str | None] = None
+    #: parameter devices the strategy supports (its buffers' staging, ``fabric/staging.py``)
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
 
     @classmethod
-    def check_hosts(cls, num_nodes: int) -> None:
-        """Refuse a job over several hosts when the strategy runs on one (``one_host_reason``)."""
-        if cls.one_host_reason and num_nodes > 1:
+    def implementation(cls, config: StrategyConfig) -> type[Strategy]:
+        """The class that runs ``config`` (a strategy may hand a variant to another class)."""
+        return cls
+
+    @classmethod
+    def hosts_reason(cls, config: StrategyConfig) -> str | None:
+        """Why the transport that ``config`` chooses keeps the job on one host (None: it
+        runs across hosts)."""
+        return None
+
+    @classmethod
+    def check_hosts(cls, config: StrategyConfig, num_nodes: int) -> None:
+        """Refuse a job over several hosts when the chosen transport is one host's."""
+        reason = cls.hosts_reason(config)
+        if reason and num_nodes > 1:
             raise ValueError(
-                f"--strategy {cls.name} runs on one host ({num_nodes} hosts in this job): "
-                f"{cls.one_host_reason}"
+                f"--strategy {cls.name} runs on one host ({num_nodes} hosts in this job): {reason}"
+            )
+
+    @classmethod
+    def check_device(cls, params: list[torch.Tensor]) -> None:
+        """Refuse parameters on a device the strategy does not support (``devices``)."""
+        found = sorted({p.device.type for p in params} - cls.devices)
+        if found:
+            raise ValueError(
+                f"--strategy {cls.name} supports parameters on {', '.join(sorted(cls.devices))}, "
+                f"but the model has parameters on {', '.join(found)}; move the model to "
+                f"{'the CPU' if cls.devices == {'cpu'} else ' or '.join(sorted(cls.devices))}"
+                + ("" if cls.devices != {"cpu"} else " (on a GPU, use --strategy cpu_acc)")
             )
 
     @classmethod
@@ -73,15 +113,22 @@ class Strategy:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         timer: PhaseTimer | None = None,
+        *,
+        transports: Transports | None = None,
     ) -> None:
-        self.check_hosts(ctx.num_nodes)
+        self.check_hosts(config, ctx.num_nodes)
         self.config = config
         self.ctx = ctx
+        self.transports = transports if transports is not None else Transports(ctx)
         self.model = model
         self.optimizer = optimizer
         self.timer = timer or PhaseTimer()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.check_device(self.params)
+        #: iterations of the run (restored by load_state_dict)
         self.iteration = 0
+        #: exchanges of this process (fresh fabric: sequence numbers start here)
+        self.steps = 0
         #: iterations this worker is asked to run (set by the training loop; None = no limit)
         self.target_iterations: int | None = None
         self._hooks: list[Any] = []
@@ -109,6 +156,7 @@ class Strategy:
     def after_update(self) -> None:
         """Called after the update; closes the iteration."""
         self.iteration += 1
+        self.steps += 1
 
     def should_stop(self) -> bool:
         """True when this worker must end its loop now.
@@ -118,6 +166,21 @@ class Strategy:
         a worker before or after its own target.
         """
         return self.target_iterations is not None and self.iteration >= self.target_iterations
+
+    # -- state ------------------------------------------------------------------
+    def quiesce(self) -> None:
+        """Drain exchanges still in flight, so ``state_dict`` is consistent (between
+        iterations; the strategy keeps working afterwards)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this strategy adds to the model's and optimizer's state (call ``quiesce``
+        first). Every rank returns its own; buffers the strategy owns come from their owner."""
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (collective where the strategy owns shared buffers:
+        every rank calls it, between iterations, after the model and optimizer are loaded)."""
+        self.iteration = int(state["iteration"])
 
     def finish(self) -> None:
         """Called once after the last iteration."""
@@ -154,6 +217,18 @@ def get(name: str) -> type[Strategy]:
 
 def config_fields(cls: type[Strategy]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls.Config))
+
+
+def build_config(name: str, options: dict[str, Any]) -> StrategyConfig:
+    """Build strategy ``name``'s typed Config from ``options``; reject options it does not take."""
+    cls = get(name)
+    known = {f.name for f in dataclasses.fields(cls.Config)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
+        takes = ", ".join("--" + k.replace("_", "-") for k in sorted(known)) or "no options"
+        raise ValueError(f"{flags} does not apply to --strategy {name} (it takes {takes})")
+    return cls.Config(**options)
 
 
 @register

@@ -16,10 +16,16 @@ Algorithm 7 (accumulation): one accumulator thread per worker ("a CPU thread per
 adds its worker's partial gradient, scaled by 1/N so the result is the mean, into the
 host's global gradient of that layer, a shared segment, inside the layer's critical
 section with a counter (:mod:`shmtrain.fabric.critical`); the first arrival of an
-iteration writes instead of adding, so nothing is zeroed. ``isUpdated(u)`` is ``counter[u] >= workers * iteration``
-(counters are cumulative, never reset). The global gradients alternate between two
-sets by iteration parity: a worker reaches iteration k+2 only after everyone finished
-k+1, i.e. after everyone read back iteration k's sums.
+iteration writes instead of adding, so nothing is zeroed. ``isUpdated(u)`` is
+``counter[u] >= workers * k`` in this process's k-th exchange (counters are cumulative,
+never reset). The global gradients alternate between two sets by parity: a worker
+reaches exchange k+2 only after everyone finished k+1, i.e. after everyone read back
+exchange k's sums. The protocol numbers its rounds by ``steps`` (the exchanges of this
+process, starting at 0 with the fresh counters), not by ``iteration``, which a resumed
+run restores.
+
+Every device-specific copy (pinned buffers, the D2H and H2D streams, CUDA events,
+page-locking the shared segment) goes through :class:`shmtrain.fabric.staging.HostStaging`.
 
 Hand-offs are queued in batches: a large layer goes to the accumulator thread at once,
 small ones (a BatchNorm's 64 weights) together once ``HANDOFF_BATCH`` elements are
@@ -46,11 +52,11 @@ import torch
 
 from shmtrain.fabric.control import DIED, PeerFailure, _alive
 from shmtrain.fabric.critical import CriticalCounters
-from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.fabric.segment import align
+from shmtrain.fabric.staging import HostStaging
 from shmtrain.fabric.stitch import PAGE
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
-from shmtrain.strategies.ssgd import broadcast_parameters
 
 #: small layers are handed to the accumulator thread together once this many elements wait
 HANDOFF_BATCH = 1 << 18
@@ -61,15 +67,20 @@ class CPUAccumulation(Strategy):
     """Synchronous SGD; gradients summed by host threads while backward runs."""
 
     name = "cpu_acc"
-    one_host_reason = ("the gradients are accumulated in one host's memory; use "
-                       "--strategy ssgd --overlap across hosts")
+    #: host accumulation serves parameters in host memory or on a GPU (HostStaging)
+    devices = frozenset({"cpu", "cuda"})
+
+    @classmethod
+    def hosts_reason(cls, config: StrategyConfig) -> str | None:
+        return ("the gradients are accumulated in one host's memory; use "
+                "--strategy ssgd --overlap across hosts")
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
         """``cpu_acc`` has no options: one accumulator thread per worker, as in the paper."""
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        super().__init__(config, ctx, model, optimizer, timer)
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         host = ctx.host
         self.world = host.local_world
         self.me = host.local_rank
@@ -89,9 +100,10 @@ class CPUAccumulation(Strategy):
         names = {id(p): name for name, p in model.named_parameters()}
         self._names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.cuda = self.params[0].is_cuda
-        if self.cuda:
-            self._setup_cuda(flats)
+        # p_grads (pinned on a GPU) and the copy streams; the shared sums page-locked so
+        # MemcpyH2DAsync from them is asynchronous
+        self.staging = HostStaging(layout, self.params[0].device)
+        self.staging.register(*flats)
         # Per-iteration bookkeeping (main thread) and per-layer stats (thread writes its
         # own before publishing the counter, so the main thread reads them afterwards).
         self._handed = np.zeros(n, dtype=bool)
@@ -110,18 +122,6 @@ class CPUAccumulation(Strategy):
         self._thread = threading.Thread(target=self._accumulate_loop, name="shmtrain-cpu-acc", daemon=True)
         self._thread.start()
 
-    def _setup_cuda(self, flats: list[torch.Tensor]) -> None:
-        """Pinned partial-gradient buffers (``p_grads``) and the two copy streams."""
-        self._pinned = self.layout.views(torch.empty(self.layout.numel, dtype=self.layout.dtype).pin_memory())
-        self._d2h = torch.cuda.Stream()
-        self._h2d = torch.cuda.Stream()
-        try:  # page-lock the shared global gradients so MemcpyH2DAsync is asynchronous
-            for f in flats:
-                torch.cuda.cudart().cudaHostRegister(f.data_ptr(), f.numel() * f.element_size(), 0)
-        except Exception:  # noqa: BLE001 - only slower (staged copies) without it
-            pass
-        self._h2d_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
-
     # -- Algorithm 6, on the training thread ---------------------------------------------
     def on_gradient_ready(self, param: torch.Tensor) -> None:
         layer = self._index[id(param)]
@@ -129,20 +129,11 @@ class CPUAccumulation(Strategy):
         self._return_finished()
 
     def _hand_off(self, layer: int, grad: torch.Tensor) -> None:
-        seq = self.iteration + 1
+        seq = self.steps + 1
         start = time.perf_counter()
-        if self.cuda:
-            d2h = self._d2h
-            d2h.wait_stream(torch.cuda.current_stream())
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(d2h):
-                begin.record(d2h)
-                self._pinned[layer].copy_(grad, non_blocking=True)
-                end.record(d2h)
-            grad.record_stream(d2h)
-            self._batch.append((layer, seq, self._pinned[layer], (begin, end)))
-        else:
-            self._batch.append((layer, seq, grad, None))
+        partial, handle = self.staging.to_host(layer, grad)  # MemcpyD2HAsync on a GPU
+        self._batch.append((layer, seq, partial, handle))
+        if handle is None:  # host memory: the hand-off is the queue entry, no copy to time
             self._copy_s[layer] = time.perf_counter() - start
         self._handed[layer] = True
         self._order.append(layer)
@@ -158,27 +149,20 @@ class CPUAccumulation(Strategy):
 
     def _return_finished(self) -> None:
         """Lines 7-10: bring back every handed-off layer whose sum is complete."""
-        target = self.world * (self.iteration + 1)
+        target = self.world * (self.steps + 1)
         ready = self._handed & ~self._returned & (self.critical.counters >= target)
         for layer in np.flatnonzero(ready):
             self._copy_back(int(layer))
 
     def _copy_back(self, layer: int) -> None:
         p = self.params[layer]
-        total = self.global_grads[(self.iteration + 1) % 2][layer]
+        total = self.global_grads[(self.steps + 1) % 2][layer]
         start = time.perf_counter()
-        if self.cuda:
-            h2d = self._h2d
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(h2d):
-                begin.record(h2d)
-                p.grad.copy_(total, non_blocking=True)
-                end.record(h2d)
-            self._h2d_events.append((layer, begin, end))
-        else:
-            # Host memory is where the sum already is: the worker's gradient becomes a view
-            # of it (read-only for the optimizer), no copy.
-            p.grad = total
+        # GPU: MemcpyH2DAsync into p.grad (timed by events, see _report). Host memory:
+        # where the sum already is, so the worker's gradient becomes a view of it
+        # (read-only for the optimizer), no copy.
+        self.staging.to_device(layer, p, total)
+        if not self.staging.copies:
             self._copy_back_s[layer] = time.perf_counter() - start
         self._returned[layer] = True
 
@@ -194,11 +178,10 @@ class CPUAccumulation(Strategy):
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 
-    def _accumulate(self, layer: int, seq: int, partial: torch.Tensor, events: tuple | None) -> None:
+    def _accumulate(self, layer: int, seq: int, partial: torch.Tensor, handle: object | None) -> None:
         """Algorithm 7 for one layer: add the partial inside the layer's critical section."""
-        if events is not None:
-            events[1].synchronize()  # the D2H copy has landed in pinned memory
-            self._copy_s[layer] = events[0].elapsed_time(events[1]) / 1e3
+        if handle is not None:  # wait until the D2H copy has landed in pinned memory
+            self._copy_s[layer] = self.staging.host_ready(handle)
         deadline = time.monotonic() + self.ctx.timeout
         start = time.perf_counter()
         self.critical.acquire(layer, deadline=deadline, check=self._check,
@@ -227,7 +210,7 @@ class CPUAccumulation(Strategy):
                 p.grad = torch.zeros_like(p)
             self._hand_off(int(layer), p.grad)
         self._flush()
-        target = self.world * (self.iteration + 1)
+        target = self.world * (self.steps + 1)
         deadline = time.monotonic() + self.ctx.timeout
         for layer in self._order:
             if self._returned[layer]:
@@ -237,8 +220,7 @@ class CPUAccumulation(Strategy):
                 what=f"the sum of layer {layer} ({self._names[layer]})", name_peer=self._laggards,
             )
             self._copy_back(layer)
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self._h2d)
+        self.staging.join()  # the update runs after the H2D copies (a stream wait)
         elapsed = time.perf_counter() - start
         self.timer.add("collect_remaining", elapsed)
         self.timer.add("comm", elapsed)
@@ -262,16 +244,13 @@ class CPUAccumulation(Strategy):
 
     def _laggards(self) -> str:
         control = self.ctx.host.control
-        expected = self.num_layers * (self.iteration + 1)
+        expected = self.num_layers * (self.steps + 1)
         late = [r for r in range(self.world) if control.get(self._accumulated, r) < expected]
         return "local rank(s) " + ", ".join(map(str, late or range(self.world)))
 
     def _report(self) -> None:
-        if self.cuda:
-            for layer, begin, end in self._h2d_events:
-                end.synchronize()
-                self._copy_back_s[layer] = begin.elapsed_time(end) / 1e3
-            self._h2d_events.clear()
+        for layer, seconds in self.staging.device_times():
+            self._copy_back_s[layer] = seconds
         self.timer.add("accumulate", float(self._accumulate_s.sum()))
         self.timer.detail("layers", [
             {"layer": self._names[i], "numel": self.params[i].numel(),
@@ -282,7 +261,7 @@ class CPUAccumulation(Strategy):
 
     # -- closing the iteration ----------------------------------------------------------------
     def after_update(self) -> None:
-        if not self.cuda:  # the gradients are views of the shared sums: never accumulate there
+        if not self.staging.copies:  # the gradients are views of the shared sums: never accumulate there
             for p in self.params:
                 p.grad = None
         self._handed[:] = False
@@ -294,4 +273,5 @@ class CPUAccumulation(Strategy):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=self.ctx.timeout)
+        self.staging.close()  # undo the page-locking of the shared sums
         super().finish()

@@ -34,8 +34,8 @@ class Downpour(SharedWeightsStrategy):
     class Config(AsyncConfig):
         pass
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        super().__init__(config, ctx, model, optimizer, timer)
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.service.read(self.global_weights, self.weights)
         self.fetched = self.weights.clone()  # W_fetched: where this worker's gradients start
         self.update = torch.empty_like(self.weights)
@@ -55,3 +55,11 @@ class Downpour(SharedWeightsStrategy):
             t = timer.current
             timer.add("comm", sum(t.get(k, 0.0) for k in ("rgw", "ulw", "wwi", "ugw")))
         super().after_update()
+
+    def state_dict(self) -> dict:
+        """Adds W_fetched, where this worker's gradients since the last push started."""
+        return {**super().state_dict(), "fetched": self.fetched.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.fetched.copy_(state["fetched"])

@@ -34,8 +34,8 @@ class EASGD(SharedWeightsStrategy):
     class Config(ElasticConfig):
         pass
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        super().__init__(config, ctx, model, optimizer, timer)
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.global_copy = torch.empty_like(self.weights)
         self.difference = torch.empty_like(self.weights)
         self._exchanging = False

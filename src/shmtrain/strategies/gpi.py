@@ -23,7 +23,9 @@ ResNet-18 with 2 workers the root spent 9 ms per iteration writing weights into 
 child's parameters while the child slept 17 ms in the finalization (cProfile).
 
 Sends are triggered, never awaited (a write into a peer's shared memory plus a
-notification, :mod:`shmtrain.fabric.onesided`). A finalization phase
+notification, :mod:`shmtrain.fabric.onesided`); a notification carries the exchange's
+number, ``steps + 1`` (the exchanges of this process: the notification words start at 0
+with the window, also after a resumed run restored ``iteration``). A finalization phase
 (``collect_remaining``) ties the loose ends: it sleeps on this rank's doorbell until
 every layer's new weights are in place. There is no global barrier between iterations:
 a rank that holds the complete new model starts the next forward at once.
@@ -87,20 +89,20 @@ class GPI(Strategy):
     """Synchronous SGD with layer-wise one-sided tree reduction and broadcast."""
 
     name = "gpi"
-    one_host_reason = ("its one-sided writes go through one host's shared memory; use "
-                       "--strategy ssgd --overlap across hosts")
+
+    @classmethod
+    def hosts_reason(cls, config: StrategyConfig) -> str | None:
+        return ("its one-sided writes go through one host's shared memory; use "
+                "--strategy ssgd --overlap across hosts")
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
         """``gpi`` has no options: the tree and the layer order follow from the job."""
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        super().__init__(config, ctx, model, optimizer, timer)
-        if any(p.device.type != "cpu" for p in self.params):
-            raise ValueError(
-                "--strategy gpi keeps the parameters in host shared memory (the peers write "
-                "into them); move the model to the CPU or use --strategy cpu_acc on a GPU"
-            )
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        # the parameters live in host shared memory (the peers write into them): CPU only,
+        # refused otherwise by the base (``devices``)
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         host = ctx.host
         self.world = world = host.local_world
         self.me = me = host.local_rank
@@ -155,7 +157,7 @@ class GPI(Strategy):
 
     def _turn(self) -> bool:
         """Act on what has arrived; return True if anything moved."""
-        seq = self.iteration + 1
+        seq = self.steps + 1
         words = self.window.notifications()
         moved = False
         pending = self._own & ~self._sent
@@ -237,7 +239,7 @@ class GPI(Strategy):
         while True:
             token = self.window.doorbell()
             self._turn()
-            self._update_ready(self.iteration + 1)
+            self._update_ready(self.steps + 1)
             if self._have.all():
                 break
             senders, what = self._waiting_for()
@@ -248,7 +250,8 @@ class GPI(Strategy):
 
     def _waiting_for(self) -> tuple[list[int], str]:
         """Who this rank waits for, and for what (for errors that name the peer)."""
-        seq = self.iteration + 1
+        seq = self.steps + 1
+        at = f"iteration {self.iteration + 1}"  # the run's number (seq restarts after a resume)
         unsent = np.flatnonzero(~self._sent)
         if unsent.size:
             layer = int(unsent[0])
@@ -257,9 +260,9 @@ class GPI(Strategy):
                 c for j, c in enumerate(self.children)
                 if words[self._grad_id(layer, j)] < seq
             ]
-            return missing or self.children, f"the gradient of layer {layer} (iteration {seq})"
+            return missing or self.children, f"the gradient of layer {layer} ({at})"
         layer = int(np.flatnonzero(~self._have)[0])
-        return [self.parent], f"the new weights of layer {layer} (iteration {seq})"
+        return [self.parent], f"the new weights of layer {layer} ({at})"
 
     def apply_update(self) -> None:
         """Nothing left to do: the root updated each layer as its gradient was complete."""

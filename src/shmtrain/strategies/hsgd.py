@@ -25,7 +25,6 @@ import torch
 
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import SharedSegment, align
-from shmtrain.fabric.shm_allreduce import ShmAllreduce
 from shmtrain.strategies.base import register
 from shmtrain.strategies.seasgd import ElasticExchange, describe_eq8, eq8_metrics
 from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
@@ -122,7 +121,7 @@ class HSGD(SharedWeightsStrategy):
     @classmethod
     def check_world(cls, config: HSGD.Config, workers: int, num_nodes: int = 1) -> int:
         """The group size for ``workers`` on one host; ValueError naming the options."""
-        cls.check_hosts(num_nodes)  # before the group arithmetic, whose error would mislead
+        cls.check_hosts(config, num_nodes)  # before the group arithmetic, whose error would mislead
         size = config.group_size
         if size == 0:
             if workers % config.groups:
@@ -139,14 +138,14 @@ class HSGD(SharedWeightsStrategy):
             )
         return size
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         size = self.check_world(config, ctx.world_size, ctx.num_nodes)
         self.group_host = GroupHost(ctx.host, config.groups, size)
         self.is_root = self.group_host.local_rank == 0
         self.updates_global = self.is_root
-        super().__init__(config, ctx, model, optimizer, timer)
-        self.allreduce = ShmAllreduce(
-            self.group_host, self.layout.numel, dtype=self.layout.dtype, op="mean", tag="hsgd.grads"
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
+        self.allreduce = self.transports.group_allreduce(
+            self.group_host, self.layout.numel, self.layout.dtype, op="mean", tag="hsgd.grads"
         )
         self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
         self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
@@ -221,6 +220,10 @@ class HSGD(SharedWeightsStrategy):
             self.termination.mark_done(self.iteration)
             return True
         return False
+
+    def drain_exchange(self) -> None:
+        if self.exchange is not None:
+            self.exchange.drain()
 
     def close_exchange(self) -> None:
         if self.exchange is not None:

@@ -12,33 +12,25 @@ with optimizer state (each worker keeps its own momentum here) or a longer inter
 After the last iteration, if it did not end on an averaging round, ``finish()`` runs one
 more round so every worker ends with the same (averaged) weights.
 
-Transports as for :mod:`shmtrain.strategies.ps_grad`: with ``ps_transport="shm"`` each
-local worker's ``param.data`` are views into its own slot of one host segment; the host
-leader averages the slots into the server buffer, which every worker then copies into
-its slot (``broadcast``); among hosts the leaders gather their host means to rank 0 and
-rank 0 broadcasts the mean back over gloo. ``ps_transport="gloo"`` uses torch.distributed
-``gather`` / ``broadcast`` of every worker's flat weights.
+Transports as for :mod:`shmtrain.strategies.ps_grad` (the exchange is
+:mod:`shmtrain.fabric.star`): each worker's ``param.data`` are views of its own buffer for
+the server (``mine``: with ``ps_transport="shm"`` its slot of one host segment); the
+server averages them into its ``server`` buffer, which reaches every worker and which every
+worker copies into its own (``broadcast``). With ``shm`` the host leader averages the
+slots into the host's shared server buffer and, among hosts, the leaders gather their host
+means to rank 0, which broadcasts the mean back over gloo; with ``gloo`` it is
+torch.distributed ``gather`` / ``broadcast`` of every worker's flat weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as dist
+from functools import partial
+from typing import Any
 
 from shmtrain.fabric.flat import FlatLayout
 from shmtrain.strategies.base import Strategy, register
-from shmtrain.strategies.ps_grad import (
-    ParameterServerConfig,
-    StarRound,
-    average_,
-    average_among_hosts,
-    broadcast_among_hosts,
-    ps_phase,
-    require_cpu,
-    shared_buffers,
-)
+from shmtrain.strategies.ps_grad import ParameterServerConfig, ps_phase
 
 
 @register
@@ -68,29 +60,18 @@ class ParameterServerWeight(Strategy):
                     "of iterations between weight averages; use 1 to average after every step"
                 )
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        super().__init__(config, ctx, model, optimizer, timer)
-        require_cpu(self.name, self.params)
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.layout = FlatLayout(self.params)
-        numel, dtype = self.layout.numel, self.layout.dtype
+        #: averaging rounds done (restored by load_state_dict)
         self.rounds = 0
-        if config.ps_transport == "shm":
-            self._round = StarRound(ctx.host, "ps_weight")
-            self._segment, self.slots, self.server = shared_buffers(
-                ctx.host, "ps_weight", numel, dtype, self.layout.gather()
-            )
-            if ctx.num_nodes > 1:
-                broadcast_among_hosts(ctx, self.server)
-                ctx.host.barrier("ps_weight initial weights")
-                self._host_means = [torch.empty(numel, dtype=dtype) for _ in range(ctx.num_nodes)] if ctx.rank == 0 else []
-            self.weights = self.slots[ctx.local_rank]
-            self.weights.copy_(self.server)
-        else:
-            self._round = None
-            self.weights = torch.empty(numel, dtype=dtype)
-            self.layout.gather(out=self.weights)
-            dist.broadcast(self.weights, src=0)
-            self._gathered = [torch.empty(numel, dtype=dtype) for _ in range(ctx.world_size)] if ctx.rank == 0 else None
+        # every worker starts from rank 0's initial weights (the server's)
+        self.star = self.transports.star(
+            config.ps_transport, "ps_weight", self.layout.numel, self.layout.dtype, self.layout.gather()
+        )
+        #: this worker's weights ``w_i``: its parameters are views of them
+        self.weights = self.star.mine
+        self.weights.copy_(self.star.server)
         self.layout.bind_data(self.weights, copy=False)
 
     def after_update(self) -> None:
@@ -102,31 +83,26 @@ class ParameterServerWeight(Strategy):
     def average(self) -> None:
         """One round of eq. 2.2: the server averages every worker's weights; all take the mean."""
         self.rounds += 1
-        if self._round is None:
-            with ps_phase(self.timer, "gather"):
-                dist.gather(self.weights, gather_list=self._gathered, dst=0)
-            if self.ctx.rank == 0:
-                with ps_phase(self.timer, "average"):
-                    average_(self.weights, self._gathered)
-            with ps_phase(self.timer, "broadcast"):
-                dist.broadcast(self.weights, src=0)
-            return
-        self._round.arrive()
-        if self.ctx.local_rank == 0:
-            with ps_phase(self.timer, "gather"):
-                self._round.wait_arrivals()
-            with ps_phase(self.timer, "average"):
-                average_(self.server, self.slots)
-            if self.ctx.num_nodes > 1:
-                with ps_phase(self.timer, "gather"):
-                    average_among_hosts(self.ctx, self.server, self._host_means)
-            with ps_phase(self.timer, "broadcast"):
-                broadcast_among_hosts(self.ctx, self.server)
-                self._round.publish()
+        star = self.star
+        star.gather_mean(star.server, phase=partial(ps_phase, self.timer))
         with ps_phase(self.timer, "broadcast"):
-            if self.ctx.local_rank != 0:
-                self._round.wait_published()
-            self.weights.copy_(self.server)
+            star.broadcast()
+            self.weights.copy_(star.server)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The iteration and the averaging rounds done (the weights are the model's, the
+        momentum this worker's optimizer's: both saved by their owners)."""
+        return {**super().state_dict(), "rounds": self.rounds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; rank 0's (loaded) weights become the server's.
+
+        The parameters are views of this worker's weights, so loading the model (before
+        this call) has restored them; the server buffer is rewritten by every average, but
+        is made rank 0's weights so every worker holds the same state."""
+        super().load_state_dict(state)
+        self.rounds = int(state["rounds"])
+        self.star.set_server(self.weights)
 
     def finish(self) -> None:
         """End on averaged weights; give the model private copies of them."""
@@ -134,10 +110,8 @@ class ParameterServerWeight(Strategy):
             if self.iteration % self.config.average_interval:
                 self.average()
         finally:
-            if self._round is not None:
-                self._round.close()
             own = self.weights.clone()
+            self.star.close()
             self.layout.bind_data(own, copy=False)
-            self.slots = []
             self.weights = own
             Strategy.finish(self)

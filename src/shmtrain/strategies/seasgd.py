@@ -145,6 +145,10 @@ class ElasticExchange:
                 self._pending = False
                 self._cond.notify_all()
 
+    def drain(self) -> None:
+        """Sleep until the increment in flight has been applied to W_g (if any)."""
+        self._await_idle("the global weight update in flight")
+
     def close(self) -> None:
         """Let the last update finish, then end the update thread."""
         try:
@@ -175,8 +179,8 @@ class SEASGD(SharedWeightsStrategy):
     class Config(ElasticConfig):
         pass
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        super().__init__(config, ctx, model, optimizer, timer)
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.exchange = ElasticExchange(
             self.service, self.global_weights, self.weight_increment, self.weights,
             config.moving_rate, self.timer, ctx.timeout,
@@ -185,6 +189,9 @@ class SEASGD(SharedWeightsStrategy):
     def start_iteration(self) -> None:
         if self.iteration % self.config.update_interval == 0:
             self.exchange.exchange()
+
+    def drain_exchange(self) -> None:
+        self.exchange.drain()
 
     def close_exchange(self) -> None:
         self.exchange.close()

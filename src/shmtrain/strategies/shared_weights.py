@@ -11,14 +11,14 @@ Each worker's local weights (W_x) live in one private flat tensor with per-layer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
-from shmtrain.fabric.flat import FlatLayout
-from shmtrain.fabric.smb import STATE_TRAINING, Buffer, BufferService, LocalBufferService
+from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
+from shmtrain.fabric.smb import STATE_TRAINING, Buffer, BufferService
+from shmtrain.fabric.transports import ONE_HOST
 from shmtrain.strategies.base import Strategy, StrategyConfig
-from shmtrain.strategies.ssgd import broadcast_parameters
 from shmtrain.strategies.termination import MASTER, Termination, check_terminate
 
 GLOBAL_WEIGHTS = "global_weights"
@@ -49,7 +49,7 @@ class AsyncConfig(StrategyConfig):
         default=1, metadata={"help": "exchange with the global weights every N iterations (tau)"}
     )
     #: termination alignment: master, first or average (ShmCaffe Section III-E)
-    terminate: str = field(
+    terminate: Literal["master", "first", "average"] = field(
         default="average",
         metadata={"help": "when asynchronous workers stop: master, first or average (ShmCaffe III-E)"},
     )
@@ -110,22 +110,27 @@ class SharedWeightsStrategy(Strategy):
 
     #: the launcher records a worker's death without ending the survivors
     tolerates_peer_loss: ClassVar[bool] = True
-    one_host_reason = "the buffer service for other hosts (SMB-REMOTE) is not built yet"
+
+    @classmethod
+    def hosts_reason(cls, config: StrategyConfig) -> str | None:
+        """The local buffer service keeps the job on one host (SMB-REMOTE is not built)."""
+        return ONE_HOST["smb:local"]
+
     #: whether this worker writes increments into the global weights
     updates_global: bool = True
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        super().__init__(config, ctx, model, optimizer, timer)
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.layout = FlatLayout(self.params)
         broadcast_parameters(self.layout)
         self.weights = self.local_weights_storage()
         self.layout.bind_data(self.weights)
-        self.service = LocalBufferService(ctx.host)
+        self.service = self.transports.buffer_service("local")
         self.global_weights, self.weight_increment = open_global_weights(
             self.service, self.weights, increment=self.updates_global
         )
-        self.termination = Termination(config.terminate, self.service)
-        self.service.set_progress(0, STATE_TRAINING)
+        self.termination = Termination(config.terminate, self.service.board)
+        self.service.board.set_progress(0, STATE_TRAINING)
         self._started = -1  # the iteration whose start-of-iteration exchange has run
 
     def zero_grad(self) -> None:
@@ -167,3 +172,28 @@ class SharedWeightsStrategy(Strategy):
         finally:
             self.service.close()
             super().finish()
+
+    # -- state (checkpoints) ------------------------------------------------------
+    def quiesce(self) -> None:
+        """Finish the exchange in flight (SEASGD's update thread), so W_g is settled."""
+        self.drain_exchange()
+
+    def drain_exchange(self) -> None:
+        """Wait for communication in flight to land (none by default)."""
+
+    def state_dict(self) -> dict:
+        """The iteration and, on the master (which created it), the global weights W_g;
+        each worker's local weights W_x are the model's weights."""
+        state = super().state_dict()
+        if self.service.rank == MASTER:
+            state["global_weights"] = self.service.read(
+                self.global_weights, torch.empty(self.layout.numel, dtype=self.layout.dtype)
+            )
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Collective: the master writes W_g back, then every worker may read it."""
+        super().load_state_dict(state)
+        if self.service.rank == MASTER:
+            self.service.write(self.global_weights, state["global_weights"])
+        self.ctx.host.barrier("global weights restored")

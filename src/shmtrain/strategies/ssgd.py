@@ -5,28 +5,23 @@ over all workers (ShmCaffe Section IV-C, "MPICaffe"; SHM-Learn-Dist eq. 2.1 with
 a server), and every worker applies the same update, so the weights stay identical
 and equal to single-process SGD on the union of the workers' batches.
 
-Gradients go straight into this worker's slot of the shared-memory allreduce
-(``param.grad`` are views of it); after the reduction ``param.grad`` are re-pointed at
-the shared result, which the optimizer reads in place.
+The allreduce comes from the strategy's transports (``--allreduce``: ``shm`` by default).
+With ``shm``, gradients go straight into this worker's slot of the shared-memory
+allreduce (``param.grad`` are views of it); after the reduction ``param.grad`` are
+re-pointed at the shared result, which the optimizer reads in place. ``--overlap`` is
+run by :class:`shmtrain.strategies.ssgd_overlap.OverlapSSGD` (``implementation``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-import torch.distributed as dist
-
-from shmtrain.fabric.flat import FlatLayout
-from shmtrain.fabric.shm_allreduce import ShmAllreduce
+from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
+from shmtrain.strategies.ssgd_overlap import OverlapSSGD
 
-
-def broadcast_parameters(layout: FlatLayout, src: int = 0) -> None:
-    """Make every worker's weights equal to rank ``src``'s (once, at the start)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        flat = layout.gather()
-        dist.broadcast(flat, src=src)
-        layout.scatter(flat)
+AllreduceName = Literal["shm", "gloo", "ring", "rhd", "tree", "topo", "hierarchical", "auto"]
 
 
 @register
@@ -39,7 +34,7 @@ class SSGD(Strategy):
     class Config(StrategyConfig):
         #: allreduce algorithm: "shm" (shared memory in a host, gloo among hosts) or one of
         #: shmtrain.fabric.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto)
-        allreduce: str = "shm"
+        allreduce: AllreduceName = "shm"
         #: start the allreduce bucket by bucket from gradient hooks during backward, the
         #: DDP way (implemented in shmtrain.strategies.ssgd_overlap; docs/overlap.md)
         overlap: bool = False
@@ -47,6 +42,9 @@ class SSGD(Strategy):
         bucket_mb: float = 25.0
 
         def __post_init__(self) -> None:
+            from shmtrain.fabric.collectives.reducers import check_name
+
+            check_name(self.allreduce)
             if not self.bucket_mb > 0:
                 raise ValueError(
                     f"--bucket-mb {self.bucket_mb}: the bucket size must be positive; "
@@ -58,28 +56,17 @@ class SSGD(Strategy):
                     "through shared memory or gloo only; use --allreduce shm or gloo, or drop --overlap"
                 )
 
-    def __new__(cls, config, *args, **kwargs):  # noqa: ARG004 - same signature as __init__
-        if cls is SSGD and getattr(config, "overlap", False):
-            from shmtrain.strategies.ssgd_overlap import OverlapSSGD
+    @classmethod
+    def implementation(cls, config: StrategyConfig) -> type[Strategy]:
+        return OverlapSSGD if getattr(config, "overlap", False) else cls
 
-            cls = OverlapSSGD
-        return super().__new__(cls)
-
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        super().__init__(config, ctx, model, optimizer, timer)
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.layout = FlatLayout(self.params)
         broadcast_parameters(self.layout)
-        if config.allreduce == "shm":
-            self.allreduce = ShmAllreduce(
-                ctx.host, self.layout.numel, dtype=self.layout.dtype,
-                op="mean", leaders=ctx.leaders, tag="grads",
-            )
-        else:
-            from shmtrain.fabric.collectives import build_allreduce
-
-            self.allreduce = build_allreduce(
-                config.allreduce, ctx, self.layout.numel, self.layout.dtype, op="mean"
-            )
+        self.allreduce = self.transports.allreduce(
+            config.allreduce, self.layout.numel, self.layout.dtype, op="mean", tag="grads"
+        )
         # Views of both slot sets and both results, made once: binding is pointer work.
         self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
         self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]

@@ -23,27 +23,22 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from shmtrain.fabric.bucket_allreduce import BucketAllreduce, assign_buckets
-from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.bucket_allreduce import assign_buckets
+from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy
-from shmtrain.strategies.ssgd import SSGD, broadcast_parameters
 
 MIB = 1 << 20
 
 
-class OverlapSSGD(SSGD):
+class OverlapSSGD(Strategy):
     """Synchronous SGD with bucketed allreduce overlapped with backward (not registered:
-    ``ssgd`` builds it when ``overlap`` is on)."""
+    ``ssgd`` hands a config with ``overlap`` to it, see ``SSGD.implementation``)."""
 
-    def __init__(self, config, ctx, model, optimizer, timer=None) -> None:
-        Strategy.__init__(self, config, ctx, model, optimizer, timer)  # not SSGD's buffers
-        if any(p.device.type != "cpu" for p in self.params):
-            raise ValueError(
-                "--overlap reduces host-memory buckets and hands them to the optimizer as the "
-                "gradients; the model must be on the CPU (on a GPU, use --strategy cpu_acc)"
-            )
+    name = "ssgd"
+
+    def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
+        super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         order = list(reversed(self.params))
         self.layout = layout = FlatLayout(order)
         broadcast_parameters(layout)
@@ -56,19 +51,12 @@ class OverlapSSGD(SSGD):
         self._sizes = np.array([len(g) for g in groups], dtype=np.int64)
         self._slot = {id(p): i for i, p in enumerate(order)}
         self.order = order
-        self.gloo = config.allreduce == "gloo"
-        if self.gloo:
-            self._flat = torch.zeros(layout.numel, dtype=layout.dtype)
-            self._inputs = self._results = layout.views(self._flat)
-            self._works: list[dist.Work] = []
-        else:
-            self.reducer = BucketAllreduce(
-                ctx.host, layout.numel, self.bucket_ranges, dtype=layout.dtype,
-                op="mean", leaders=ctx.leaders, tag="buckets",
-            )
-            # one slot and one result, reused every step (see BucketAllreduce)
-            self._inputs = layout.views(self.reducer.input())
-            self._results = layout.views(self.reducer.result())
+        # one slot and one result, reused every step (see BucketAllreduce)
+        self.reducer = self.transports.bucket_reducer(
+            config.allreduce, layout.numel, self.bucket_ranges, layout.dtype, op="mean", tag="buckets"
+        )
+        self._inputs = layout.views(self.reducer.input())
+        self._results = layout.views(self.reducer.result())
         self._step = 0
         self._seen = np.zeros(len(order), dtype=bool)
         self._pending = self._sizes.copy()
@@ -79,20 +67,18 @@ class OverlapSSGD(SSGD):
 
     def _begin(self) -> None:
         """Open the step lazily at its first gradient (or after backward)."""
-        if self._step != self.iteration + 1:
-            self._step = self.iteration + 1
+        if self._step != self.steps + 1:
+            self._step = self.steps + 1
             self._seen[:] = False
             self._pending[:] = self._sizes
             self._next = 0
-            if self.gloo:
-                self._works.clear()
 
     def on_gradient_ready(self, param: torch.Tensor) -> None:
         self._begin()
         i = self._slot[id(param)]
         self._inputs[i].copy_(param.grad)
         self._mark(i)
-        if not self._launch_ready() and not self.gloo:
+        if not self._launch_ready():
             self.reducer.progress()  # buckets whose peers were late at their launch
 
     def _mark(self, i: int) -> None:
@@ -104,12 +90,7 @@ class OverlapSSGD(SSGD):
         any was launched."""
         first = self._next
         while self._next < len(self._sizes) and self._pending[self._next] == 0:
-            b = self._next
-            if self.gloo:
-                lo, hi = self.bucket_ranges[b]
-                self._works.append(dist.all_reduce(self._flat[lo:hi], async_op=True))
-            else:
-                self.reducer.launch(b, self._step)
+            self.reducer.launch(self._next, self._step)
             self._next += 1
         return self._next > first
 
@@ -121,12 +102,7 @@ class OverlapSSGD(SSGD):
             inputs[int(i)].zero_()
             self._mark(int(i))
         self._launch_ready()
-        if self.gloo:
-            for work in self._works:
-                work.wait()
-            self._flat.mul_(1.0 / dist.get_world_size())
-        else:
-            self.reducer.wait(self._step)
+        self.reducer.wait(self._step)
         self.layout.bind_grads(self._results)
         elapsed = time.perf_counter() - start
         self.timer.add("collect_remaining", elapsed)
@@ -140,6 +116,5 @@ class OverlapSSGD(SSGD):
         super().after_update()
 
     def finish(self) -> None:
-        if not self.gloo:
-            self.reducer.close()
+        self.reducer.close()
         super().finish()

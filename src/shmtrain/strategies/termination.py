@@ -1,8 +1,10 @@
 """Aligning the termination of asynchronous workers (TERM, ShmCaffe Section III-E).
 
 Every worker publishes its iterations done and its state (setting up, training, done)
-in the host's control block after each iteration; :class:`Termination` reads those
-words and decides whether this worker ends now, by one of the paper's three criteria:
+on a :class:`~shmtrain.fabric.smb.ProgressBoard` after each iteration (the buffer
+service's ``board``: the host's control block for the local service);
+:class:`Termination` reads those entries and decides whether this worker ends now, by
+one of the paper's three criteria:
 
 ``master``
     all workers finish when the master worker (rank 0) finishes; the master stops at
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, BufferService
+from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
 
 POLICIES = ("master", "first", "average")
 MASTER = 0
@@ -44,21 +46,22 @@ class Termination:
 
     Args:
         policy: ``master``, ``first`` or ``average``.
-        service: the buffer service whose control block holds progress and state.
+        board: the progress board (progress, state and liveness of every worker; a
+            buffer service's ``board``). This worker is ``board.rank``.
         voters: the ranks whose progress and state count (default: every worker).
     """
 
-    def __init__(self, policy: str, service: BufferService, voters: Sequence[int] | None = None) -> None:
+    def __init__(self, policy: str, board: ProgressBoard, voters: Sequence[int] | None = None) -> None:
         check_terminate(policy)
         self.policy = policy
-        self.service = service
-        self.me = service.rank
-        self.voters = list(range(service.world) if voters is None else voters)
+        self.board = board
+        self.me = board.rank
+        self.voters = list(range(board.world) if voters is None else voters)
         self.stopped = False
 
     def publish(self, iteration: int) -> None:
         """Record ``iteration`` iterations done by this worker (call after each one)."""
-        self.service.set_progress(iteration, STATE_DONE if self.stopped else STATE_TRAINING)
+        self.board.set_progress(iteration, STATE_DONE if self.stopped else STATE_TRAINING)
 
     def decide(self, iteration: int, target: int | None) -> bool:
         """True when this worker must stop after ``iteration`` iterations."""
@@ -72,22 +75,22 @@ class Termination:
     def mark_done(self, iteration: int) -> None:
         """Tell the peers this worker has stopped (at once, so they can follow)."""
         self.stopped = True
-        self.service.set_progress(iteration, STATE_DONE)
+        self.board.set_progress(iteration, STATE_DONE)
 
     def _decide(self, iteration: int, target: int | None) -> bool:
-        service = self.service
+        board = self.board
         reached = target is not None and iteration >= target
         if self.policy == "master":
             if self.me == MASTER or MASTER not in self.voters:
                 return reached
             # The master's death ends the run too: its service would be gone anyway.
-            return service.state(MASTER) == STATE_DONE or not service.alive(MASTER)
+            return board.state(MASTER) == STATE_DONE or not board.alive(MASTER)
         if self.policy == "first":
             if reached:
                 return True
             # DONE is written only by a worker that finished: a killed one stays TRAINING.
-            return any(service.state(r) == STATE_DONE for r in self.voters if r != self.me)
+            return any(board.state(r) == STATE_DONE for r in self.voters if r != self.me)
         if target is None:
             return False
-        total = sum(iteration if r == self.me else service.progress(r) for r in self.voters)
+        total = sum(iteration if r == self.me else board.progress(r) for r in self.voters)
         return total >= target * len(self.voters)

@@ -9,7 +9,7 @@ comparison points. Layout:
 - :mod:`.transport`: the point-to-point interface, in-process peers, gloo.
 - :mod:`.executor`: run a schedule on one rank's buffer over a transport.
 - :mod:`.counting`: run a schedule for all ranks at once without data (the simulator).
-- :mod:`.reducers`, :mod:`.autotune`: objects for training and ``build_allreduce``.
+- :mod:`.reducers`, :mod:`.autotune`: objects for training; :mod:`.factory`: ``build_allreduce``.
 
 Schedules and counting need only numpy; the torch-based names load on first use, so
 ``shmtrain sim`` does not pay for importing torch.
@@ -25,7 +25,7 @@ _LAZY = {
     "CHOICES": "reducers",
     "GlooAllreduce": "reducers",
     "ScheduledAllreduce": "reducers",
-    "build_allreduce": "reducers",
+    "build_allreduce": "factory",
     "AutotunedAllreduce": "autotune",
     "allreduce": "executor",
     "execute": "executor",

@@ -6,7 +6,8 @@ returns it again, ``count`` counts calls. Two buffers alternate by step parity, 
 the shared-memory allreduce, so the strategy can bind its views once. The schedule
 algorithms reduce in place, so ``result(s)`` is ``input(s)``.
 
-:func:`build_allreduce` is the factory behind ``--allreduce``.
+:func:`shmtrain.fabric.collectives.factory.build_allreduce` is the factory behind
+``--allreduce``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from shmtrain.fabric.collectives.algorithms import ALGORITHMS, get_algorithm
 from shmtrain.fabric.collectives.executor import execute, scratch_elements
 from shmtrain.fabric.collectives.schedule import Topology, plan_for
-from shmtrain.fabric.collectives.transport import GlooTransport, Transport
+from shmtrain.fabric.collectives.transport import Transport
 
 #: every value of ``--allreduce``
 CHOICES = ("shm", "gloo", *ALGORITHMS, "auto")
@@ -146,45 +147,3 @@ def check_name(name: str) -> str:
             f"{', '.join(CHOICES)}"
         )
     return name
-
-
-def build_allreduce(
-    name: str,
-    ctx,
-    numel: int,
-    dtype: torch.dtype = torch.float32,
-    op: Op = "mean",
-    *,
-    candidates: tuple[str, ...] | None = None,
-    trials: int = 2,
-    tag: str = "collective",
-):
-    """The allreduce called ``name`` (a value of ``--allreduce``) for this job.
-
-    ``shm``: :class:`ShmAllreduce` (shared memory inside a host, gloo among hosts);
-    ``gloo``: ``dist.all_reduce``; ``ring``/``rhd``/``tree``/``topo``/``hierarchical``:
-    the schedule over gloo point-to-point, with groups = hosts; ``auto``: AUTOTUNE
-    (:class:`shmtrain.fabric.collectives.autotune.AutotunedAllreduce`) over
-    ``candidates`` (default: every choice that differs on this job), ``trials`` each.
-    Collective: every rank of the job calls it with the same arguments.
-    """
-    check_name(name)
-    if name == "shm":
-        from shmtrain.fabric.shm_allreduce import ShmAllreduce
-
-        return ShmAllreduce(
-            ctx.host, numel, dtype=dtype, op=op, leaders=ctx.leaders, tag=f"{tag}.shm"
-        )
-    if name == "gloo":
-        return GlooAllreduce(numel, dtype, op=op)
-    if name == "auto":
-        from shmtrain.fabric.collectives.autotune import AutotunedAllreduce, default_candidates
-
-        names = tuple(candidates) if candidates else default_candidates(ctx)
-        for candidate in names:
-            if candidate == "auto":
-                raise ValueError("--allreduce auto cannot be its own candidate")
-            check_name(candidate)
-        return AutotunedAllreduce(ctx, numel, dtype, op, names, trials=trials, tag=tag)
-    transport = GlooTransport(timeout=ctx.timeout)
-    return ScheduledAllreduce(name, transport, numel, dtype, op=op, topology=host_topology(ctx))

@@ -1,0 +1,102 @@
+"""The transport seam: everything a strategy communicates through, built by one object.
+
+A strategy never builds a transport itself; it is handed a :class:`Transports` (built
+from its :class:`ProcessContext` when none is given) and asks it for an allreduce
+(``--allreduce``), a bucket reducer (``ssgd --overlap``), the buffer service (SMB-API)
+or the parameter-server star exchange. Tests and other deployments pass their own (a
+remote buffer service, an in-process fake): hivemind passes ``p2p`` into its
+``AllReduceRunner`` and torchft the process group into its ``Manager`` the same way.
+
+Each factory names the transports it knows; :data:`ONE_HOST` says which of them keep a
+job on one host, so a strategy's ``hosts_reason`` follows from the transport its
+configuration chooses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from shmtrain.fabric.context import ProcessContext
+
+#: transports whose data plane is one host's shared memory, with the reason
+ONE_HOST: dict[str, str] = {
+    "smb:local": "the local buffer service lives in one host's shared memory, and the "
+    "buffer service for other hosts (SMB-REMOTE) is not built yet",
+}
+
+
+class Transports:
+    """Factories for the transports of one worker of ``ctx``'s job (collective calls:
+    every rank of the job makes the same calls in the same order)."""
+
+    def __init__(self, ctx: ProcessContext) -> None:
+        self.ctx = ctx
+
+    def allreduce(
+        self,
+        name: str,
+        numel: int,
+        dtype: torch.dtype = torch.float32,
+        op: Literal["mean", "sum"] = "mean",
+        *,
+        tag: str = "grads",
+    ):
+        """The allreduce ``name`` (a value of ``--allreduce``) with ShmAllreduce's interface:
+        ``input(step)``, ``__call__()``, ``result(step)``, ``count``, ``close()``."""
+        from shmtrain.fabric.collectives.factory import build_allreduce
+
+        return build_allreduce(name, self.ctx, numel, dtype, op, tag=tag)
+
+    def group_allreduce(
+        self,
+        group,
+        numel: int,
+        dtype: torch.dtype = torch.float32,
+        op: Literal["mean", "sum"] = "mean",
+        *,
+        tag: str = "group",
+    ):
+        """The shared-memory allreduce among a group of one host's workers (``group``: a
+        :class:`HostGroup` or a sub-group with its interface, e.g. HSGD's groups)."""
+        from shmtrain.fabric.shm_allreduce import ShmAllreduce
+
+        return ShmAllreduce(group, numel, dtype=dtype, op=op, tag=tag)
+
+    def bucket_reducer(
+        self,
+        name: Literal["shm", "gloo"],
+        numel: int,
+        buckets: Sequence[tuple[int, int]],
+        dtype: torch.dtype = torch.float32,
+        op: Literal["mean", "sum"] = "mean",
+        *,
+        tag: str = "buckets",
+    ):
+        """A bucketed allreduce started from gradient hooks: ``shm`` (shared memory in a
+        host, gloo between hosts) or ``gloo`` (DDP's transport), one interface."""
+        from shmtrain.fabric.bucket_allreduce import BucketAllreduce, GlooBucketAllreduce
+
+        if name == "shm":
+            return BucketAllreduce(self.ctx.host, numel, buckets, dtype=dtype, op=op,
+                                   leaders=self.ctx.leaders, tag=tag)
+        if name == "gloo":
+            return GlooBucketAllreduce(numel, buckets, dtype=dtype, op=op)
+        raise ValueError(f"--allreduce {name!r} with --overlap: overlapped buckets go through "
+                         "shared memory or gloo only; use --allreduce shm or gloo, or drop --overlap")
+
+    def buffer_service(self, name: str = "local"):
+        """The shared buffer service (SMB-API) of this job: ``local`` is the host's shared
+        memory (every worker of the host a client)."""
+        from shmtrain.fabric.smb import open_buffer_service
+
+        return open_buffer_service(self.ctx, name)
+
+    def star(self, name: Literal["shm", "gloo"], tag: str, numel: int, dtype: torch.dtype,
+             init: torch.Tensor):
+        """The parameter server's gather / broadcast exchange (rank 0 the server)."""
+        from shmtrain.fabric.star import open_star
+
+        return open_star(self.ctx, name, tag, numel, dtype, init)

@@ -1,0 +1,118 @@
+"""One training-loop body for every caller, and the state a run continues from.
+
+:class:`Trainer` runs one iteration (``zero_grad`` -> forward -> backward -> ``step``)
+with the phase timings every strategy shares; ``shmtrain train`` (``runtime/loop.py``),
+``shmtrain bench step`` and ``bench overlap`` and one's own scripts use it, so the
+loop body is written once and checkpointing has one place to live.
+
+:class:`TrainState` is what the loop itself adds to the model, optimizer and strategy
+state: iterations done (which is also the data position: batch ``t`` of the shard
+sampler, epoch ``t // steps_per_epoch``) and every RNG state. :meth:`Trainer.state_dict`
+gathers the four after the strategy's ``quiesce()``; :meth:`Trainer.load_state_dict`
+puts them back (collective: every rank calls it between iterations), after which the
+run continues as if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from shmtrain.timing import PhaseTimer
+
+
+class Steppable(Protocol):
+    """What :class:`Trainer` drives: :class:`shmtrain.api.DataParallel`, or an adapter
+    with the same three calls (e.g. DDP in the benchmarks)."""
+
+    def zero_grad(self) -> None: ...
+
+    def __call__(self, *args: Any) -> torch.Tensor: ...
+
+    def step(self) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """The loop's own state: iterations done (= the data position) and the RNG states."""
+
+    iteration: int = 0
+    rng: dict[str, Any] = field(default_factory=dict)
+
+    def position(self, steps_per_epoch: int) -> tuple[int, int]:
+        """(epoch, batch within the epoch) of the next batch."""
+        return divmod(self.iteration, max(1, steps_per_epoch))
+
+    def capture_rng(self) -> None:
+        """Record the torch, numpy and Python RNG states of this process."""
+        self.rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                    "python": random.getstate()}
+
+    def restore_rng(self) -> None:
+        """Put the recorded RNG states back (nothing when none were recorded)."""
+        if self.rng:
+            torch.set_rng_state(self.rng["torch"])
+            np.random.set_state(self.rng["numpy"])
+            random.setstate(self.rng["python"])
+
+
+class Trainer:
+    """One iteration of data-parallel training, timed the same way for every strategy.
+
+    Args:
+        engine: the wrapped model (``DataParallel``) or an adapter with its three calls.
+        loss_fn: the loss (``loss_fn(output, target)``).
+        timer: receives ``forward`` and ``backward`` (the engine adds its own phases).
+    """
+
+    def __init__(self, engine: Steppable, loss_fn: nn.Module, timer: PhaseTimer) -> None:
+        self.engine = engine
+        self.loss_fn = loss_fn
+        self.timer = timer
+        self.state = TrainState()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """zero_grad -> forward (``forward``) -> backward (``backward``) -> step; the loss."""
+        engine, timer = self.engine, self.timer
+        engine.zero_grad()
+        with timer.phase("forward"):
+            loss = self.loss_fn(engine(x), y)
+        with timer.phase("backward"):
+            loss.backward()
+        engine.step()
+        self.state.iteration += 1
+        return loss
+
+    # -- state (checkpoints) ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of the model, optimizer, strategy and loop state of this rank,
+        consistent between iterations (the strategy's exchanges in flight are drained
+        first); a deep copy, so training on does not change it."""
+        dp = self.engine
+        strategy = dp.strategy  # type: ignore[attr-defined]
+        strategy.quiesce()
+        self.state.capture_rng()
+        return copy.deepcopy({
+            "model": dp.module.state_dict(),  # type: ignore[attr-defined]
+            "optimizer": dp.optimizer.state_dict(),  # type: ignore[attr-defined]
+            "strategy": strategy.state_dict(),
+            "train": asdict(self.state),
+        })
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (collective: every rank, between iterations)."""
+        dp = self.engine
+        strategy = dp.strategy  # type: ignore[attr-defined]
+        strategy.quiesce()
+        with torch.no_grad():
+            dp.module.load_state_dict(state["model"])  # type: ignore[attr-defined]
+        dp.optimizer.load_state_dict(state["optimizer"])  # type: ignore[attr-defined]
+        strategy.load_state_dict(state["strategy"])
+        self.state = TrainState(**state["train"])
+        self.state.restore_rng()
