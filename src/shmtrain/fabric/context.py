@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shmtrain.fabric.control import ControlBlock
+from shmtrain.fabric.control import ControlBlock, _alive
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import PREFIX, SharedSegment
 
@@ -50,7 +50,28 @@ class ProcessContext:
         """Tell the host's peers this worker failed, so they raise instead of waiting."""
         self.host.control.abort(self.local_rank, code)
 
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Leave the job in order after a normal end: once every peer has got here (a
+        gloo barrier, skipped when a local peer is known dead or the host aborted, and
+        bounded by ``timeout``), destroy the process groups. Nobody then tears down its
+        gloo pairs while a peer still uses them (a peer's gloo thread meeting a closed
+        connection at exit can abort the process: "terminate called without an active
+        exception")."""
+        if self._closed:
+            return
+        control = self.host.control
+        healthy = control.aborted() is None and all(
+            _alive(control.pid(r)) for r in range(self.local_world) if r != self.local_rank
+        )
+        if healthy and dist.is_initialized() and dist.get_world_size() > 1:
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+            except Exception:  # noqa: BLE001 - a peer gone at the end: just tear down
+                pass
+        self.close()
+
     def close(self) -> None:
+        """Destroy the process groups (at once; see :meth:`shutdown` for the orderly way)."""
         if not self._closed:
             self._closed = True
             if dist.is_initialized():

@@ -56,6 +56,7 @@ def main() -> int:
         payload = pickle.loads(ctx.store.get("payload"))
         result = resolve(target)(ctx, payload)
         ctx.store.set(f"result/{ctx.rank}", pickle.dumps(result))
+        ctx.shutdown()  # every peer done before any gloo pair is torn down
         return 0
     except KeyboardInterrupt:
         if ctx is not None:
