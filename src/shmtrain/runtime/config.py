@@ -84,6 +84,9 @@ class JobOptions:
                             action="store_false", default_text="a progress line on stderr")
     device: str = option("cpu", "where workers compute: cpu, or auto (cpu until GPU workers exist)",
                          "job", metavar="{cpu,auto}")
+    force: bool = option(False, "start even when the pre-flight estimates refuse (workers per "
+                         "core, memory needed vs free)", "job", action="store_true",
+                         default_text="off")
 
     def _check_job(self) -> None:
         _need(self.workers >= 1, "workers", self.workers, "at least 1 worker is needed", "use --workers 1 or more")

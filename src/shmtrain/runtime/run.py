@@ -11,6 +11,7 @@ from shmtrain import strategies
 from shmtrain.runtime import report
 from shmtrain.runtime.config import TrainConfig, to_toml
 from shmtrain.runtime.launcher import WorkerFailed, launch
+from shmtrain.runtime.preflight import preflight
 
 TARGET = "shmtrain.runtime.loop:train_worker"
 
@@ -31,6 +32,7 @@ def run_training(config: TrainConfig, echo=print) -> dict[str, Any] | None:
     if under_torchrun():
         return _run_torchrun(config, echo)
     out = Path(config.out) if config.out else default_out(config)
+    preflight(config, out)  # before any folder or worker: one clear line, exit 2
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(config))
     echo(f"shmtrain: {config.strategy}, {config.workers} workers x {config.threads} thread(s), "

@@ -1,0 +1,117 @@
+"""Bad input is refused before any worker starts: exit status 2, one line naming the
+option (no traceback), no run folder left behind, in seconds (the launcher's checks in
+``runtime/config.py`` and ``runtime/preflight.py``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from shmtrain.cli import main
+
+
+def image_folder(root: Path, classes: int = 2, per_class: int = 2, bad: bool = False,
+                 empty_class: bool = False) -> Path:
+    from PIL import Image
+
+    root.mkdir()
+    for c in range(classes):
+        folder = root / f"class{c}"
+        folder.mkdir()
+        for i in range(per_class):
+            Image.new("RGB", (8, 8), (40 * c, 10 * i, 0)).save(folder / f"{i}.png")
+    if bad:
+        (root / "class0" / "0.png").write_bytes(b"not a png at all")
+    if empty_class:
+        (root / "empty").mkdir()
+    return root
+
+
+def toml(tmp: Path, text: str) -> str:
+    path = tmp / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# (arguments, words the one-line error must contain); {tmp} is the test's folder
+CATALOGUE: list[tuple[list[str], list[str]]] = [
+    (["--workers", "0"], ["--workers", "0"]),
+    (["--workers", "10000"], ["--workers", "10000", "--force"]),
+    (["--batch-size", "0"], ["--batch-size"]),
+    (["--batch-size", "5000"], ["--batch-size", "5000", "holds"]),
+    (["--lr", "-1"], ["--lr"]),
+    (["--momentum", "1.5"], ["--momentum"]),
+    (["--weight-decay", "-1"], ["--weight-decay"]),
+    (["--threads", "0"], ["--threads"]),
+    (["--timeout", "0"], ["--timeout"]),
+    (["--iterations", "0"], ["--iterations"]),
+    (["--epochs", "0"], ["--epochs"]),
+    (["--iterations", "5", "--epochs", "1"], ["--iterations", "--epochs"]),
+    (["--prefetch", "0"], ["--prefetch"]),
+    (["--image-size", "0"], ["--image-size"]),
+    (["--model", "nonesuch"], ["--model", "nonesuch"]),
+    (["--data", "{tmp}/nowhere"], ["--data", "nowhere"]),
+    (["--data", "synthetic", "--input-shape", "3x0x4"], ["--input-shape", "3x0x4"]),
+    (["--data", "synthetic", "--input-shape", "abc"], ["--input-shape", "abc"]),
+    (["--data", "synthetic", "--samples", "1"], ["--samples"]),
+    (["--strategy", "bogus"], ["--strategy", "bogus"]),
+    (["--strategy", "single", "--workers", "2"], ["--workers", "single"]),
+    (["--out", "{tmp}/afile"], ["--out", "afile", "file"]),
+    (["--device", "cuda"], ["--device", "cuda"]),
+    (["--strategy", "seasgd", "--moving-rate", "2"], ["--moving-rate"]),
+    (["--strategy", "seasgd", "--update-interval", "0"], ["--update-interval"]),
+    (["--strategy", "hsgd", "--groups", "3"], ["--groups"]),
+    (["--strategy", "ssgd", "--moving-rate", "0.2"], ["--moving-rate", "ssgd"]),
+    (["--bucket-mb", "0"], ["--bucket-mb"]),
+    (["--data", "{tmp}/oneclass"], ["--data", "sub-folder"]),
+    (["--data", "{tmp}/badimage"], ["--data", "0.png"]),
+    (["--data", "{tmp}/emptyclass"], ["--data", "empty"]),
+    (["--data", "{tmp}/tiny", "--batch-size", "8"], ["--batch-size", "8"]),
+    (["--config", "{tmp}/missing.toml"], ["--config", "missing.toml"]),
+    (["--config", "toml:workers = \"four\""], ["workers", "four"]),
+    (["--config", "toml:lr = \"fast\""], ["lr", "fast"]),
+    (["--config", "toml:bogus-key = 1"], ["bogus-key"]),
+    (["--config", "toml:progress = 3"], ["progress", "3"]),
+    (["--config", "toml:workers = ["], ["--config", "TOML"]),
+    (["--config", "toml:model = \"resnet50\"\ndata = \"synthetic\"\ninput-shape = \"3x224x224\"\n"
+      "samples = 100000\nbatch-size = 4096\nworkers = 2"], ["memory", "--batch-size", "--force"]),
+]
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("I am a file\n")
+    image_folder(tmp_path / "oneclass", classes=1)
+    image_folder(tmp_path / "badimage", bad=True)
+    image_folder(tmp_path / "emptyclass", empty_class=True)
+    image_folder(tmp_path / "tiny", classes=2, per_class=2)
+    return tmp_path
+
+
+def test_catalogue_has_thirty_cases():
+    assert len(CATALOGUE) >= 30
+
+
+@pytest.mark.parametrize(("args", "words"), CATALOGUE, ids=[" ".join(a)[:40] for a, _ in CATALOGUE])
+def test_bad_input_is_one_clear_line(workspace: Path, capsys, args: list[str], words: list[str]) -> None:
+    argv = []
+    for arg in args:
+        if arg.startswith("toml:"):
+            arg = toml(workspace, arg.removeprefix("toml:"))
+        argv.append(arg.replace("{tmp}", str(workspace)))
+    before = set(workspace.iterdir())
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as raised:
+        raise SystemExit(main(["train", *argv]))
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert raised.value.code == 2, err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+    created = set(workspace.iterdir()) - before - {workspace / "run.toml"}
+    assert not created, f"left behind: {created}"
+    assert elapsed < 20, elapsed
