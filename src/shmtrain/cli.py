@@ -1,4 +1,4 @@
-"""The command line: ``shmtrain train | bench | sim | experiment``."""
+"""The command line: ``shmtrain train | compare | bench | sim | experiment``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,23 @@ examples:
   shmtrain train --data path/to/images --image-size 32 --epochs 5
   shmtrain train --config run.toml --lr 0.1        TOML keys are the flag names; flags win
   torchrun --nnodes 2 --nproc-per-node 2 ... -m shmtrain train   one worker per torchrun process
+  shmtrain train --lr 0.1 --lr-schedule cosine --warmup-iterations 50 --eval-every 100
+  shmtrain train --lr-schedule step --lr-step-every 200 --lr-gamma 0.5
+  shmtrain train --iterations 50 --trace --tensorboard   then open RUN_DIR/trace.json in ui.perfetto.dev,
+                                                   or run tensorboard --logdir RUN_DIR/tensorboard
+  shmtrain compare runs/a runs/b                   two finished runs side by side
+  shmtrain train --checkpoint-every 500 --out runs/long   then Ctrl-C: the workers save and stop
+  shmtrain train --resume runs/long --iterations 5000     continue in place, to a new total
+  shmtrain train --max-restarts 3                  a worker dies: restart all from the latest checkpoint
 
 The run folder (--out, default runs/<time>-<strategy>) gets config.toml, metrics/rank-<r>.jsonl
-(one line per iteration: iteration, loss, time per phase in seconds), summary.json, model.pt and
-plot.png. Threads: each worker uses --threads torch threads (default 1) plus a prefetch thread
-that mostly sleeps; with more workers than cores, workers time-share and waiting ones sleep.
+(one line per iteration: iteration, loss, lr, t0 (start, seconds since the epoch), time per phase
+in seconds; rank 0's file also has {"eval": {iteration, loss, accuracy, ...}} rows), summary.json,
+model.pt and plot.png (loss, held-out accuracy, compute vs communication); with --trace
+trace.json, with --tensorboard tensorboard/, and checkpoints/step-<N>/ (every rank's state) with
+checkpoints/latest. Threads: each worker uses --threads torch threads
+(default 1) plus a prefetch thread that mostly sleeps; with more workers than cores, workers
+time-share and waiting ones sleep.
 """
 
 
@@ -42,6 +54,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     groups["job"].add_argument(
         "--config", metavar="FILE",
         help="TOML file with the same keys as these flags (flags win) (default none)",
+    )
+    groups["job"].add_argument(
+        "--resume", metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest whole checkpoint, in place, to the total "
+             "that --iterations/--epochs give (default: the run's own); the configuration is "
+             "RUN_DIR/config.toml, other flags must agree with it (default none)",
     )
     _add_strategy_options(p)
     p.set_defaults(handler=_train)
@@ -108,15 +126,58 @@ def _train(args: argparse.Namespace) -> int:
     for key in ("handler", "command"):
         values.pop(key, None)
     config_file = values.pop("config", None)
+    resume_dir = values.pop("resume", None)
     merged = read_toml(config_file) if config_file else {}
     merged.update(values)
-    config = resolve(merged)
-    summary = run_training(config)
+    if resume_dir is not None:
+        from shmtrain.runtime.checkpoint import resume_config
+
+        config = resume_config(resume_dir, merged)  # RUN_DIR/config.toml + the run length
+    else:
+        config = resolve(merged)
+    summary = run_training(config, resume=resume_dir is not None)
     return 0 if summary is None or summary.get("accuracy") is not None else 1
 
 
+COMPARE_EPILOG = """\
+examples:
+  shmtrain compare runs/20261122-101500-ssgd runs/20261122-102200-seasgd
+  shmtrain compare runs/* --out docs/compare.png
+
+Each RUN_DIR is a folder a finished `shmtrain train` wrote (its --out): the table comes from
+its summary.json (accuracy is the final held-out accuracy; ms columns are the mean time per
+iteration of each phase over workers and iterations, the first iteration left out), the curves
+from metrics/rank-0.jsonl (training loss per iteration; held-out accuracy from the --eval-every
+rows, or the final accuracy as one point when the run has none).
+"""
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    """Register ``shmtrain compare RUN_DIR... [--out FILE]``."""
+    p = sub.add_parser(
+        "compare", help="finished runs side by side: a table and loss/accuracy curves",
+        description="Compare finished runs of `shmtrain train`: print their summaries side by side "
+                    "(strategy, workers, iterations, accuracy, wall time, ms per phase) and plot "
+                    "their loss and accuracy curves in one figure.",
+        epilog=COMPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders written by shmtrain train (its --out)")
+    p.add_argument("--out", default="compare.png", metavar="FILE",
+                   help="where the figure goes (default compare.png in the current folder)")
+    p.set_defaults(handler=_compare)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shmtrain.runtime.compare import compare
+
+    compare([Path(r) for r in args.runs], Path(args.out))
+    return 0
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.bench import allreduce, collectives, overlap, ps, smb, step
+    from shmtrain.bench import allreduce, checkpoint, collectives, overlap, ps, smb, step
 
     p = sub.add_parser("bench", help="benchmarks (table + JSON)", description="Benchmarks: each prints a table and writes --json.")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -127,6 +188,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     smb.add_bench_seasgd_parser(bench)
     ps.add_bench_ps_parser(bench)
     overlap.add_bench_overlap_parser(bench)
+    checkpoint.add_bench_checkpoint_parser(bench)
 
 
 def _add_experiment(sub: argparse._SubParsersAction) -> None:
@@ -150,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shmtrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train(sub)
+    _add_compare(sub)
     _add_bench(sub)
     from shmtrain.sim.cli import add_sim_parser
 
@@ -163,14 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
+    from shmtrain.runtime.checkpoint import CheckpointError
     from shmtrain.runtime.launcher import WorkerFailed
+    from shmtrain.runtime.run import RunStopped
 
     try:
         return int(args.handler(args) or 0)
+    except RunStopped as exc:  # Ctrl-C / SIGTERM: what was saved and how to continue
+        if str(exc):
+            print(f"shmtrain: {exc}", file=sys.stderr)
+        return exc.code
     except ValueError as exc:
         print(f"shmtrain: error: {exc}", file=sys.stderr)
         return 2
-    except (WorkerFailed, PeerFailure, PeerTimeout) as exc:
+    except (WorkerFailed, PeerFailure, PeerTimeout, CheckpointError) as exc:
         print(f"shmtrain: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -4,8 +4,11 @@ One small shared segment per host. Each local rank owns one 32-bit sequence word
 *channel* (a protocol step such as "gradients arrived"), each on its own cache line;
 only its owner writes it (single-writer slots with sequence numbers, no locks), and
 waiters sleep on it with a futex. The block also holds every local rank's pid, an
-abort word (the first failing rank, set by that rank or by the launcher), and a
-per-rank progress record (iterations done, state) used for termination alignment.
+abort word (the first failing rank, set by that rank or by the launcher), a stop word
+(a stop was requested: the signal number, set by a worker's signal handler or relayed by
+the launcher; the training loop reads it once per iteration, see
+:mod:`shmtrain.runtime.stop`), and a per-rank progress record (iterations done, state)
+used for termination alignment.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ MAX_CHANNELS = 48
 _SLICE_S = 0.05  # how often a sleeping waiter re-checks abort and peer liveness
 DIED = 255  # abort code a peer records for a rank it found dead (its exit code is unknown)
 
-# header line 0: [magic, local_world, abort_rank+1, abort_code]
+# header line 0: [magic, local_world, abort_rank+1, abort_code, stop_signal]
 _MAGIC = 0x53484D54
 
 
@@ -124,6 +127,16 @@ class ControlBlock:
         """``(rank, code)`` of the first failure, or None."""
         who = int(self._i32[2])
         return (who - 1, int(self._i32[3])) if who else None
+
+    # -- stop request -------------------------------------------------------------
+    def request_stop(self, signum: int) -> None:
+        """Ask every worker of the host to stop after a checkpoint (first request wins)."""
+        if int(self._i32[4]) == 0:
+            self._i32[4] = signum
+
+    def stop_requested(self) -> int:
+        """The signal number of a pending stop request, or 0 (one load: cheap per iteration)."""
+        return int(self._i32[4])
 
     # -- sequence words ---------------------------------------------------------
     def get(self, channel: int, rank: int) -> int:

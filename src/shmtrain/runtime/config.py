@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import sys
 import types
@@ -40,7 +41,8 @@ from shmtrain.models import model_names
 from shmtrain.strategies.base import StrategyConfig, build_config
 
 #: section key (``metadata["section"]``) -> title of its argument group in ``--help``
-SECTIONS: dict[str, str] = {"job": "job", "data": "model and data", "optim": "optimisation (SGD)"}
+SECTIONS: dict[str, str] = {"job": "job", "data": "model and data", "optim": "optimisation (SGD)",
+                            "monitor": "evaluation and monitoring"}
 
 #: values of ``--device``; ``auto`` resolves to ``cpu`` until GPU workers exist
 DEVICES = ("cpu", "auto")
@@ -87,11 +89,26 @@ class JobOptions:
     force: bool = option(False, "start even when the pre-flight estimates refuse (workers per "
                          "core, memory needed vs free)", "job", action="store_true",
                          default_text="off")
+    # checkpoints and restarts (runtime/checkpoint.py; README "Long runs")
+    checkpoint_every: int | None = option(
+        None, "write RUN_DIR/checkpoints/step-<N>/ every N iterations (0: only at the end and "
+        "when stopped)", "job", default_text="every epoch, and at the end", example=100, metavar="N")
+    keep_checkpoints: int = option(2, "complete checkpoints kept, the newest (0 keeps every one)", "job",
+                                   metavar="K")
+    max_restarts: int = option(
+        0, "when a worker dies, restart every worker from the latest checkpoint, up to R times "
+        "(local launches; under torchrun use torchrun's own --max-restarts)", "job", metavar="R")
 
     def _check_job(self) -> None:
         _need(self.workers >= 1, "workers", self.workers, "at least 1 worker is needed", "use --workers 1 or more")
         _need(self.threads >= 1, "threads", self.threads, "each worker needs at least 1 thread", "use --threads 1")
         _need(self.timeout > 0, "timeout", self.timeout, "the peer timeout must be positive", "use e.g. --timeout 120")
+        _need(self.checkpoint_every is None or self.checkpoint_every >= 0, "checkpoint-every",
+              self.checkpoint_every, "must not be negative", "use e.g. --checkpoint-every 100, or 0 for the end only")
+        _need(self.keep_checkpoints >= 0, "keep-checkpoints", self.keep_checkpoints, "must not be negative",
+              "use e.g. --keep-checkpoints 2, or 0 to keep every one")
+        _need(self.max_restarts >= 0, "max-restarts", self.max_restarts, "must not be negative",
+              "use e.g. --max-restarts 3, or 0 to fail at the first death")
         self.device = resolve_device(self.device)
 
 
@@ -133,6 +150,17 @@ class OptimOptions:
     lr: float = option(0.05, "learning rate", "optim")
     momentum: float = option(0.9, "SGD momentum", "optim")
     weight_decay: float = option(1e-4, "L2 weight decay", "optim")
+    lr_schedule: Literal["constant", "step", "cosine"] = option(
+        "constant", "learning-rate schedule, stepped every iteration: constant; step (times "
+        "--lr-gamma every --lr-step-every iterations); cosine (down to --lr-min at the last planned "
+        "iteration)", "optim")
+    warmup_iterations: int = option(0, "linear warm-up from --lr/(N+1) to --lr over the first N "
+                                    "iterations, then the schedule", "optim")
+    lr_step_every: int | None = option(None, "step schedule: iterations between decays", "optim",
+                                       default_text="a third of the iterations after warm-up",
+                                       example=100)
+    lr_gamma: float = option(0.1, "step schedule: the factor of each decay", "optim")
+    lr_min: float = option(0.0, "cosine schedule: the learning rate it ends at", "optim")
     iterations: int | None = option(None, "iterations per worker", "optim",
                                     default_text="from --epochs", example=100)
     epochs: float | None = option(None, "epochs over the sharded data", "optim",
@@ -146,6 +174,19 @@ class OptimOptions:
         _need(self.weight_decay >= 0, "weight-decay", self.weight_decay, "weight decay must not be negative", "use 0 to turn it off")
         _need(self.iterations is None or self.iterations >= 1, "iterations", self.iterations, "must be at least 1", "use e.g. --iterations 100")
         _need(self.epochs is None or self.epochs > 0, "epochs", self.epochs, "must be positive", "use e.g. --epochs 5")
+        _need(self.warmup_iterations >= 0, "warmup-iterations", self.warmup_iterations, "must not be negative", "use 0 for no warm-up")
+        _need(self.iterations is None or self.warmup_iterations < self.iterations, "warmup-iterations",
+              self.warmup_iterations, f"the warm-up must end before the last of --iterations {self.iterations}",
+              "give fewer warm-up iterations than --iterations")
+        _need(self.lr_step_every is None or self.lr_step_every >= 1, "lr-step-every", self.lr_step_every, "must be at least 1", "use e.g. --lr-step-every 100")
+        _need(0 < self.lr_gamma <= 1, "lr-gamma", self.lr_gamma, "the decay factor must be in (0, 1]", "use e.g. --lr-gamma 0.1")
+        _need(0 <= self.lr_min <= self.lr, "lr-min", self.lr_min, f"must be in [0, --lr {self.lr}]", "use e.g. --lr-min 0")
+        for flag, value, given, schedule in (("lr-step-every", self.lr_step_every, self.lr_step_every is not None, "step"),
+                                             ("lr-gamma", self.lr_gamma, self.lr_gamma != 0.1, "step"),
+                                             ("lr-min", self.lr_min, self.lr_min != 0.0, "cosine")):
+            _need(not given or self.lr_schedule == schedule, flag, value,
+                  f"applies to --lr-schedule {schedule} only, not {self.lr_schedule}",
+                  f"add --lr-schedule {schedule}, or leave --{flag} out")
         if self.iterations is not None and self.epochs is not None:
             raise ValueError(
                 f"--iterations {self.iterations} and --epochs {self.epochs} both given; a run "
@@ -153,8 +194,37 @@ class OptimOptions:
             )
 
 
+@dataclass(kw_only=True)
+class MonitorOptions:
+    """Section ``evaluation and monitoring``: held-out evaluation, TensorBoard, timeline
+    (a mixin, see :class:`JobOptions`)."""
+
+    __slots__ = ()
+
+    eval_every: int | None = option(
+        None, "held-out loss and accuracy on rank 0 every N iterations, a row in "
+        "metrics/rank-0.jsonl (0: only the final accuracy)", "monitor",
+        default_text="each epoch", example=100)
+    tensorboard: bool = option(
+        False, "rank 0 writes loss, accuracy, lr and ms per phase to RUN_DIR/tensorboard/ "
+        "(tensorboard --logdir RUN_DIR/tensorboard; needs pip install 'shmtrain[tensorboard]')",
+        "monitor", default_text="off")
+    trace: bool = option(
+        False, "write RUN_DIR/trace.json: every rank's phases per iteration on a timeline "
+        "(open in ui.perfetto.dev or chrome://tracing)", "monitor", default_text="off")
+
+    def _check_monitor(self) -> None:
+        _need(self.eval_every is None or self.eval_every >= 0, "eval-every", self.eval_every,
+              "must not be negative", "use e.g. --eval-every 100, or 0 for the final accuracy only")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                "--tensorboard: the tensorboard package is not installed; install the extra with "
+                "pip install 'shmtrain[tensorboard]', or leave --tensorboard out"
+            )
+
+
 @dataclass(kw_only=True, slots=True)
-class TrainConfig(OptimOptions, DataOptions, JobOptions):
+class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
     """Everything ``shmtrain train`` needs; validated on construction.
 
     Attributes are flat (``config.batch_size``, ``config.workers``); ``strategy_config``
@@ -173,6 +243,7 @@ class TrainConfig(OptimOptions, DataOptions, JobOptions):
         self._check_job()
         self._check_data()
         self._check_optim()
+        self._check_monitor()
         cls = strategies.get(self.strategy)
         self.strategy_config = _own_config(self.strategy, self.strategy_config)
         config_hints = _hints(cls.Config)

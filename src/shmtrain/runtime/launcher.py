@@ -6,7 +6,10 @@ torchrun started it. The launcher hosts the TCPStore on loopback (port chosen by
 kernel: no port races) and creates the host's control block; when a worker dies it
 marks the failure there (waking every waiter), gives the others a moment to fail
 with an error naming it, then terminates them. Ctrl-C and errors end every child, and
-the run's shared-memory names are swept on every exit path.
+the run's shared-memory names are swept on every exit path. With ``graceful_stop``
+(``shmtrain train``), the first SIGINT or SIGTERM is relayed to the workers through the
+control block's stop word instead: they finish the iteration, save a checkpoint and
+return (``runtime/stop.py``); a second one ends them at once.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -36,6 +40,8 @@ class WorkerFailed(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.returncode = returncode
+        #: the signal of a stop under way when it failed (0: none); no restart after a stop
+        self.stop_signal = 0
         #: the survivors' return values by rank, when a tolerated loss let them finish
         self.results: dict[int, Any] | None = None
 
@@ -59,6 +65,7 @@ def launch(
     env: dict[str, str] | None = None,
     quiet_peers: bool = False,
     tolerate_worker_loss: bool = False,
+    graceful_stop: bool = False,
 ) -> list[Any]:
     """Run ``target`` (``"module:function"``, called as ``fn(ctx, payload)``) in ``nprocs``
     local worker processes; return their return values by rank.
@@ -68,6 +75,13 @@ def launch(
     non-zero) without reporting an error is recorded, not propagated; the others train
     on, and :class:`WorkerFailed` naming it (with ``.results`` of the survivors) is
     raised once they have finished.
+
+    ``graceful_stop`` (``shmtrain train``; from the main thread): the launcher's first
+    SIGINT or SIGTERM sets the stop word of the control block, which the workers read
+    after each iteration: they agree on an iteration, save a checkpoint there and return
+    normally. A second signal ends them at once (SIGKILL after 1 s) and raises
+    KeyboardInterrupt; so does a worker that exits 130 or 143 during the stop (one the
+    signal reached before its training loop).
 
     Raises:
         WorkerFailed: a worker exited non-zero (the first one to fail is named).
@@ -99,6 +113,9 @@ def launch(
     )
     children: list[subprocess.Popen] = []
     failure: WorkerFailed | None = None
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there
+    stopping = _StopRelay(control) if graceful_stop and in_main else None
+    force = False
     try:
         for rank in range(nprocs):
             child_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
@@ -110,6 +127,9 @@ def launch(
         while True:
             codes = [c.poll() for c in children]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in lost]
+            if bad and stopping is not None and stopping.signum and bad[0][1] in _STOP_CODES:
+                _end(children, 3.0)  # the signal reached a worker before its loop: nothing saved
+                raise KeyboardInterrupt
             if bad and failure is None and tolerate_worker_loss and control.aborted() is None \
                     and control.state(bad[0][0]) != 0:
                 lost[bad[0][0]] = bad[0][1]
@@ -121,6 +141,7 @@ def launch(
                     + "".join(f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),
                     rank, code,
                 )
+                failure.stop_signal = stopping.signum if stopping is not None else 0
                 _end(children, GRACE_S)
                 break
             if all(c == 0 or (c is not None and r in lost) for r, c in enumerate(codes)):
@@ -140,23 +161,56 @@ def launch(
             raise failure
         return [pickle.loads(store.get(f"result/{r}")) for r in range(nprocs)]
     except KeyboardInterrupt:
-        _end(children, 3.0)
+        force = stopping is not None  # a second signal: stop at once
+        _end(children, 1.0 if force else 3.0, kill=force)
         raise
     finally:
-        _end(children, 0.0)
+        if stopping is not None:
+            stopping.close()
+        _end(children, 0.0, kill=force)
         control_segment.unlink()
         sweep(prefix)
         del store
 
 
-def _end(children: list[subprocess.Popen], grace: float) -> None:
-    """Let children exit within ``grace`` seconds, then SIGTERM, then SIGKILL."""
+#: exit codes of a worker ended by SIGINT or SIGTERM (its own status, or the signal's)
+_STOP_CODES = (130, 143, -signal.SIGINT, -signal.SIGTERM)
+
+
+class _StopRelay:
+    """The launcher's SIGINT/SIGTERM handlers under ``graceful_stop``: the first signal
+    sets the control block's stop word, a second raises KeyboardInterrupt."""
+
+    def __init__(self, control: ControlBlock) -> None:
+        self.control = control
+        self.signum = 0
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.control.request_stop(signum)
+        print(f"\nshmtrain: {signal.Signals(signum).name}: every worker finishes its iteration and "
+              "saves a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def _end(children: list[subprocess.Popen], grace: float, kill: bool = False) -> None:
+    """Let children exit within ``grace`` seconds, then SIGTERM (``kill``: SIGKILL), then
+    SIGKILL."""
     deadline = time.monotonic() + grace
     while grace and time.monotonic() < deadline and any(c.poll() is None for c in children):
         time.sleep(0.05)
     for child in children:
         if child.poll() is None:
-            child.terminate()
+            if kill:
+                child.kill()
+            else:
+                child.terminate()
     deadline = time.monotonic() + 3.0
     for child in children:
         try:

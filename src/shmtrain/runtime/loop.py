@@ -2,8 +2,11 @@
 
 Per iteration: next batch from the prefetch thread (``data``), then one
 :meth:`shmtrain.runtime.trainer.Trainer.step` (``zero_grad``, ``forward``, ``backward``
-with the gradient hooks inside, the strategy's communication and ``update``), then one
-JSON line with the loss and the phase times. The loop ends when the strategy says so (its target
+with the gradient hooks inside, the strategy's communication and ``update``, then the
+learning-rate scheduler), then one JSON line with the loss, the learning rate it used
+(``lr``), its start (``t0``, seconds since the epoch) and the phase times; then, outside
+the iteration, rank 0's held-out evaluation when due and its TensorBoard scalars
+(``runtime/monitor.py``). The loop ends when the strategy says so (its target
 iterations, or a termination-alignment policy for asynchronous strategies).
 """
 
@@ -22,8 +25,12 @@ from torch import nn
 from shmtrain.api import DataParallel
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.models import build_model
+from shmtrain.runtime import schedule
+from shmtrain.runtime.checkpoint import Checkpointer
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data import Dataset, Prefetcher, ShardSampler, load_data
+from shmtrain.runtime.monitor import Monitor
+from shmtrain.runtime.stop import StopRequest
 from shmtrain.runtime.trainer import Trainer
 from shmtrain.timing import PhaseTimer
 
@@ -60,17 +67,23 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     )
     timer = PhaseTimer()
     dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer)
-    trainer = Trainer(dp, nn.CrossEntropyLoss(), timer)
     total = planned_iterations(config, data, ctx.world_size)
+    trainer = Trainer(dp, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total))
     dp.strategy.target_iterations = total
+    # checkpoints (runtime/checkpoint.py): a resumed run loads every rank's state here,
+    # collectively, before the data position is used
+    checkpoints = Checkpointer(ctx, config, out, len(data.train_x) // (config.batch_size * ctx.world_size))
+    checkpoints.restore(trainer, payload.get("resume"))
     sampler = ShardSampler(len(data.train_x), config.batch_size, ctx.world_size, ctx.rank, config.seed)
     prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch,
                           start=trainer.state.iteration)
-    (out / "metrics").mkdir(parents=True, exist_ok=True)
-    log = open(out / "metrics" / f"rank-{ctx.rank}.jsonl", "w")  # noqa: SIM115 - closed below
-    progress = Progress(total, config.strategy, enabled=config.progress and ctx.rank == 0)
+    log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", trainer.state.iteration)
+    progress = Progress(total, config.strategy, enabled=config.progress and ctx.rank == 0,
+                        first=trainer.state.iteration)
+    monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size)  # rank 0: eval, TensorBoard
     start = time.perf_counter()
     losses: list[float] = []
+    stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/stop.py)
     try:
         while not dp.should_stop():
             iter_start = time.perf_counter()
@@ -81,14 +94,27 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
             phases["iteration"] = time.perf_counter() - iter_start
             value = float(loss.detach())
             losses.append(value)
-            row = {"iteration": dp.strategy.iteration, "loss": value, "time": phases, **timer.take_details()}
+            row = {"iteration": dp.strategy.iteration, "loss": value, "lr": trainer.lr,
+                   "t0": monitor.stamp(iter_start), "time": phases, **timer.take_details()}
             log.write(json.dumps(row) + "\n")
+            monitor.after_iteration(row, log)  # outside the iteration's time
             progress.update(dp.strategy.iteration, value)
+            if stop.check(dp.strategy.iteration):
+                break
+            if checkpoints.due(dp.strategy.iteration, total):
+                log.flush()  # rows up to the checkpoint are on disk before it is
+                checkpoints.save(trainer, dp.strategy.iteration)
+        stop.finished(dp.strategy.iteration)
+        monitor.finish(dp.strategy.iteration, log)
         progress.close()
         wall = time.perf_counter() - start
+        log.flush()
+        saved = checkpoints.save_final(trainer, stop.target if stop.stopped else total)
         dp.close()
     finally:
+        stop.close()
         prefetch.close()
+        monitor.close()
         log.close()
     result: dict[str, Any] = {
         "rank": ctx.rank,
@@ -96,8 +122,11 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         "wall_s": wall,
         "final_loss": losses[-1] if losses else None,
         "planned_iterations": total,
+        # a stop (Ctrl-C, SIGTERM): its signal and the checkpoint the run continues from
+        "stopped": stop.signum if stop.stopped else 0,
+        "checkpoint": str(saved) if saved is not None else None,
     }
-    if ctx.rank == 0:
+    if ctx.rank == 0 and not stop.stopped:
         result["accuracy"] = accuracy(model, data.test_x, data.test_y)
         torch.save(model.state_dict(), out / "model.pt")
     return result
@@ -106,11 +135,12 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
 class Progress:
     """One self-rewriting line on stderr: iteration, loss, iterations per second."""
 
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
+    def __init__(self, total: int, label: str, enabled: bool, first: int = 0) -> None:
         self.total, self.label = total, label
         self.enabled = enabled and os.environ.get("SHMTRAIN_NO_PROGRESS") != "1"
         self.tty = sys.stderr.isatty()
         self.start = time.perf_counter()
+        self.first = first  # a resumed run's starting iteration (for the rate)
         self.last = 0.0
 
     def update(self, iteration: int, loss: float) -> None:
@@ -120,7 +150,7 @@ class Progress:
         if now - self.last < (0.2 if self.tty else 5.0) and iteration < self.total:
             return
         self.last = now
-        rate = iteration / max(now - self.start, 1e-9)
+        rate = (iteration - self.first) / max(now - self.start, 1e-9)
         width = 24
         done = min(width, int(width * iteration / max(self.total, 1)))
         line = (f"[{self.label}] [{'#' * done}{'.' * (width - done)}] {iteration}/{self.total} "

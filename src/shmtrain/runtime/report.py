@@ -1,4 +1,10 @@
-"""The end of a run: the time-breakdown table, ``summary.json`` and the PNG plot."""
+"""The end of a run: the time-breakdown table, ``summary.json``, the PNG plot, ``trace.json``.
+
+``metrics/rank-<r>.jsonl`` holds one row per iteration (``iteration``, ``loss``, ``lr``,
+``t0``, ``time``) and, in rank 0's file, ``{"eval": {...}}`` rows of the held-out
+evaluations; :func:`read_metrics` returns the iteration rows only, :func:`read_evals`
+the evaluations.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,25 @@ from typing import Any
 ORDER = ["data", "forward", "backward", "update", "compute", "comm"]
 
 
-def read_metrics(out: Path) -> dict[int, list[dict[str, Any]]]:
-    """rank -> its JSONL rows."""
+def read_rows(out: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> every JSONL row of its metrics file (iterations and evaluations)."""
     rows: dict[int, list[dict[str, Any]]] = {}
     for file in sorted((out / "metrics").glob("rank-*.jsonl")):
         rank = int(file.stem.split("-")[1])
         rows[rank] = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
     return rows
+
+
+def read_metrics(out: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> its iteration rows (the ``eval`` rows are left out: :func:`read_evals`)."""
+    return {rank: [r for r in rows if "eval" not in r] for rank, rows in read_rows(out).items()}
+
+
+def read_evals(out: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> its held-out evaluations (``iteration``, ``loss``, ``accuracy``, ``t0``,
+    ``time``); only rank 0 evaluates, so other ranks have none."""
+    evals = {rank: [r["eval"] for r in rows if "eval" in r] for rank, rows in read_rows(out).items()}
+    return {rank: entries for rank, entries in evals.items() if entries}
 
 
 def phase_means(rows: dict[int, list[dict[str, Any]]], skip: int = 1) -> dict[str, float]:
@@ -42,18 +60,30 @@ def breakdown_table(means: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str) -> Path:
-    """Loss per iteration, and compute vs communication per iteration, to ``plot.png``."""
+def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str,
+         evals: dict[int, list[dict[str, Any]]] | None = None) -> Path:
+    """Loss per iteration (with the held-out loss), the held-out accuracy when the run
+    evaluated, and compute vs communication per iteration, to ``plot.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    held_out = (evals or {}).get(0, [])
+    panels = 3 if held_out else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    ax_loss, ax_time = axes[0], axes[-1]
     for rank, rank_rows in sorted(rows.items()):
         its = [r["iteration"] for r in rank_rows]
         ax_loss.plot(its, [r["loss"] for r in rank_rows], lw=0.8, label=f"rank {rank}")
-    ax_loss.set(xlabel="iteration", ylabel="training loss", title="loss", yscale="log")
+    if held_out:
+        its = [e["iteration"] for e in held_out]
+        ax_loss.plot(its, [e["loss"] for e in held_out], "k.-", lw=1.2, label="held-out (rank 0)")
+        ax_acc = axes[1]
+        ax_acc.plot(its, [e["accuracy"] * 100 for e in held_out], "C2.-", lw=1.2)
+        ax_acc.set(xlabel="iteration", ylabel="accuracy (%)", title="held-out accuracy (rank 0)")
+        ax_acc.grid(alpha=0.3)
+    ax_loss.set(xlabel="iteration", ylabel="loss", title="loss", yscale="log")
     ax_loss.legend(fontsize=7)
     rank0 = rows.get(0) or next(iter(rows.values()), [])
     its = [r["iteration"] for r in rank0]
@@ -70,8 +100,10 @@ def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str) -> Path:
 
 
 def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Write ``summary.json`` and ``plot.png``; return the summary."""
+    """Write ``summary.json`` and ``plot.png`` (and ``trace.json`` when ``config["trace"]``);
+    return the summary."""
     rows = read_metrics(out)
+    evals = read_evals(out)
     means = phase_means(rows)
     rank0 = next(r for r in results if r["rank"] == 0)
     summary = {
@@ -86,6 +118,8 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
         "iterations": rank0["iterations"],
         "iterations_per_rank": {r["rank"]: r["iterations"] for r in results},
         "final_loss": rank0.get("final_loss"),
+        "held_out_loss": evals[0][-1]["loss"] if evals.get(0) else None,
+        "evaluations": len(evals.get(0, [])),
         "phases_ms": {k: v * 1e3 for k, v in means.items()},
     }
     from shmtrain import strategies
@@ -94,5 +128,10 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     if checks:
         summary.update(checks)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(out, rows, f"{config['strategy']}, {len(results)} workers, {config['model']} on {config['data']}")
+    plot(out, rows, f"{config['strategy']}, {len(results)} workers, {config['model']} on {config['data']}",
+         evals)
+    if config.get("trace"):
+        from shmtrain.runtime.trace import write_trace
+
+        write_trace(out, rows, evals)
     return summary

@@ -1,15 +1,26 @@
-"""Run ``shmtrain train``: start local workers, or be one worker of a torchrun job."""
+"""Run ``shmtrain train``: start local workers, or be one worker of a torchrun job.
+
+Long runs (issue items 2-4, 7): ``resume=True`` (``--resume RUN_DIR``) starts the workers
+from the run's newest whole checkpoint (``runtime/checkpoint.py``); a worker's death
+restarts every worker from the latest checkpoint up to ``--max-restarts`` times; a
+Ctrl-C or SIGTERM makes the workers save and return, and :class:`RunStopped` carries the
+exit status and how to continue. Under torchrun, a run folder that holds a checkpoint is
+resumed by the workers themselves (torchrun's own ``--max-restarts`` restarts them).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
-from shmtrain.runtime import report
-from shmtrain.runtime.config import TrainConfig, to_toml
+from shmtrain.runtime import checkpoint, report
+from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launcher import WorkerFailed, launch
 from shmtrain.runtime.preflight import preflight
 
@@ -27,28 +38,112 @@ def default_out(config: TrainConfig) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{config.strategy}"
 
 
-def run_training(config: TrainConfig, echo=print) -> dict[str, Any] | None:
-    """Train as ``config`` says; return the summary (None on non-zero ranks of torchrun)."""
+class RunStopped(Exception):
+    """The run stopped on request (Ctrl-C, SIGTERM); the message says what was saved and
+    how to continue, ``code`` is the exit status (128 + the signal)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> dict[str, Any] | None:
+    """Train as ``config`` says; return the summary (None on non-zero ranks of torchrun).
+
+    ``resume``: continue the run in ``config.out`` from its newest whole checkpoint
+    (``config`` comes from :func:`shmtrain.runtime.checkpoint.resume_config`).
+
+    Raises:
+        ValueError: bad input, before any worker starts (exit status 2).
+        WorkerFailed: a worker failed (after ``config.max_restarts`` restarts).
+        RunStopped: stopped by Ctrl-C or SIGTERM (after saving a checkpoint when it could).
+    """
     if under_torchrun():
         return _run_torchrun(config, echo)
     out = Path(config.out) if config.out else default_out(config)
     preflight(config, out)  # before any folder or worker: one clear line, exit 2
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(config))
+    start_from = _starting_point(out, config, resume)
+    checkpoint.prepare_run_folder(out, config)  # config.toml; refuses an unwritable folder
     echo(f"shmtrain: {config.strategy}, {config.workers} workers x {config.threads} thread(s), "
-         f"{config.model} on {config.data}; run folder {out}")
+         f"{config.model} on {config.data}; run folder {out}"
+         + (f"; resuming from {start_from.name}" if start_from else ""))
     start = time.perf_counter()
-    try:
-        results = launch(TARGET, config.workers, {"config": config, "out": str(out)},
-                         threads=config.threads, timeout=config.timeout,
-                         tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss)
-    except WorkerFailed as exc:
-        if exc.results and 0 in exc.results:
-            # An asynchronous run lost a worker and the others trained to the end:
-            # report what they did, then fail so the exit status says a worker died.
-            _finish(out, config, list(exc.results.values()), time.perf_counter() - start, echo)
-        raise
+    restarts = 0
+    while True:
+        payload = {"config": config, "out": str(out), "resume": str(start_from) if start_from else None}
+        try:
+            results = launch(TARGET, config.workers, payload, threads=config.threads, timeout=config.timeout,
+                             # with restarts left, a death restarts the run instead (item 4)
+                             tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss
+                             and restarts >= config.max_restarts,
+                             graceful_stop=True)
+            break
+        except WorkerFailed as exc:
+            if not exc.stop_signal and restarts < config.max_restarts:
+                restarts += 1
+                start_from = checkpoint.resume_point(out, _warn)
+                checkpoint.clean_partial(out)
+                where = start_from if start_from else "the beginning (no checkpoint yet)"
+                _warn(f"shmtrain: {exc}; restarting every worker from {where} "
+                      f"(restart {restarts} of {config.max_restarts})")
+                continue
+            if exc.results and 0 in exc.results:
+                # An asynchronous run lost a worker and the others trained to the end:
+                # report what they did, then fail so the exit status says a worker died.
+                _finish(out, config, list(exc.results.values()), time.perf_counter() - start, echo)
+            if restarts:
+                exc.args = (f"{exc} (after {restarts} restart(s), the last cause)",)
+            raise
+        except KeyboardInterrupt:
+            last = checkpoint.latest(out)
+            hint = (f"the latest checkpoint is {last}; continue with: shmtrain train --resume {out}"
+                    if last else "no checkpoint was written")
+            raise RunStopped(f"interrupted; every worker has been stopped without saving; {hint}", 130) from None
+    stopped = [r for r in results if r.get("stopped")]
+    if stopped:
+        raise RunStopped(_stopped_message(out, results, stopped[0]["stopped"]), 128 + stopped[0]["stopped"])
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None:
+    """The checkpoint a local run starts from: the newest whole one with ``resume``
+    (checked against ``config``); none for a new run, whose folder must hold none."""
+    if not resume:
+        existing = checkpoint.latest(out)
+        if existing is not None:
+            raise ValueError(
+                f"--out {out} already holds a run with checkpoints ({existing}); continue it with: "
+                f"shmtrain train --resume {out}, or give a new folder with --out"
+            )
+        return None
+    point = checkpoint.resume_point(out, _warn)
+    if point is None:
+        raise ValueError(
+            f"--resume {out}: no complete checkpoint in {out / checkpoint.CHECKPOINTS} (the run "
+            "ended before its first one); start it again with another --out"
+        )
+    checkpoint.check_compatible(point, config)
+    done = max(r["iteration"] for r in checkpoint.read_meta(point)["ranks"])
+    if config.iterations is not None and config.iterations < done:
+        raise ValueError(
+            f"--iterations {config.iterations}: the run has done {done} iterations already "
+            f"({point}); --iterations is the run's total, not the iterations to add: give "
+            f"--iterations {done} or more"
+        )
+    return point
+
+
+def _stopped_message(out: Path, results: list[dict[str, Any]], signum: int) -> str:
+    name = signal.Signals(signum).name
+    its = sorted({r["iterations"] for r in results})
+    at = f"iteration {its[0]}" if len(its) == 1 else f"iterations {its[0]}-{its[-1]}"
+    saved = checkpoint.latest(out)
+    return (f"interrupted by {name}: every worker stopped after {at} and saved {saved}; "
+            f"continue with: shmtrain train --resume {out}")
 
 
 def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall: float, echo) -> dict[str, Any]:
@@ -60,6 +155,10 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     acc = summary["accuracy"]
     echo(f"\nheld-out accuracy {acc * 100:.2f}%  |  {summary['iterations']} iterations  |  "
          f"wall {wall:.1f} s  |  {out}/summary.json, {out}/plot.png")
+    if config.trace:
+        echo(f"timeline: {out}/trace.json (open in https://ui.perfetto.dev or chrome://tracing)")
+    if config.tensorboard:
+        echo(f"TensorBoard: tensorboard --logdir {out}/tensorboard")
     return summary
 
 
@@ -74,14 +173,14 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     start = time.perf_counter()
     ctx = from_env(config.timeout)
     try:
-        if ctx.rank == 0:
-            out = Path(config.out) if config.out else default_out(config)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.toml").write_text(to_toml(config))
-            ctx.store.set("out", str(out.resolve()))
-        out = Path(ctx.store.get("out").decode())
         config.workers = ctx.world_size
-        result = train_worker(ctx, {"config": config, "out": str(out)})
+        if ctx.rank == 0:
+            ctx.store.set("out", json.dumps(_torchrun_folder(config, echo)))
+        info = json.loads(ctx.store.get("out").decode())
+        if info["error"]:
+            raise ValueError(info["error"])
+        out = Path(info["out"])
+        result = train_worker(ctx, {"config": config, "out": str(out), "resume": info["resume"]})
         results: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(results, result)
     except BaseException:
@@ -89,6 +188,27 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
         raise
     finally:
         ctx.close()
+    stopped = [r for r in results if r.get("stopped")]
+    if stopped:
+        signum = stopped[0]["stopped"]
+        raise RunStopped(_stopped_message(out, results, signum) if ctx.rank == 0 else "", 128 + signum)
     if ctx.rank != 0:
         return None
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def _torchrun_folder(config: TrainConfig, echo) -> dict[str, Any]:
+    """Rank 0 of a torchrun job: the run folder, and the checkpoint to resume from when
+    the folder holds one (a restart by torchrun's ``--max-restarts``, or the same command
+    run again); an error message instead when that cannot be."""
+    out = Path(config.out) if config.out else default_out(config)
+    try:
+        point = checkpoint.resume_point(out, _warn) if out.is_dir() else None
+        if point is not None:
+            checkpoint.check_compatible(point, config)
+            echo(f"shmtrain: resuming {out} from {point.name} (torchrun restart "
+                 f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
+        checkpoint.prepare_run_folder(out, config)
+    except ValueError as exc:
+        return {"out": None, "resume": None, "error": str(exc)}
+    return {"out": str(out.resolve()), "resume": str(point.resolve()) if point else None, "error": None}

@@ -8,7 +8,8 @@ loop body is written once and checkpointing has one place to live.
 :class:`TrainState` is what the loop itself adds to the model, optimizer and strategy
 state: iterations done (which is also the data position: batch ``t`` of the shard
 sampler, epoch ``t // steps_per_epoch``) and every RNG state. :meth:`Trainer.state_dict`
-gathers the four after the strategy's ``quiesce()``; :meth:`Trainer.load_state_dict`
+gathers the four, and the learning-rate scheduler's state (``"scheduler"``), after the
+strategy's ``quiesce()``; :meth:`Trainer.load_state_dict`
 puts them back (collective: every rank calls it between iterations), after which the
 run continues as if it had not stopped.
 """
@@ -23,7 +24,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
+from shmtrain.runtime.schedule import check_state, current_lr, step_scheduler
 from shmtrain.timing import PhaseTimer
 
 
@@ -69,13 +72,21 @@ class Trainer:
         engine: the wrapped model (``DataParallel``) or an adapter with its three calls.
         loss_fn: the loss (``loss_fn(output, target)``).
         timer: receives ``forward`` and ``backward`` (the engine adds its own phases).
+        scheduler: a learning-rate scheduler on the engine's optimizer, stepped once per
+            iteration after the engine's step (``runtime/schedule.py``); its state is part
+            of :meth:`state_dict`, so a resumed run continues the schedule exactly.
     """
 
-    def __init__(self, engine: Steppable, loss_fn: nn.Module, timer: PhaseTimer) -> None:
+    def __init__(self, engine: Steppable, loss_fn: nn.Module, timer: PhaseTimer,
+                 scheduler: LRScheduler | None = None) -> None:
         self.engine = engine
         self.loss_fn = loss_fn
         self.timer = timer
+        self.scheduler = scheduler
         self.state = TrainState()
+        #: the learning rate the last :meth:`step` used (None before the first step, or
+        #: when the engine has no ``optimizer`` and there is no scheduler)
+        self.lr: float | None = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """zero_grad -> forward (``forward``) -> backward (``backward``) -> step; the loss."""
@@ -85,7 +96,11 @@ class Trainer:
             loss = self.loss_fn(engine(x), y)
         with timer.phase("backward"):
             loss.backward()
+        optimizer = self.scheduler.optimizer if self.scheduler is not None else getattr(engine, "optimizer", None)
+        self.lr = current_lr(optimizer) if optimizer is not None else None
         engine.step()
+        if self.scheduler is not None:
+            step_scheduler(self.scheduler)
         self.state.iteration += 1
         return loss
 
@@ -103,6 +118,7 @@ class Trainer:
             "optimizer": dp.optimizer.state_dict(),  # type: ignore[attr-defined]
             "strategy": strategy.state_dict(),
             "train": asdict(self.state),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         })
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -114,5 +130,9 @@ class Trainer:
             dp.module.load_state_dict(state["model"])  # type: ignore[attr-defined]
         dp.optimizer.load_state_dict(state["optimizer"])  # type: ignore[attr-defined]
         strategy.load_state_dict(state["strategy"])
+        saved = state.get("scheduler")  # absent in states saved before schedules existed
+        if self.scheduler is not None and saved is not None:
+            check_state(self.scheduler, saved)
+            self.scheduler.load_state_dict(saved)
         self.state = TrainState(**state["train"])
         self.state.restore_rng()

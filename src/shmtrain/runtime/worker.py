@@ -70,8 +70,9 @@ def main() -> int:
         if ctx is not None:
             ctx.fail(1)
         from shmtrain.fabric.control import PeerFailure, PeerTimeout
+        from shmtrain.runtime.checkpoint import CheckpointError
 
-        if isinstance(exc, PeerFailure | PeerTimeout):
+        if isinstance(exc, PeerFailure | PeerTimeout | CheckpointError):  # the message says it all
             print(f"shmtrain: worker rank {rank}: {exc}", file=sys.stderr)
         else:
             print(f"shmtrain: worker rank {rank} failed:", file=sys.stderr)

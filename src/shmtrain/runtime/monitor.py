@@ -1,0 +1,138 @@
+"""Rank 0's view of a run while it trains: held-out evaluation and TensorBoard scalars.
+
+:class:`Monitor` is called by the worker loop (``runtime/loop.py``) after each
+iteration's metrics row is written, outside the iteration's timing:
+
+- every ``--eval-every`` iterations (default: each epoch) rank 0 computes the held-out
+  loss and accuracy, in batches under ``no_grad`` with the model in ``eval()`` mode, and
+  writes ``{"eval": {"iteration", "loss", "accuracy", "t0", "time"}}`` to its metrics
+  file (``time``: seconds the evaluation took; the other ranks wait for rank 0 at their
+  next exchange meanwhile, which their ``comm`` shows);
+- with ``--tensorboard`` rank 0 writes ``loss/train``, ``lr``, ``time_ms/<phase>`` per
+  iteration and ``loss/held_out``, ``accuracy/held_out`` per evaluation to
+  ``RUN_DIR/tensorboard/`` (``torch.utils.tensorboard.SummaryWriter``).
+
+Times in the rows (``t0``) are seconds since the epoch on one clock per rank: the wall
+time at the loop's start plus ``perf_counter`` differences, so the iterations and
+evaluations of a rank never overlap and ranks of one host line up (``runtime/trace.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from shmtrain.runtime.config import TrainConfig
+from shmtrain.runtime.data import Dataset
+
+#: samples per forward pass of the held-out evaluation
+EVAL_BATCH = 256
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = EVAL_BATCH) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``, in batches, in ``eval()``
+    mode (the model's mode is restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        loss, correct = 0.0, 0
+        for start in range(0, len(x), batch):
+            xb, yb = x[start : start + batch], y[start : start + batch]
+            out = model(xb)
+            loss += float(functional.cross_entropy(out, yb, reduction="sum"))
+            correct += int((out.argmax(1) == yb).sum())
+    finally:
+        model.train(was_training)
+    n = max(1, len(x))
+    return loss / n, correct / n
+
+
+def eval_interval(config: TrainConfig, train_samples: int, world: int) -> int:
+    """Iterations between evaluations: ``--eval-every``, or one epoch over the sharded
+    data (0: none during the run)."""
+    if config.eval_every is not None:
+        return config.eval_every
+    return max(1, train_samples // (config.batch_size * world))
+
+
+class Monitor:
+    """Held-out evaluation and TensorBoard scalars of one rank (only rank 0 does either).
+
+    Args:
+        config: the run's configuration (``eval_every``, ``tensorboard``).
+        out: the run folder.
+        rank: this worker's rank.
+        model: the model to evaluate (the plain module, not the data-parallel wrapper,
+            so evaluating starts no exchange).
+        data: the data set (``test_x``, ``test_y``; ``train_x`` for the epoch length).
+        world: workers in the job.
+    """
+
+    def __init__(self, config: TrainConfig, out: Path, rank: int, model: nn.Module, data: Dataset,
+                 world: int) -> None:
+        self.wall0 = time.time()
+        self.perf0 = time.perf_counter()
+        self.active = rank == 0
+        self.model = model
+        self.x, self.y = data.test_x, data.test_y
+        self.every = eval_interval(config, len(data.train_x), world) if self.active else 0
+        self.last_eval: int | None = None
+        self.writer: Any = None
+        if self.active and config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+
+    def stamp(self, perf: float) -> float:
+        """A ``time.perf_counter()`` reading as seconds since the epoch (one clock per rank)."""
+        return round(self.wall0 + (perf - self.perf0), 6)
+
+    def after_iteration(self, row: dict[str, Any], log: IO[str]) -> dict[str, Any] | None:
+        """TensorBoard scalars of the iteration's ``row``; an evaluation when one is due
+        (written to ``log``, returned)."""
+        if not self.active:
+            return None
+        iteration = row["iteration"]
+        if self.writer is not None:
+            self.writer.add_scalar("loss/train", row["loss"], iteration)
+            if row.get("lr") is not None:
+                self.writer.add_scalar("lr", row["lr"], iteration)
+            for phase, seconds in row["time"].items():
+                self.writer.add_scalar(f"time_ms/{phase}", seconds * 1e3, iteration)
+        if self.every and iteration % self.every == 0:
+            return self.evaluate(iteration, log)
+        return None
+
+    def finish(self, iteration: int, log: IO[str]) -> dict[str, Any] | None:
+        """After the last iteration: evaluate once more unless that iteration was, so the
+        accuracy curve ends where the run did."""
+        if self.active and self.every and iteration > 0 and self.last_eval != iteration:
+            return self.evaluate(iteration, log)
+        return None
+
+    def evaluate(self, iteration: int, log: IO[str]) -> dict[str, Any]:
+        """Held-out loss and accuracy now: one ``eval`` row in ``log`` (and TensorBoard)."""
+        start = time.perf_counter()
+        loss, accuracy = evaluate(self.model, self.x, self.y)
+        seconds = time.perf_counter() - start
+        entry = {"iteration": iteration, "loss": loss, "accuracy": accuracy,
+                 "t0": self.stamp(start), "time": seconds}
+        log.write(json.dumps({"eval": entry}) + "\n")
+        self.last_eval = iteration
+        if self.writer is not None:
+            self.writer.add_scalar("loss/held_out", loss, iteration)
+            self.writer.add_scalar("accuracy/held_out", accuracy, iteration)
+        return entry
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer (idempotent)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
