@@ -44,20 +44,14 @@ def _barrier(ctx: ProcessContext) -> None:
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     from shmtrain.api import DataParallel
-    from shmtrain.models import build_model
+    from shmtrain.bench.common import synthetic_setup
     from shmtrain.runtime.checkpoint import Checkpointer
     from shmtrain.runtime.config import resolve
-    from shmtrain.runtime.data import parse_shape
     from shmtrain.runtime.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
-    shape = parse_shape(payload["input_shape"])
-    torch.manual_seed(0)
-    model = build_model(payload["model"], shape, 10)
-    gen = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randn((payload["batch_size"], *shape), generator=gen)
-    y = torch.randint(0, 10, (payload["batch_size"],), generator=gen)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, x, y, optimizer = synthetic_setup(payload["model"], payload["input_shape"],
+                                             payload["batch_size"], ctx.rank)
     timer = PhaseTimer()
     dp = DataParallel(model, optimizer, payload["strategy"], ctx=ctx, timer=timer)
     trainer = Trainer(dp, nn.CrossEntropyLoss(), timer)

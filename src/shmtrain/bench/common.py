@@ -118,3 +118,19 @@ def build_engine(mode: str, ctx, model: torch.nn.Module, optimizer: torch.optim.
     from shmtrain.api import DataParallel
 
     return DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **(options or {}))
+
+
+def synthetic_setup(model_name: str, input_shape: str, batch_size: int, rank: int):
+    """The benchmarks' worker set-up: the model (seed 0, same on every rank), this rank's
+    synthetic batch, and SGD with momentum. Returns ``(model, x, y, optimizer)``."""
+    from shmtrain.models import build_model
+    from shmtrain.runtime.data import parse_shape
+
+    shape = parse_shape(input_shape)
+    torch.manual_seed(0)
+    model = build_model(model_name, shape, 10)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn((batch_size, *shape), generator=gen)
+    y = torch.randint(0, 10, (batch_size,), generator=gen)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, x, y, optimizer

@@ -14,7 +14,6 @@ import statistics
 import time
 from typing import Any
 
-import torch
 from torch import nn
 
 from shmtrain.bench.common import table, write_json
@@ -34,19 +33,12 @@ DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    from shmtrain.bench.common import build_engine
-    from shmtrain.models import build_model
-    from shmtrain.runtime.data import parse_shape
+    from shmtrain.bench.common import build_engine, synthetic_setup
     from shmtrain.runtime.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
-    shape = parse_shape(payload["input_shape"])
-    torch.manual_seed(0)
-    model = build_model(payload["model"], shape, 10)
-    gen = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randn((payload["batch_size"], *shape), generator=gen)
-    y = torch.randint(0, 10, (payload["batch_size"],), generator=gen)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, x, y, optimizer = synthetic_setup(payload["model"], payload["input_shape"],
+                                             payload["batch_size"], ctx.rank)
     loss_fn = nn.CrossEntropyLoss()
     mode = payload["mode"]
     timer = PhaseTimer()
