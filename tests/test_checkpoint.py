@@ -266,7 +266,7 @@ def test_a_failed_write_names_the_path_and_keeps_the_previous_checkpoint(tmp_pat
     config = resolve({"workers": 1, "strategy": "single", "keep_checkpoints": 2})
     saver = Checkpointer(ctx, config, tmp_path, steps_per_epoch=10)
     trainer = SimpleNamespace(state=SimpleNamespace(iteration=10),
-                              state_dict=lambda: {"model": {"w": torch.ones(3)}, "train": {"iteration": 10}})
+                              state_dict=lambda copy=True: {"model": {"w": torch.ones(3)}, "train": {"iteration": 10}})
     saver.save(trainer, 10)
     (tmp_path / "checkpoints" / "step-20.tmp").write_text("in the way")  # mkdir fails mid-run
     with pytest.raises(CheckpointError) as exc:

@@ -215,6 +215,15 @@ class Star(ABC):
         """End the round: rank 0's ``server`` reaches every worker's ``server`` (with
         ``shm``, the host's shared one; workers must not write it meanwhile)."""
 
+    def mean_to_all(self, phase: Phase = _untimed) -> None:
+        """One weight-averaging round (SHM-Learn-Dist eq. 2.2): every worker's ``mine``
+        becomes the mean of all of them. By default the mean goes through ``server``
+        (``broadcast`` is timed as "broadcast", with the copy into ``mine``)."""
+        self.gather_mean(self.server, phase)
+        with phase("broadcast"):
+            self.broadcast()
+            self.mine.copy_(self.server)
+
     @abstractmethod
     def set_server(self, values: torch.Tensor) -> None:
         """Make rank 0's ``values`` the ``server`` of every worker (collective, between
@@ -306,6 +315,13 @@ class GlooStar(Star):
 
     def broadcast(self) -> None:
         dist.broadcast(self.server, src=0)
+
+    def mean_to_all(self, phase: Phase = _untimed) -> None:
+        """Over gloo the mean needs no server copy: rank 0 averages the gathered buffers
+        into its own ``mine`` and broadcasts that (no extra pass over the weights)."""
+        self.gather_mean(self.mine, phase)
+        with phase("broadcast"):
+            dist.broadcast(self.mine, src=0)
 
     def set_server(self, values: torch.Tensor) -> None:
         if values is not self.server:

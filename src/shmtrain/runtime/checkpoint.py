@@ -50,7 +50,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import torch
 
@@ -83,26 +83,33 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never
-    a part: a temporary name, fsync, rename, fsync of the folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def replace_atomically(path: Path, fill: Callable[[BinaryIO], Any], *, tmp: Path | None = None) -> Any:
+    """Write ``path`` so that a reader sees the old file or the new one, never a part:
+    ``fill`` writes into a temporary name, which is fsynced and renamed; returns what
+    ``fill`` returned."""
+    tmp = tmp or path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            result = fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return result
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, then fsync the folder (the rename is durable)."""
+    replace_atomically(path, lambda f: f.write(data))
     fsync_dir(path.parent)
 
 
 class _CrcWriter:
     """A file wrapper for ``torch.save`` that counts bytes and CRC-32 on the way out."""
 
-    def __init__(self, f: io.BufferedWriter) -> None:
+    def __init__(self, f: BinaryIO) -> None:
         self.f, self.crc, self.size = f, 0, 0
 
     def write(self, data: bytes) -> int:
@@ -117,18 +124,13 @@ class _CrcWriter:
 def save_file(state: Any, path: Path) -> tuple[int, int]:
     """``torch.save`` ``state`` to ``path`` atomically (``.part``, fsync, rename); returns
     ``(bytes, crc32)`` of what was written."""
-    part = path.with_name(path.name + ".part")
-    try:
-        with open(part, "wb") as f:
-            writer = _CrcWriter(f)
-            torch.save(state, writer)  # type: ignore[arg-type] - a file-like object
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part, path)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-    return writer.size, writer.crc
+
+    def fill(f: BinaryIO) -> tuple[int, int]:
+        writer = _CrcWriter(f)
+        torch.save(state, writer)  # type: ignore[arg-type] - a file-like object
+        return writer.size, writer.crc
+
+    return replace_atomically(path, fill, tmp=path.with_name(path.name + ".part"))
 
 
 def step_of(path: Path | str) -> int | None:
@@ -416,7 +418,7 @@ class Checkpointer:
             CheckpointError: a file could not be written (names it; the previous
                 checkpoint stays intact).
         """
-        state = trainer.state_dict()
+        state = trainer.state_dict(copy=False)  # serialized at once: no snapshot copy
         ctx = self.ctx
         tmp = self.folder / f"step-{step}.tmp"
         file = tmp / f"rank-{ctx.rank}.pt"

@@ -16,8 +16,8 @@ run continues as if it had not stopped.
 
 from __future__ import annotations
 
-import copy
 import random
+from copy import deepcopy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -105,21 +105,24 @@ class Trainer:
         return loss
 
     # -- state (checkpoints) ------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """A snapshot of the model, optimizer, strategy and loop state of this rank,
-        consistent between iterations (the strategy's exchanges in flight are drained
-        first); a deep copy, so training on does not change it."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """The model, optimizer, strategy and loop state of this rank, consistent between
+        iterations (the strategy's exchanges in flight are drained first). With ``copy``
+        a deep-copied snapshot, so training on does not change it; without, the live
+        tensors, for a caller that serializes them before the next iteration (the
+        checkpointer: no extra pass over the weights and momentum)."""
         dp = self.engine
         strategy = dp.strategy  # type: ignore[attr-defined]
         strategy.quiesce()
         self.state.capture_rng()
-        return copy.deepcopy({
+        state = {
             "model": dp.module.state_dict(),  # type: ignore[attr-defined]
             "optimizer": dp.optimizer.state_dict(),  # type: ignore[attr-defined]
             "strategy": strategy.state_dict(),
             "train": asdict(self.state),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-        })
+        }
+        return deepcopy(state) if copy else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (collective: every rank, between iterations)."""

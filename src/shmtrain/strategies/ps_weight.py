@@ -83,11 +83,7 @@ class ParameterServerWeight(Strategy):
     def average(self) -> None:
         """One round of eq. 2.2: the server averages every worker's weights; all take the mean."""
         self.rounds += 1
-        star = self.star
-        star.gather_mean(star.server, phase=partial(ps_phase, self.timer))
-        with ps_phase(self.timer, "broadcast"):
-            star.broadcast()
-            self.weights.copy_(star.server)
+        self.star.mean_to_all(phase=partial(ps_phase, self.timer))  # self.weights is star.mine
 
     def state_dict(self) -> dict[str, Any]:
         """The iteration and the averaging rounds done (the weights are the model's, the
