@@ -183,6 +183,7 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
         result = train_worker(ctx, {"config": config, "out": str(out), "resume": info["resume"]})
         results: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(results, result)
+        ctx.shutdown()  # every peer done before any gloo pair is torn down (no exit abort)
     except BaseException:
         ctx.fail()
         raise
