@@ -17,7 +17,7 @@ LAYERS = {
     "strategies": 2,
     "api": 3,
     "runtime": 4, "sim": 4,
-    "bench": 5, "experiments": 5,
+    "bench": 5, "experiments": 5, "reproduce": 5,
     "cli": 6, "__main__": 6,
 }
 

@@ -1,4 +1,4 @@
-"""The command line: ``shmtrain train | compare | bench | sim | experiment``."""
+"""The command line: ``shmtrain train | compare | bench | sim | experiment | reproduce``."""
 
 from __future__ import annotations
 
@@ -201,6 +201,66 @@ def _add_experiment(sub: argparse._SubParsersAction) -> None:
     hpsearch.add_experiment_parsers(experiments)
 
 
+REPRODUCE_EPILOG = """\
+examples:
+  shmtrain reproduce --list                        every NAME, its paper and claim
+  shmtrain reproduce trl-table3 --quick            under 2 minutes here; writes ./reproduction/
+  shmtrain reproduce shmcaffe-table2 --out docs/reproduction
+  shmtrain reproduce all --quick --out /tmp/r      every one in turn
+
+Each NAME writes NAME.md (the paper's figures beside ours, the ratio that can be compared,
+the verdict, and why the absolute figures differ), NAME.json and NAME.png into --out.
+The runs are scaled down to this machine (digits or synthetic inputs shaped like the
+paper's, 2-4 workers); docs/reproduction/README.md has the full runs and their verdicts.
+"""
+
+
+def _add_reproduce(sub: argparse._SubParsersAction) -> None:
+    """Register ``shmtrain reproduce [--list] NAME [--quick] [--out DIR]``."""
+    p = sub.add_parser(
+        "reproduce", help="re-run one of the papers' headline results (md + json + png)",
+        description="Re-run a headline result of the five papers on this machine, scaled down, "
+                    "and write the paper's figures beside ours.",
+        epilog=REPRODUCE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", nargs="?", metavar="NAME", help="a reproduction (see --list), or all")
+    p.add_argument("--list", action="store_true", help="list the reproductions and exit")
+    p.add_argument("--quick", action="store_true",
+                   help="the small variant (under 2 minutes each here; the tests run it)")
+    p.add_argument("--out", default="reproduction", metavar="DIR",
+                   help="where NAME.md, NAME.json and NAME.png go (default ./reproduction)")
+    p.set_defaults(handler=_reproduce)
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shmtrain.reproduce.core import get, registry, run_reproduction
+
+    if args.list or args.name is None:
+        for repro in registry().values():
+            print(f"{repro.name:<20} {repro.paper}\n{'':<20} {repro.claim}")
+        if args.name is None and not args.list:
+            print("shmtrain: give a NAME from the list above (or all)", file=sys.stderr)
+            return 2
+        return 0
+    names = list(registry()) if args.name == "all" else [get(args.name).name]
+    out = Path(args.out)
+    failed = []
+    for name in names:
+        print(f"shmtrain reproduce {name}{' --quick' if args.quick else ''} ...", flush=True)
+        doc = run_reproduction(name, out, quick=args.quick, log=lambda m: print(f"  {m}", flush=True))
+        print(f"  verdict: {doc['verdict']}; wrote {out / name}.md, .json, .png ({doc['seconds']} s)")
+        for claim in doc["claims"]:
+            mark = "holds" if claim["holds"] else "DOES NOT HOLD"
+            print(f"  - {claim['what']}: paper {claim['paper']}, ours {claim['ours']} ({mark})")
+            if claim["rule"] and not claim["holds"]:
+                failed.append(f"{name}: {claim['what']}")
+    if failed:
+        print(f"shmtrain: {len(failed)} claim(s) did not hold: {'; '.join(failed)}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``shmtrain`` parser with every sub-command."""
     from shmtrain import __version__
@@ -218,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sim_parser(sub)
     _add_experiment(sub)
+    _add_reproduce(sub)
     return parser
 
 

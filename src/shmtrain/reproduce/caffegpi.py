@@ -1,0 +1,1 @@
+"""Reproductions of the caffegpi paper (see shmtrain.reproduce.core)."""

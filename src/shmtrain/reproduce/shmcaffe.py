@@ -1,0 +1,1 @@
+"""Reproductions of the shmcaffe paper (see shmtrain.reproduce.core)."""

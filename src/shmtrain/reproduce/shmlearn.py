@@ -1,0 +1,1 @@
+"""Reproductions of the shmlearn paper (see shmtrain.reproduce.core)."""

@@ -1,0 +1,1 @@
+"""Reproductions of the swcaffe paper (see shmtrain.reproduce.core)."""

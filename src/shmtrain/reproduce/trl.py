@@ -1,0 +1,1 @@
+"""Reproductions of the trl paper (see shmtrain.reproduce.core)."""
