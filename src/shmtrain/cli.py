@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
     from shmtrain.runtime.checkpoint import CheckpointError
+    from shmtrain.runtime.files import OutputError
     from shmtrain.runtime.launcher import WorkerFailed
     from shmtrain.runtime.run import RunStopped
 
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"shmtrain: error: {exc}", file=sys.stderr)
         return 2
-    except (WorkerFailed, PeerFailure, PeerTimeout, CheckpointError) as exc:
+    except (WorkerFailed, PeerFailure, PeerTimeout, CheckpointError, OutputError) as exc:
         print(f"shmtrain: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -36,7 +36,12 @@ class PeerFailure(RuntimeError):
 
 
 class PeerTimeout(TimeoutError):
-    """A peer did not answer within the timeout."""
+    """A peer did not answer within the timeout; ``peer`` is its local rank when known
+    (the launcher then blames that peer, not the worker that gave up)."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 def _alive(pid: int) -> bool:
@@ -176,7 +181,7 @@ class ControlBlock:
                 if now >= deadline:
                     raise PeerTimeout(
                         f"local rank {rank} (pid {self.pid(rank)}) did not reach {what} "
-                        f"#{target} within {timeout:.0f} s"
+                        f"#{target} within {timeout:.0f} s", peer=rank,
                     )
                 futex_wait(self._base + off, value, min(_SLICE_S, deadline - now))
 
@@ -184,10 +189,8 @@ class ControlBlock:
         failed = self.aborted()
         if failed is not None:
             who, code = failed
-            raise PeerFailure(
-                f"local rank {who} (pid {self.pid(who)}) failed (code {code}) while this "
-                f"worker waited for {what}"
-            )
+            how = "died" if code == DIED else (f"was killed by signal {code - 128}" if code > 128 else f"failed (exit status {code})")
+            raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) {how} while this worker waited for {what}")
         if not _alive(self.pid(rank)):
             # Record the dead peer as the first failure before this worker's own error
             # does (first writer wins), so every other waiter names the root cause.

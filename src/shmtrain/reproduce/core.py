@@ -141,7 +141,7 @@ def write_report(repro: Reproduction, report: Report, out: Path, quick: bool,
     """Write NAME.json, NAME.png and NAME.md (in that order: the numbers first)."""
     import os
 
-    from shmtrain.runtime.checkpoint import write_atomic
+    from shmtrain.runtime.files import write_atomic
 
     elapsed = (datetime.datetime.now() - started).total_seconds()
     doc = {

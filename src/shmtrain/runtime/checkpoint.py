@@ -55,6 +55,7 @@ from typing import Any, BinaryIO, TextIO
 import torch
 
 from shmtrain.runtime.config import COMMON_KEYS, TrainConfig, read_toml, resolve, to_toml
+from shmtrain.runtime.files import cannot_write, fsync_dir, replace_atomically, write_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -63,7 +64,7 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 #: keys a resumed run may change: its length, and what does not touch the computation
 MAY_CHANGE = frozenset({
-    "iterations", "epochs", "out", "timeout", "progress", "threads", "prefetch", "force",
+    "iterations", "epochs", "out", "timeout", "progress", "verbose", "threads", "prefetch", "force",
     "checkpoint_every", "keep_checkpoints", "max_restarts",
     "eval_every", "tensorboard", "trace",
 })
@@ -74,48 +75,34 @@ class CheckpointError(RuntimeError):
 
 
 # -- files --------------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    """Make the entries of folder ``path`` (renames, new files) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_atomically(path: Path, fill: Callable[[BinaryIO], Any], *, tmp: Path | None = None) -> Any:
-    """Write ``path`` so that a reader sees the old file or the new one, never a part:
-    ``fill`` writes into a temporary name, which is fsynced and renamed; returns what
-    ``fill`` returned."""
-    tmp = tmp or path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            result = fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return result
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, then fsync the folder (the rename is durable)."""
-    replace_atomically(path, lambda f: f.write(data))
-    fsync_dir(path.parent)
+def tensor_bytes(state: Any) -> int:
+    """The bytes of every tensor in a nested state (about what ``torch.save`` writes)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(tensor_bytes(v) for v in state)
+    return 0
 
 
 class _CrcWriter:
-    """A file wrapper for ``torch.save`` that counts bytes and CRC-32 on the way out."""
+    """A file wrapper for ``torch.save`` that counts bytes and CRC-32 on the way out, and
+    keeps the OSError of a failed write (torch's writer turns it into an anonymous
+    "unexpected pos" RuntimeError; :func:`save_file` raises the OSError instead)."""
 
     def __init__(self, f: BinaryIO) -> None:
         self.f, self.crc, self.size = f, 0, 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         self.crc = zlib.crc32(data, self.crc)
         self.size += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -127,7 +114,12 @@ def save_file(state: Any, path: Path) -> tuple[int, int]:
 
     def fill(f: BinaryIO) -> tuple[int, int]:
         writer = _CrcWriter(f)
-        torch.save(state, writer)  # type: ignore[arg-type] - a file-like object
+        try:
+            torch.save(state, writer)  # type: ignore[arg-type] - a file-like object
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
         return writer.size, writer.crc
 
     return replace_atomically(path, fill, tmp=path.with_name(path.name + ".part"))
@@ -426,7 +418,7 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
             size, crc = save_file(state, file)
         except OSError as exc:
-            raise CheckpointError(self._cannot(file, exc)) from None
+            raise CheckpointError(self._cannot(file, exc, tensor_bytes(state))) from None
         record = {"rank": ctx.rank, "iteration": int(state["train"]["iteration"]), "bytes": size, "crc32": crc}
         ctx.store.set(f"ckpt/{step}/rank-{ctx.rank}", json.dumps(record))
         self.last = self.folder / f"step-{step}"
@@ -444,10 +436,10 @@ class Checkpointer:
         self.save(trainer, step)
         return self.folder / f"step-{step}"
 
-    def _cannot(self, path: Path, exc: OSError) -> str:
+    def _cannot(self, path: Path, exc: OSError, needed: int | None = None) -> str:
         previous = latest(self.out)
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        return (f"cannot write checkpoint {path}: {exc.strerror or exc}; {kept}; free space or "
+        return (f"{cannot_write(path, exc, needed)} (a checkpoint); {kept}; free space or "
                 f"fix the folder, then continue with: shmtrain train --resume {self.out}")
 
     def _complete(self, step: int, tmp: Path) -> None:

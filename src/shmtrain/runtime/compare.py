@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shmtrain.runtime.files import figure_output
 from shmtrain.runtime.report import read_evals, read_metrics
 
 #: the phases the table shows (mean ms per iteration), in the loop's order
@@ -93,7 +94,7 @@ def plot(runs: list[dict[str, Any]], names: list[str], path: Path) -> Path:
         ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    figure_output(path, fig, dpi=110)
     plt.close(fig)
     return path
 

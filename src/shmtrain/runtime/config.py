@@ -84,6 +84,9 @@ class JobOptions:
     timeout: float = option(120.0, "seconds to wait for a peer before failing", "job")
     progress: bool = option(True, "no progress line", "job", flag="--no-progress",
                             action="store_false", default_text="a progress line on stderr")
+    verbose: bool = option(False, "also copy every worker's log (RUN_DIR/logs/rank-<r>.log: warnings, "
+                           "full tracebacks) to the terminal", "job", action="store_true",
+                           default_text="one line per failure; the logs keep the rest")
     device: str = option("cpu", "where workers compute: cpu, or auto (cpu until GPU workers exist)",
                          "job", metavar="{cpu,auto}")
     force: bool = option(False, "start even when the pre-flight estimates refuse (workers per "
@@ -125,6 +128,9 @@ class DataOptions:
     samples: int = option(1024, "synthetic samples", "data")
     image_size: int = option(32, "side images of a folder are resized to", "data")
     prefetch: int = option(10, "batches the prefetch thread keeps ready", "data")
+    skip_bad_files: bool = option(False, "a folder --data: skip images that cannot be read (each named "
+                                  "in rank 0's log, counted in summary.json) instead of failing",
+                                  "data", action="store_true", default_text="fail, naming the file")
 
     def _check_data(self) -> None:
         _need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched", "use e.g. --prefetch 10")

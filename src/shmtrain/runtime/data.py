@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,8 @@ class Dataset:
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
+    #: images of a folder that could not be read and were skipped (``--skip-bad-files``)
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -77,36 +80,58 @@ def load_synthetic(shape: tuple[int, ...], samples: int, classes: int = 10, seed
     return _split(x, y, seed, "synthetic", classes)
 
 
-def load_image_folder(path: Path, image_size: int) -> Dataset:
-    """Images under ``path/<class>/...``, resized to ``image_size`` squared, RGB in [0, 1]."""
-    from PIL import Image
+def read_image(file: Path, image_size: int) -> np.ndarray:
+    """One image, RGB, resized to ``image_size`` squared, in [0, 1]; a ValueError naming
+    the file when it cannot be decoded."""
+    from PIL import Image, UnidentifiedImageError
 
+    try:
+        with Image.open(file) as img:
+            rgb = img.convert("RGB").resize((image_size, image_size))
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise ValueError(f"--data: image {str(file)!r} cannot be read ({exc.__class__.__name__}: "
+                         f"{exc}); remove or replace the file, or pass --skip-bad-files") from None
+    return np.asarray(rgb, dtype=np.float32) / 255.0
+
+
+def load_image_folder(path: Path, image_size: int, skip_bad_files: bool = False) -> Dataset:
+    """Images under ``path/<class>/...``, resized to ``image_size`` squared, RGB in [0, 1];
+    with ``skip_bad_files`` an unreadable image is left out, named in a warning and in
+    :attr:`Dataset.skipped`."""
     if not path.is_dir():
         raise ValueError(f"--data {str(path)!r}: no such folder (expected digits, synthetic, or a folder of images)")
     classes = sorted(d.name for d in path.iterdir() if d.is_dir())
     if len(classes) < 2:
         raise ValueError(f"--data {str(path)!r}: needs one sub-folder per class, at least 2; found {len(classes)}")
-    images, labels = [], []
+    images, labels, skipped = [], [], []
     for label, cls in enumerate(classes):
         for file in sorted((path / cls).rglob("*")):
             if file.suffix.lower() in IMAGE_SUFFIXES:
-                with Image.open(file) as img:
-                    rgb = img.convert("RGB").resize((image_size, image_size))
-                images.append(np.asarray(rgb, dtype=np.float32) / 255.0)
+                try:
+                    images.append(read_image(file, image_size))
+                except ValueError as exc:
+                    if not skip_bad_files:
+                        raise
+                    warnings.warn(f"skipped (--skip-bad-files): {exc}", stacklevel=2)
+                    skipped.append(str(file))
+                    continue
                 labels.append(label)
     if len(images) < 2:
         raise ValueError(f"--data {str(path)!r}: found {len(images)} images; at least 2 are needed")
     x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
-    return _split(x, torch.tensor(labels), 0, path.name, len(classes))
+    data = _split(x, torch.tensor(labels), 0, path.name, len(classes))
+    data.skipped = skipped
+    return data
 
 
-def load_data(spec: str, *, input_shape: str = "3x64x64", samples: int = 1024, image_size: int = 32) -> Dataset:
+def load_data(spec: str, *, input_shape: str = "3x64x64", samples: int = 1024, image_size: int = 32,
+              skip_bad_files: bool = False) -> Dataset:
     """Load ``digits``, ``synthetic`` or a folder path."""
     if spec == "digits":
         return load_digits_data()
     if spec == "synthetic":
         return load_synthetic(parse_shape(input_shape), samples)
-    return load_image_folder(Path(spec), image_size)
+    return load_image_folder(Path(spec), image_size, skip_bad_files)
 
 
 class ShardSampler:

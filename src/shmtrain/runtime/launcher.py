@@ -9,11 +9,19 @@ with an error naming it, then terminates them. Ctrl-C and errors end every child
 the run's shared-memory names are swept on every exit path. With ``graceful_stop``
 (``shmtrain train``), the first SIGINT or SIGTERM is relayed to the workers through the
 control block's stop word instead: they finish the iteration, save a checkpoint and
-return (``runtime/stop.py``); a second one ends them at once.
+return (``runtime/stop.py``); a second one ends them at once (SIGHUP too).
+
+**Errors.** A worker that fails puts one line with its cause in the store
+(``error/<rank>``: the exception, and the peer it gave up waiting for when it timed
+out); with ``log_dir`` each worker's stderr goes to ``log_dir/rank-<r>.log`` (the full
+traceback), so the launcher's :class:`WorkerFailed` is one line naming the root cause:
+the first worker to fail, or, when that one only timed out waiting for a peer, the peer
+that stalled; with its signal name when a signal ended it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import secrets
@@ -23,7 +31,8 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch.distributed as dist
 
@@ -44,6 +53,8 @@ class WorkerFailed(RuntimeError):
         self.stop_signal = 0
         #: the survivors' return values by rank, when a tolerated loss let them finish
         self.results: dict[int, Any] | None = None
+        #: the worker's own one-line cause (its exception), when it reported one
+        self.cause: str | None = None
 
 
 def describe_exit(code: int) -> str:
@@ -66,6 +77,8 @@ def launch(
     quiet_peers: bool = False,
     tolerate_worker_loss: bool = False,
     graceful_stop: bool = False,
+    log_dir: Path | None = None,
+    verbose: bool = False,
 ) -> list[Any]:
     """Run ``target`` (``"module:function"``, called as ``fn(ctx, payload)``) in ``nprocs``
     local worker processes; return their return values by rank.
@@ -112,17 +125,19 @@ def launch(
         OMP_NUM_THREADS=str(threads), SHMTRAIN_THREADS=str(threads),
     )
     children: list[subprocess.Popen] = []
+    logs = _WorkerLogs(log_dir, nprocs, verbose)
     failure: WorkerFailed | None = None
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there
     stopping = _StopRelay(control) if graceful_stop and in_main else None
     force = False
     try:
         for rank in range(nprocs):
-            child_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            child_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank), **logs.env())
             children.append(
                 subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=child_env,
-                                 pass_fds=(control_segment.fd,))
+                                 pass_fds=(control_segment.fd, *logs.fds()), stderr=logs.stderr(rank))
             )
+            logs.started(rank, children[-1])
         lost: dict[int, int] = {}  # tolerated deaths: rank -> exit code
         while True:
             codes = [c.poll() for c in children]
@@ -136,13 +151,10 @@ def launch(
             elif bad and failure is None:
                 rank, code = bad[0]
                 control.abort(rank, code if code > 0 else 128 - code)
-                failure = WorkerFailed(
-                    f"worker rank {rank} (pid {children[rank].pid}) failed: {describe_exit(code)}"
-                    + "".join(f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),
-                    rank, code,
-                )
+                record = _error_record(store, rank, code)
+                stuck = _end(children, GRACE_S)
+                failure = _root_cause(children, rank, code, record, stuck, lost, logs)
                 failure.stop_signal = stopping.signum if stopping is not None else 0
-                _end(children, GRACE_S)
                 break
             if all(c == 0 or (c is not None and r in lost) for r, c in enumerate(codes)):
                 break
@@ -168,13 +180,14 @@ def launch(
         if stopping is not None:
             stopping.close()
         _end(children, 0.0, kill=force)
+        logs.close()
         control_segment.unlink()
         sweep(prefix)
         del store
 
 
 #: exit codes of a worker ended by SIGINT or SIGTERM (its own status, or the signal's)
-_STOP_CODES = (130, 143, -signal.SIGINT, -signal.SIGTERM)
+_STOP_CODES = (129, 130, 143, -signal.SIGHUP, -signal.SIGINT, -signal.SIGTERM)
 
 
 class _StopRelay:
@@ -184,7 +197,7 @@ class _StopRelay:
     def __init__(self, control: ControlBlock) -> None:
         self.control = control
         self.signum = 0
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         if self.signum:
@@ -199,18 +212,18 @@ class _StopRelay:
             signal.signal(signum, handler)
 
 
-def _end(children: list[subprocess.Popen], grace: float, kill: bool = False) -> None:
+def _end(children: list[subprocess.Popen], grace: float, kill: bool = False) -> list[int]:
     """Let children exit within ``grace`` seconds, then SIGTERM (``kill``: SIGKILL), then
-    SIGKILL."""
+    SIGKILL; the ranks that had to be ended."""
     deadline = time.monotonic() + grace
     while grace and time.monotonic() < deadline and any(c.poll() is None for c in children):
         time.sleep(0.05)
-    for child in children:
-        if child.poll() is None:
-            if kill:
-                child.kill()
-            else:
-                child.terminate()
+    ended = [rank for rank, child in enumerate(children) if child.poll() is None]
+    for rank in ended:
+        if kill:
+            children[rank].kill()
+        else:
+            children[rank].terminate()
     deadline = time.monotonic() + 3.0
     for child in children:
         try:
@@ -218,3 +231,119 @@ def _end(children: list[subprocess.Popen], grace: float, kill: bool = False) -> 
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+    return ended
+
+
+def _error_record(store: dist.TCPStore, rank: int, code: int) -> dict[str, Any]:
+    """The worker's own account of its failure (``error/<rank>``: ``cause``, ``peer``,
+    ``timeout``); empty when it had none to give (killed by a signal, or failed before it
+    joined the job)."""
+    if code < 0:
+        return {}
+    deadline = time.monotonic() + 1.0  # the worker sets it just before it exits
+    while True:
+        try:
+            if store.check([f"error/{rank}"]):
+                return json.loads(store.get(f"error/{rank}").decode())
+        except (RuntimeError, ValueError):
+            return {}
+        if time.monotonic() > deadline:
+            return {}
+        time.sleep(0.02)
+
+
+def _root_cause(children: list[subprocess.Popen], rank: int, code: int, record: dict[str, Any],
+                stuck: list[int], lost: dict[int, int], logs: _WorkerLogs) -> WorkerFailed:
+    """The one-line failure: the first worker to fail, unless it only gave up waiting for
+    a peer that stalled (then that peer, ended by the launcher)."""
+    pid = children[rank].pid
+    cause = record.get("cause")
+    peer = record.get("peer")
+    if record.get("timeout") and peer is None and stuck:
+        peer = stuck[0]
+    if record.get("timeout") and peer is not None and peer != rank and 0 <= peer < len(children):
+        how = describe_exit(children[peer].returncode) if peer in stuck else "it did not answer"
+        message = (f"worker rank {peer} (pid {children[peer].pid}) stalled: worker rank {rank} gave up "
+                   f"waiting for it ({cause}); the launcher ended it ({how})")
+        failure = WorkerFailed(message + logs.where(peer), peer, children[peer].returncode or code)
+    elif cause:
+        failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {cause}" + logs.where(rank), rank, code)
+    else:
+        failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {describe_exit(code)}"
+                               + logs.last_line(rank) + logs.where(rank), rank, code)
+    failure.cause = cause
+    if lost:
+        failure.args = (failure.args[0] + "".join(
+            f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),)
+    return failure
+
+
+class _WorkerLogs:
+    """Worker stderr to ``log_dir/rank-<r>.log`` (appended: restarts add to it), copied to
+    the terminal with ``verbose``; the terminal's stderr is passed on as
+    ``SHMTRAIN_CONSOLE_FD`` for the progress line."""
+
+    def __init__(self, log_dir: Path | None, nprocs: int, verbose: bool) -> None:
+        self.dir, self.verbose = log_dir, verbose
+        self.files: dict[int, BinaryIO] = {}
+        self.pumps: list[threading.Thread] = []
+        self.console = -1
+        if log_dir is None:
+            return
+        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.console = os.dup(sys.stderr.fileno())
+        except (AttributeError, OSError, ValueError):  # a captured stderr has no descriptor
+            self.console = -1
+        for rank in range(nprocs):
+            self.files[rank] = open(log_dir / f"rank-{rank}.log", "ab")  # closed in close()
+
+    def env(self) -> dict[str, str]:
+        return {"SHMTRAIN_CONSOLE_FD": str(self.console)} if self.console >= 0 else {}
+
+    def fds(self) -> tuple[int, ...]:
+        return (self.console,) if self.console >= 0 else ()
+
+    def stderr(self, rank: int) -> Any:
+        if rank not in self.files:
+            return None
+        return subprocess.PIPE if self.verbose else self.files[rank]
+
+    def started(self, rank: int, child: subprocess.Popen) -> None:
+        if self.verbose and rank in self.files:
+            pump = threading.Thread(target=self._pump, args=(child.stderr, self.files[rank]), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+
+    @staticmethod
+    def _pump(source: BinaryIO, log: BinaryIO) -> None:
+        for line in iter(source.readline, b""):
+            log.write(line)
+            log.flush()
+            sys.stderr.write(line.decode(errors="replace"))
+            sys.stderr.flush()
+        source.close()
+
+    def where(self, rank: int) -> str:
+        return f"; its log: {self.dir / f'rank-{rank}.log'}" if rank in self.files else ""
+
+    def last_line(self, rank: int) -> str:
+        """The last line the worker wrote (what it said before a failure it could not report)."""
+        if rank not in self.files:
+            return ""
+        self.files[rank].flush()
+        try:
+            lines = (self.dir / f"rank-{rank}.log").read_bytes()[-4096:].decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return f" ({last})" if last else ""
+
+    def close(self) -> None:
+        for pump in self.pumps:
+            pump.join(timeout=2.0)
+        for f in self.files.values():
+            f.close()
+        if self.console >= 0:
+            os.close(self.console)
+            self.console = -1

@@ -29,6 +29,7 @@ from shmtrain.runtime import schedule
 from shmtrain.runtime.checkpoint import Checkpointer
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data import Dataset, Prefetcher, ShardSampler, load_data
+from shmtrain.runtime.files import save_output
 from shmtrain.runtime.monitor import Monitor
 from shmtrain.runtime.stop import StopRequest
 from shmtrain.runtime.trainer import Trainer
@@ -60,7 +61,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     out = Path(payload["out"])
     torch.manual_seed(config.seed)
     data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
-                     image_size=config.image_size)
+                     image_size=config.image_size, skip_bad_files=config.skip_bad_files)
     model = build_model(config.model, data.input_shape, data.num_classes)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
@@ -125,20 +126,34 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         # a stop (Ctrl-C, SIGTERM): its signal and the checkpoint the run continues from
         "stopped": stop.signum if stop.stopped else 0,
         "checkpoint": str(saved) if saved is not None else None,
+        "skipped_files": data.skipped,
     }
     if ctx.rank == 0 and not stop.stopped:
         result["accuracy"] = accuracy(model, data.test_x, data.test_y)
-        torch.save(model.state_dict(), out / "model.pt")
+        save_output(out / "model.pt", model.state_dict())
     return result
 
 
+def console() -> Any:
+    """Where the progress line goes: the launcher's terminal (``SHMTRAIN_CONSOLE_FD``,
+    since this worker's own stderr goes to its log file), else stderr."""
+    fd = os.environ.get("SHMTRAIN_CONSOLE_FD")
+    if fd:
+        try:
+            return open(int(fd), "w", closefd=False)  # noqa: SIM115 - the launcher owns the descriptor
+        except (OSError, ValueError):
+            pass
+    return sys.stderr
+
+
 class Progress:
-    """One self-rewriting line on stderr: iteration, loss, iterations per second."""
+    """One self-rewriting line on the terminal: iteration, loss, iterations per second."""
 
     def __init__(self, total: int, label: str, enabled: bool, first: int = 0) -> None:
         self.total, self.label = total, label
         self.enabled = enabled and os.environ.get("SHMTRAIN_NO_PROGRESS") != "1"
-        self.tty = sys.stderr.isatty()
+        self.stream = console() if self.enabled else sys.stderr
+        self.tty = self.stream.isatty()
         self.start = time.perf_counter()
         self.first = first  # a resumed run's starting iteration (for the rate)
         self.last = 0.0
@@ -155,8 +170,8 @@ class Progress:
         done = min(width, int(width * iteration / max(self.total, 1)))
         line = (f"[{self.label}] [{'#' * done}{'.' * (width - done)}] {iteration}/{self.total} "
                 f"loss {loss:.4f}  {rate:.1f} it/s")
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.enabled and self.tty:
-            print(file=sys.stderr)
+            print(file=self.stream)

@@ -47,10 +47,10 @@ def check_data(config: TrainConfig) -> DataFacts:
     if config.data == "synthetic":
         shape = parse_shape(config.input_shape)
         return DataFacts(config.samples - held_out(config.samples), shape, 10)
-    return _check_folder(Path(config.data), config.image_size)
+    return _check_folder(Path(config.data), config.image_size, config.skip_bad_files)
 
 
-def _check_folder(path: Path, image_size: int) -> DataFacts:
+def _check_folder(path: Path, image_size: int, skip_bad_files: bool = False) -> DataFacts:
     where = f"--data {str(path)!r}"
     if not path.is_dir():
         raise ValueError(f"{where}: no such folder; give digits, synthetic, or a folder with one "
@@ -66,21 +66,17 @@ def _check_folder(path: Path, image_size: int) -> DataFacts:
             raise ValueError(f"{where}: class folder {folder.name!r} holds no image "
                              f"({', '.join(sorted(IMAGE_SUFFIXES))}); add images or remove the folder")
         total += len(files)
-        for file in files[:SAMPLE_PER_CLASS]:
-            check_image(file)
+        if not skip_bad_files:  # with it, the workers skip and count them
+            for file in files[:SAMPLE_PER_CLASS]:
+                check_image(file)
     return DataFacts(total - held_out(total), (3, image_size, image_size), len(classes))
 
 
 def check_image(file: Path) -> None:
     """Open and decode one image; a clear error naming the file if it cannot be read."""
-    from PIL import Image, UnidentifiedImageError
+    from shmtrain.runtime.data import read_image
 
-    try:
-        with Image.open(file) as img:
-            img.convert("RGB").load()
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
-        raise ValueError(f"--data: image {str(file)!r} cannot be read ({exc.__class__.__name__}: "
-                         f"{exc}); remove or replace the file") from None
+    read_image(file, 8)
 
 
 def check_batch(config: TrainConfig, facts: DataFacts, workers: int) -> None:

@@ -13,6 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from shmtrain.runtime.files import figure_output, write_output
+
 ORDER = ["data", "forward", "backward", "update", "compute", "comm"]
 
 
@@ -94,14 +96,17 @@ def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str,
     fig.suptitle(title)
     fig.tight_layout()
     path = out / "plot.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        figure_output(path, fig, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 
 def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Write ``summary.json`` and ``plot.png`` (and ``trace.json`` when ``config["trace"]``);
-    return the summary."""
+    """Write ``summary.json``, then ``plot.png`` (and ``trace.json`` when ``config["trace"]``),
+    each atomically (``runtime/files.py``): the numbers of a finished run are on disk before
+    anything optional; return the summary."""
     rows = read_metrics(out)
     evals = read_evals(out)
     means = phase_means(rows)
@@ -127,7 +132,9 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     checks = strategies.get(config["strategy"]).check_metrics(rows)
     if checks:
         summary.update(checks)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    skipped = sorted({f for r in results for f in r.get("skipped_files", [])})
+    summary["skipped_files"] = len(skipped)  # --skip-bad-files: each is named in the logs
+    write_output(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     plot(out, rows, f"{config['strategy']}, {len(results)} workers, {config['model']} on {config['data']}",
          evals)
     if config.get("trace"):

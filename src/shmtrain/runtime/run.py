@@ -80,7 +80,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
                              # with restarts left, a death restarts the run instead (item 4)
                              tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss
                              and restarts >= config.max_restarts,
-                             graceful_stop=True)
+                             graceful_stop=True, log_dir=out / "logs", verbose=config.verbose)
             break
         except WorkerFailed as exc:
             if not exc.stop_signal and restarts < config.max_restarts:
@@ -155,6 +155,9 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     acc = summary["accuracy"]
     echo(f"\nheld-out accuracy {acc * 100:.2f}%  |  {summary['iterations']} iterations  |  "
          f"wall {wall:.1f} s  |  {out}/summary.json, {out}/plot.png")
+    if summary.get("skipped_files"):
+        echo(f"skipped {summary['skipped_files']} unreadable image(s) (--skip-bad-files); each is "
+             f"named in {out}/logs/rank-0.log")
     if config.trace:
         echo(f"timeline: {out}/trace.json (open in https://ui.perfetto.dev or chrome://tracing)")
     if config.tensorboard:

@@ -42,7 +42,7 @@ from shmtrain.fabric.control import _alive as alive
 POLL_S = 0.5
 #: a signal this soon after the first is the same request relayed again (torchrun's agent)
 DUPLICATE_S = 1.0
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class StopRequest:

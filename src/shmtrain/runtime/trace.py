@@ -27,6 +27,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shmtrain.runtime.files import write_output
+
 #: the loop's phases that do not overlap, in the order one iteration runs them
 LEAVES = ("data", "forward", "backward", "update")
 #: the slice that fills each iteration up to its measured time
@@ -96,7 +98,7 @@ def write_trace(out: Path, rows: dict[int, list[dict[str, Any]]],
                 evals: dict[int, list[dict[str, Any]]] | None = None) -> Path:
     """Write ``out/trace.json``; its path."""
     path = out / "trace.json"
-    path.write_text(json.dumps(build_trace(rows, evals)) + "\n")
+    write_output(path, (json.dumps(build_trace(rows, evals)) + "\n").encode())
     return path
 
 

@@ -2,13 +2,16 @@
 
 Joins the job from the environment, runs the target as ``fn(ctx, payload)``, and puts
 its return value in the store. On any error it marks the failure in the host's control
-block first, so peers raise at once (naming this rank) instead of waiting.
+block first, so peers raise at once (naming this rank) instead of waiting, then puts
+one line with its cause in the store (``error/<rank>``: the launcher's report) and the
+full traceback on its stderr (``logs/rank-<r>.log`` under ``shmtrain train``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import json
 import os
 import pickle
 import signal
@@ -31,6 +34,23 @@ def _terminate(signum, frame):  # noqa: ARG001
     raise SystemExit(128 + signum)
 
 
+def _report(ctx, exc: BaseException) -> None:
+    """One line for the launcher: the cause, and the peer waited for when it timed out."""
+    from shmtrain.fabric.control import PeerFailure, PeerTimeout
+    from shmtrain.runtime.checkpoint import CheckpointError
+    from shmtrain.runtime.files import OutputError
+
+    own = isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | OutputError | ValueError)
+    cause = str(exc) if own and str(exc) else f"{type(exc).__name__}: {exc}"
+    record = {"cause": " ".join(cause.split()), "peer": getattr(exc, "peer", None),
+              # gloo's own timeouts are RuntimeErrors that say so
+              "timeout": isinstance(exc, PeerTimeout | TimeoutError) or "timed out" in cause.lower()}
+    try:
+        ctx.store.set(f"error/{ctx.rank}", json.dumps(record))
+    except Exception:  # noqa: BLE001 - the store is gone: the launcher reads the log instead
+        pass
+
+
 def resolve(target: str):
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -39,6 +59,7 @@ def resolve(target: str):
 def main() -> int:
     _die_with_parent()
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
     target = sys.argv[1]
     rank = os.environ.get("RANK", "?")
     threads = int(os.environ.get("SHMTRAIN_THREADS", "1"))
@@ -69,6 +90,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - report, mark, exit non-zero
         if ctx is not None:
             ctx.fail(1)
+            _report(ctx, exc)
         from shmtrain.fabric.control import PeerFailure, PeerTimeout
         from shmtrain.runtime.checkpoint import CheckpointError
 
