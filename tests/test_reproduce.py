@@ -79,4 +79,6 @@ def test_the_frame_writes_all_three_files_with_the_numbers_first(tmp_path: Path)
         core._REGISTRY.pop("frame-test")
     assert doc["data"] == {"x": [1, 2]}
     assert "| speed-up | 10.1x | 1.8x | 0.9 of ideal | yes (> 1) |" in (tmp_path / "frame-test.md").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["frame-test.json", "frame-test.md", "frame-test.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "README.md", "frame-test.json", "frame-test.md", "frame-test.png"]
+    assert "| [frame-test](frame-test.md) | a paper | a claim |" in (tmp_path / "README.md").read_text()

@@ -159,7 +159,37 @@ def write_report(repro: Reproduction, report: Report, out: Path, quick: bool,
     report.plot(tmp)
     os.replace(tmp, png)
     write_atomic(out / f"{repro.name}.md", markdown(doc).encode())
+    write_index(out)
     return doc
+
+
+def write_index(out: Path) -> Path:
+    """``out/README.md``: one row per ``NAME.json`` in ``out``: the paper's claim, our
+    command, our figure, the verdict (rewritten after every reproduction)."""
+    from shmtrain.runtime.files import write_atomic
+
+    lines = [
+        "# The papers' headline results, re-measured here", "",
+        "Each row is one `shmtrain reproduce NAME` run on this machine (scaled down: digits or",
+        "synthetic inputs shaped like the paper's, 2-4 workers on 2 CPU cores); NAME.md beside",
+        "this file has the paper's figures beside ours and why the absolute figures differ.",
+        "`--quick` variants of every NAME run in the default test suite (`tests/test_reproduce.py`),",
+        "which checks the direction of each claim marked with a rule.", "",
+        "| NAME | paper | claim | command | ours | verdict |", "|---|---|---|---|---|---|",
+    ]
+    for file in sorted(out.glob("*.json")):
+        try:
+            doc = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or "verdict" not in doc or "claims" not in doc:
+            continue
+        ours = "; ".join(f"{c['what']}: {c['ours']}" for c in doc["claims"][:3])
+        lines.append(f"| [{doc['name']}]({doc['name']}.md) | {doc['paper']} | {doc['claim']} | "
+                     f"`{doc['command']}` ({doc['date']}, {doc['seconds']} s) | {ours} | {doc['verdict']} |")
+    path = out / "README.md"
+    write_atomic(path, ("\n".join(lines) + "\n").encode())
+    return path
 
 
 def machine() -> str:
