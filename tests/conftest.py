@@ -25,10 +25,45 @@ if str(TESTS) not in sys.path:
 
 
 def _children() -> list[psutil.Process]:
+    """This process's descendants, but its worker zygote (``runtime/zygote.py``), which
+    lives as long as the test session by design; the workers it forked still count."""
+    from shmtrain.runtime import zygote
+
+    spared = zygote.pid()
     try:
-        return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+        return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.pid != spared]
     except psutil.Error:
         return []
+
+
+def worker_rank(process: psutil.Process) -> int | None:
+    """The rank of a worker process (forked by a zygote: named ``shmtrain-w<r>``; started
+    fresh: ``RANK`` in its environment), None for any other process."""
+    try:
+        name = process.name()
+        if name.startswith("shmtrain-w"):
+            return int(name[len("shmtrain-w"):])
+        if "shmtrain.runtime.worker" in " ".join(process.cmdline()):
+            return int(process.environ()["RANK"])
+    except (psutil.Error, KeyError, ValueError):
+        pass
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (its workers, and a zygote between them)."""
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
+def worker_process(pid: int, rank: int, timeout: float = 30.0) -> psutil.Process:
+    """The worker of ``rank`` under launcher ``pid``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process in psutil.Process(pid).children(recursive=True):
+            if worker_rank(process) == rank:
+                return process
+        time.sleep(0.1)
+    raise AssertionError(f"no worker of rank {rank} under pid {pid}")
 
 
 @pytest.fixture(autouse=True)

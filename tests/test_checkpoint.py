@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import descendants, worker_process
 from shmtrain.cli import main
 from shmtrain.runtime import checkpoint
 from shmtrain.runtime.checkpoint import Checkpointer, CheckpointError
@@ -147,7 +148,7 @@ def test_ctrl_c_saves_and_the_resume_equals_the_straight_run(straight: Path, tmp
     run = tmp_path / "run"
     launcher = start([*LONG, "--out", str(run)])
     wait_for(lambda: rows_written(run, 1) > 200, launcher, "training")
-    workers = [c.pid for c in psutil.Process(launcher.pid).children()]
+    workers = descendants(launcher.pid)
     sent = time.monotonic()
     os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     _, err = launcher.communicate(timeout=60)
@@ -169,7 +170,7 @@ def test_killed_worker_restarts_from_the_latest_checkpoint(straight: Path, tmp_p
     run = tmp_path / "run"
     launcher = start([*LONG, "--max-restarts", "1", "--out", str(run)])
     wait_for(lambda: checkpoint.latest(run) is not None and rows_written(run, 1) > 300, launcher, "a checkpoint")
-    victim = next(c for c in psutil.Process(launcher.pid).children() if c.environ().get("RANK") == "1")
+    victim = worker_process(launcher.pid, 1)
     os.kill(victim.pid, signal.SIGKILL)
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, err

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 
+from conftest import descendants, worker_process
 from shmtrain.fabric.segment import leftover
 
 
@@ -37,10 +38,7 @@ def wait_for_training(out: Path, launcher: subprocess.Popen, timeout: float = 90
 
 
 def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
-    for child in psutil.Process(launcher.pid).children():
-        if child.environ().get("RANK") == str(rank):
-            return child.pid
-    raise AssertionError(f"no worker of rank {rank}")
+    return worker_process(launcher.pid, rank).pid
 
 
 def assert_all_gone(launcher: subprocess.Popen, workers: list[int]) -> None:
@@ -51,7 +49,7 @@ def assert_all_gone(launcher: subprocess.Popen, workers: list[int]) -> None:
 def test_sigkill_of_a_worker_fails_the_run_naming_it(tmp_path: Path) -> None:
     launcher = start_long_run(tmp_path / "run")
     wait_for_training(tmp_path / "run", launcher)
-    workers = [c.pid for c in psutil.Process(launcher.pid).children()]
+    workers = descendants(launcher.pid)
     victim = worker_pid(launcher, 1)
     started = time.monotonic()
     os.kill(victim, signal.SIGKILL)
@@ -65,7 +63,7 @@ def test_sigkill_of_a_worker_fails_the_run_naming_it(tmp_path: Path) -> None:
 def test_ctrl_c_stops_every_worker_and_cleans_up(tmp_path: Path) -> None:
     launcher = start_long_run(tmp_path / "run")
     wait_for_training(tmp_path / "run", launcher)
-    workers = [c.pid for c in psutil.Process(launcher.pid).children()]
+    workers = descendants(launcher.pid)
     os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 130, err
@@ -76,7 +74,7 @@ def test_ctrl_c_stops_every_worker_and_cleans_up(tmp_path: Path) -> None:
 def test_sigkill_of_the_launcher_takes_the_workers_down(tmp_path: Path) -> None:
     launcher = start_long_run(tmp_path / "run")
     wait_for_training(tmp_path / "run", launcher)
-    workers = [c.pid for c in psutil.Process(launcher.pid).children()]
+    workers = descendants(launcher.pid)
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait(timeout=10)
     deadline = time.monotonic() + 30
@@ -95,7 +93,7 @@ def test_sigkill_of_an_async_worker_lets_the_others_finish(tmp_path: Path) -> No
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )
     wait_for_training(out, launcher)
-    workers = [c.pid for c in psutil.Process(launcher.pid).children()]
+    workers = descendants(launcher.pid)
     os.kill(worker_pid(launcher, 2), signal.SIGKILL)
     stdout, err = launcher.communicate(timeout=150)
     assert launcher.returncode == 1

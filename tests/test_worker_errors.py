@@ -17,6 +17,7 @@ import psutil
 import pytest
 from PIL import Image
 
+from conftest import descendants, worker_process, worker_rank
 from test_checkpoint import SMALL, rows_written, start, wait_for
 
 
@@ -79,7 +80,7 @@ def test_skip_bad_files_trains_and_counts_them(tmp_path: Path) -> None:
 
 
 def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
-    return next(c for c in psutil.Process(launcher.pid).children() if c.environ().get("RANK") == str(rank))
+    return worker_process(launcher.pid, rank)
 
 
 def test_a_stalled_worker_is_blamed_not_the_one_that_gave_up(tmp_path: Path) -> None:
@@ -115,8 +116,8 @@ def test_hangup_and_terminate_stop_every_worker_before_the_launcher_exits(signum
     run = tmp_path / "run"
     launcher = start([*SMALL, "--iterations", "200000", "--checkpoint-every", "0", "--out", str(run)])
     wait_for(lambda: rows_written(run, 1) > 20, launcher, "training")
-    workers = psutil.Process(launcher.pid).children()
-    assert len(workers) == 2
+    workers = [psutil.Process(p) for p in descendants(launcher.pid)]
+    assert len([p for p in workers if worker_rank(p) is not None]) == 2
     os.kill(launcher.pid, signum)
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode == code, err

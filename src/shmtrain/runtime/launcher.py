@@ -1,8 +1,9 @@
 """Start N local workers (a small torchrun for one host) and watch them.
 
-Each worker is a fresh ``python -m shmtrain.runtime.worker`` process with torchrun's
-environment variables, so the worker code path is the same whether shmtrain or
-torchrun started it. The launcher hosts the TCPStore on loopback (port chosen by the
+Each worker runs ``shmtrain.runtime.worker`` with torchrun's environment variables, so
+the worker code path is the same whether shmtrain or torchrun started it; it is forked
+by the launcher's zygote, which imported torch once (``runtime/zygote.py``), or, with
+``SHMTRAIN_ZYGOTE=0``, started as a fresh ``python -m shmtrain.runtime.worker``. The launcher hosts the TCPStore on loopback (port chosen by the
 kernel: no port races) and creates the host's control block; when a worker dies it
 marks the failure there (waking every waiter), gives the others a moment to fail
 with an error naming it, then terminates them. Ctrl-C and errors end every child, and
@@ -32,7 +33,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch.distributed as dist
 
@@ -124,7 +125,7 @@ def launch(
         SHMTRAIN_TIMEOUT=str(timeout),
         OMP_NUM_THREADS=str(threads), SHMTRAIN_THREADS=str(threads),
     )
-    children: list[subprocess.Popen] = []
+    children: list[Any] = []  # subprocess.Popen, or zygote.Worker (the same calls)
     logs = _WorkerLogs(log_dir, nprocs, verbose)
     failure: WorkerFailed | None = None
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there
@@ -133,11 +134,8 @@ def launch(
     try:
         for rank in range(nprocs):
             child_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank), **logs.env())
-            children.append(
-                subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=child_env,
-                                 pass_fds=(control_segment.fd, *logs.fds()), stderr=logs.stderr(rank))
-            )
-            logs.started(rank, children[-1])
+            children.append(_start(target, child_env, (control_segment.fd, *logs.fds()), logs.path(rank),
+                                   timeout))
         lost: dict[int, int] = {}  # tolerated deaths: rank -> exit code
         while True:
             codes = [c.poll() for c in children]
@@ -212,7 +210,32 @@ class _StopRelay:
             signal.signal(signum, handler)
 
 
-def _end(children: list[subprocess.Popen], grace: float, kill: bool = False) -> list[int]:
+#: environment variables that name an inherited file descriptor
+_FD_KEYS = ("SHMTRAIN_CONTROL_FD", "SHMTRAIN_CONSOLE_FD")
+
+
+def _start(target: str, env: dict[str, str], fds: tuple[int, ...], log: Path | None, timeout: float) -> Any:
+    """One worker: forked by the zygote, or (``SHMTRAIN_ZYGOTE=0``) a fresh interpreter."""
+    from shmtrain.runtime import zygote
+
+    if zygote.enabled():
+        names = {str(fd): f"{{fd{i}}}" for i, fd in enumerate(fds)}
+        env = {k: names.get(v, v) if k in _FD_KEYS else v for k, v in env.items()}
+        try:  # importing torch takes seconds on a busy machine, whatever the peer --timeout
+            return zygote.get(max(timeout, zygote.START_S)).spawn(env, [target], fds, str(log) if log else None)
+        except RuntimeError as exc:
+            raise WorkerFailed(f"worker rank {env.get('RANK')} could not be started: {exc}",
+                               int(env.get("RANK", "0")), 1) from None
+    stderr = open(log, "ab") if log else None  # noqa: SIM115 - the child holds it; ours closes below
+    try:
+        return subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=env,
+                                pass_fds=fds, stderr=stderr)
+    finally:
+        if stderr is not None:
+            stderr.close()
+
+
+def _end(children: list[Any], grace: float, kill: bool = False) -> list[int]:
     """Let children exit within ``grace`` seconds, then SIGTERM (``kill``: SIGKILL), then
     SIGKILL; the ranks that had to be ended."""
     deadline = time.monotonic() + grace
@@ -252,7 +275,7 @@ def _error_record(store: dist.TCPStore, rank: int, code: int) -> dict[str, Any]:
         time.sleep(0.02)
 
 
-def _root_cause(children: list[subprocess.Popen], rank: int, code: int, record: dict[str, Any],
+def _root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any],
                 stuck: list[int], lost: dict[int, int], logs: _WorkerLogs) -> WorkerFailed:
     """The one-line failure: the first worker to fail, unless it only gave up waiting for
     a peer that stalled (then that peer, ended by the launcher)."""
@@ -279,15 +302,15 @@ def _root_cause(children: list[subprocess.Popen], rank: int, code: int, record: 
 
 
 class _WorkerLogs:
-    """Worker stderr to ``log_dir/rank-<r>.log`` (appended: restarts add to it), copied to
-    the terminal with ``verbose``; the terminal's stderr is passed on as
-    ``SHMTRAIN_CONSOLE_FD`` for the progress line."""
+    """Worker stderr goes to ``log_dir/rank-<r>.log`` (appended: restarts add to it); with
+    ``verbose`` a thread copies what they write to the terminal as it comes. The
+    terminal's stderr is passed on as ``SHMTRAIN_CONSOLE_FD`` for the progress line."""
 
     def __init__(self, log_dir: Path | None, nprocs: int, verbose: bool) -> None:
-        self.dir, self.verbose = log_dir, verbose
-        self.files: dict[int, BinaryIO] = {}
-        self.pumps: list[threading.Thread] = []
+        self.dir, self.nprocs = log_dir, nprocs
         self.console = -1
+        self.done = threading.Event()
+        self.tail: threading.Thread | None = None
         if log_dir is None:
             return
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -295,8 +318,14 @@ class _WorkerLogs:
             self.console = os.dup(sys.stderr.fileno())
         except (AttributeError, OSError, ValueError):  # a captured stderr has no descriptor
             self.console = -1
+        self.offsets = {}
         for rank in range(nprocs):
-            self.files[rank] = open(log_dir / f"rank-{rank}.log", "ab")  # closed in close()
+            path = log_dir / f"rank-{rank}.log"
+            path.touch()
+            self.offsets[rank] = path.stat().st_size
+        if verbose:
+            self.tail = threading.Thread(target=self._follow, name="shmtrain-logs", daemon=True)
+            self.tail.start()
 
     def env(self) -> dict[str, str]:
         return {"SHMTRAIN_CONSOLE_FD": str(self.console)} if self.console >= 0 else {}
@@ -304,46 +333,42 @@ class _WorkerLogs:
     def fds(self) -> tuple[int, ...]:
         return (self.console,) if self.console >= 0 else ()
 
-    def stderr(self, rank: int) -> Any:
-        if rank not in self.files:
-            return None
-        return subprocess.PIPE if self.verbose else self.files[rank]
+    def path(self, rank: int) -> Path | None:
+        return self.dir / f"rank-{rank}.log" if self.dir is not None else None
 
-    def started(self, rank: int, child: subprocess.Popen) -> None:
-        if self.verbose and rank in self.files:
-            pump = threading.Thread(target=self._pump, args=(child.stderr, self.files[rank]), daemon=True)
-            pump.start()
-            self.pumps.append(pump)
-
-    @staticmethod
-    def _pump(source: BinaryIO, log: BinaryIO) -> None:
-        for line in iter(source.readline, b""):
-            log.write(line)
-            log.flush()
-            sys.stderr.write(line.decode(errors="replace"))
-            sys.stderr.flush()
-        source.close()
+    def _follow(self) -> None:
+        """--verbose: copy what each worker appends to its log to the terminal."""
+        while True:
+            finished = self.done.wait(0.1)
+            for rank in range(self.nprocs):
+                with open(self.path(rank), "rb") as f:  # type: ignore[arg-type]
+                    f.seek(self.offsets[rank])
+                    data = f.read()
+                if data:
+                    self.offsets[rank] += len(data)
+                    sys.stderr.write(data.decode(errors="replace"))
+                    sys.stderr.flush()
+            if finished:
+                return
 
     def where(self, rank: int) -> str:
-        return f"; its log: {self.dir / f'rank-{rank}.log'}" if rank in self.files else ""
+        return f"; its log: {self.path(rank)}" if self.dir is not None else ""
 
     def last_line(self, rank: int) -> str:
         """The last line the worker wrote (what it said before a failure it could not report)."""
-        if rank not in self.files:
+        if self.dir is None:
             return ""
-        self.files[rank].flush()
         try:
-            lines = (self.dir / f"rank-{rank}.log").read_bytes()[-4096:].decode(errors="replace").splitlines()
+            lines = self.path(rank).read_bytes()[-4096:].decode(errors="replace").splitlines()  # type: ignore[union-attr]
         except OSError:
             return ""
         last = next((line.strip() for line in reversed(lines) if line.strip()), "")
         return f" ({last})" if last else ""
 
     def close(self) -> None:
-        for pump in self.pumps:
-            pump.join(timeout=2.0)
-        for f in self.files.values():
-            f.close()
+        self.done.set()
+        if self.tail is not None:
+            self.tail.join(timeout=2.0)
         if self.console >= 0:
             os.close(self.console)
             self.console = -1
