@@ -80,8 +80,13 @@ class DataParallel(nn.Module):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.strategy.before_forward()
+        self.before_forward()
         return self.module(*args, **kwargs)
+
+    def before_forward(self) -> None:
+        """The strategy's work before a forward pass; ``forward`` calls it, and so does a
+        caller that runs ``module`` itself (``runtime/subbatch.py``: K threads, one call)."""
+        self.strategy.before_forward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - strategy decides
         self.strategy.zero_grad()

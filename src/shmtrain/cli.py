@@ -177,7 +177,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.bench import allreduce, checkpoint, collectives, overlap, ps, smb, step
+    from shmtrain.bench import allreduce, checkpoint, collectives, overlap, ps, smb, step, subbatch
 
     p = sub.add_parser("bench", help="benchmarks (table + JSON)", description="Benchmarks: each prints a table and writes --json.")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -189,6 +189,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     ps.add_bench_ps_parser(bench)
     overlap.add_bench_overlap_parser(bench)
     checkpoint.add_bench_checkpoint_parser(bench)
+    subbatch.add_bench_subbatch_parser(bench)
 
 
 def _add_experiment(sub: argparse._SubParsersAction) -> None:

@@ -153,6 +153,12 @@ class OptimOptions:
     __slots__ = ()
 
     batch_size: int = option(32, "per worker, the papers' convention", "optim")
+    sub_batch: int = option(
+        1, "split each worker's batch over K threads (swCaffe Algorithm 1): each computes the "
+        "gradient of its batch-size/K samples (sizes differ by at most 1) on a copy of the model "
+        "sharing its weights, and the size-weighted mean reaches the strategy as one gradient; "
+        "K threads of --threads torch threads each per worker; batch norm normalizes each part "
+        "by its own statistics (docs/subbatch.md)", "optim", metavar="K")
     lr: float = option(0.05, "learning rate", "optim")
     momentum: float = option(0.9, "SGD momentum", "optim")
     weight_decay: float = option(1e-4, "L2 weight decay", "optim")
@@ -175,6 +181,11 @@ class OptimOptions:
 
     def _check_optim(self) -> None:
         _need(self.batch_size >= 1, "batch-size", self.batch_size, "the batch size per worker must be positive", "use e.g. --batch-size 32")
+        _need(self.sub_batch >= 1, "sub-batch", self.sub_batch, "the batch is split over K threads, "
+              "so K must be at least 1", "use --sub-batch 1 for one thread")
+        _need(self.sub_batch <= self.batch_size, "sub-batch", self.sub_batch,
+              f"each of the K threads needs at least 1 of the --batch-size {self.batch_size} samples",
+              f"use --sub-batch {self.batch_size} or less, or a larger --batch-size")
         _need(self.lr > 0, "lr", self.lr, "the learning rate must be positive", "use e.g. --lr 0.05")
         _need(0 <= self.momentum < 1, "momentum", self.momentum, "momentum must be in [0, 1)", "use e.g. --momentum 0.9")
         _need(self.weight_decay >= 0, "weight-decay", self.weight_decay, "weight decay must not be negative", "use 0 to turn it off")

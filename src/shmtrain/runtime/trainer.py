@@ -3,7 +3,10 @@
 :class:`Trainer` runs one iteration (``zero_grad`` -> forward -> backward -> ``step``)
 with the phase timings every strategy shares; ``shmtrain train`` (``runtime/loop.py``),
 ``shmtrain bench step`` and ``bench overlap`` and one's own scripts use it, so the
-loop body is written once and checkpointing has one place to live.
+loop body is written once and checkpointing has one place to live. With ``sub_batch=K``
+(``--sub-batch``) forward and backward run in K threads on parts of the batch, their
+gradients averaged before the strategy communicates (``runtime/subbatch.py``, swCaffe
+Algorithm 1); the checkpoint state is the same.
 
 :class:`TrainState` is what the loop itself adds to the model, optimizer and strategy
 state: iterations done (which is also the data position: batch ``t`` of the shard
@@ -27,6 +30,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from shmtrain.runtime.schedule import check_state, current_lr, step_scheduler
+from shmtrain.runtime.subbatch import SubBatch
 from shmtrain.timing import PhaseTimer
 
 
@@ -75,14 +79,27 @@ class Trainer:
         scheduler: a learning-rate scheduler on the engine's optimizer, stepped once per
             iteration after the engine's step (``runtime/schedule.py``); its state is part
             of :meth:`state_dict`, so a resumed run continues the schedule exactly.
+        sub_batch: K, the threads each mini-batch is split over (swCaffe Algorithm 1,
+            :class:`shmtrain.runtime.subbatch.SubBatch`); 1 runs forward and backward on
+            the calling thread. K > 1 needs an engine with ``module`` and
+            ``before_forward`` (``DataParallel``); :meth:`close` ends the threads.
     """
 
     def __init__(self, engine: Steppable, loss_fn: nn.Module, timer: PhaseTimer,
-                 scheduler: LRScheduler | None = None) -> None:
+                 scheduler: LRScheduler | None = None, sub_batch: int = 1) -> None:
         self.engine = engine
         self.loss_fn = loss_fn
         self.timer = timer
         self.scheduler = scheduler
+        self.sub_batch: SubBatch | None = None
+        if sub_batch != 1:
+            module = getattr(engine, "module", None)
+            if not isinstance(module, nn.Module) or not callable(getattr(engine, "before_forward", None)):
+                raise ValueError(
+                    f"--sub-batch {sub_batch}: the threads run copies of the engine's module, but a "
+                    f"{type(engine).__name__} has no module and before_forward; wrap the model in "
+                    "shmtrain.api.DataParallel, or use --sub-batch 1")
+            self.sub_batch = SubBatch(module, sub_batch, loss_fn, timer)
         self.state = TrainState()
         #: the learning rate the last :meth:`step` used (None before the first step, or
         #: when the engine has no ``optimizer`` and there is no scheduler)
@@ -92,10 +109,13 @@ class Trainer:
         """zero_grad -> forward (``forward``) -> backward (``backward``) -> step; the loss."""
         engine, timer = self.engine, self.timer
         engine.zero_grad()
-        with timer.phase("forward"):
-            loss = self.loss_fn(engine(x), y)
-        with timer.phase("backward"):
-            loss.backward()
+        if self.sub_batch is not None:  # both phases timed inside, the threads' compute overlapping
+            loss = self.sub_batch.step(x, y, before_forward=engine.before_forward)  # type: ignore[attr-defined]
+        else:
+            with timer.phase("forward"):
+                loss = self.loss_fn(engine(x), y)
+            with timer.phase("backward"):
+                loss.backward()
         optimizer = self.scheduler.optimizer if self.scheduler is not None else getattr(engine, "optimizer", None)
         self.lr = current_lr(optimizer) if optimizer is not None else None
         engine.step()
@@ -103,6 +123,11 @@ class Trainer:
             step_scheduler(self.scheduler)
         self.state.iteration += 1
         return loss
+
+    def close(self) -> None:
+        """End the sub-batch threads, if any (the engine is closed by its owner)."""
+        if self.sub_batch is not None:
+            self.sub_batch.close()
 
     # -- state (checkpoints) ------------------------------------------------------
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
