@@ -64,6 +64,9 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     """
     if under_torchrun():
         return _run_torchrun(config, echo)
+    from shmtrain.runtime import zygote
+
+    zygote.prestart()  # imports torch for the workers while the launcher checks the input
     out = Path(config.out) if config.out else default_out(config)
     preflight(config, out)  # before any folder or worker: one clear line, exit 2
     start_from = _starting_point(out, config, resume)

@@ -209,17 +209,25 @@ class Zygote:
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
         )
         theirs.close()
+        self.timeout = timeout
         self.lock = threading.Lock()  # one spawn at a time (the reply is the next pid)
         self.changed = threading.Condition()
         self.workers: dict[int, Worker] = {}
         self.codes: dict[int, int] = {}  # exits reported before the pid was claimed
         self.pids: list[int] = []
-        self.sock.settimeout(timeout)
+        self.reader: threading.Thread | None = None  # started by the hand-shake
+
+    def _handshake(self) -> None:
+        """Wait for the zygote's imports (it started importing when it was created, so
+        this overlaps whatever the launcher did meanwhile), then start the reader."""
+        if self.reader is not None:
+            return
+        self.sock.settimeout(self.timeout)
         try:
             hello = json.loads(self.sock.recv(4096) or b"{}")
         except (OSError, ValueError) as exc:
             self.close()
-            raise RuntimeError(f"the worker zygote did not start within {timeout:.0f} s ({exc}); "
+            raise RuntimeError(f"the worker zygote did not start within {self.timeout:.0f} s ({exc}); "
                                "set SHMTRAIN_ZYGOTE=0 to start workers without it") from None
         if "ready" not in hello:
             self.close()
@@ -230,13 +238,15 @@ class Zygote:
         self.reader.start()
 
     def alive(self) -> bool:
-        return self.process.poll() is None and self.reader.is_alive()
+        return self.process.poll() is None and (self.reader is None or self.reader.is_alive())
 
     def spawn(self, env: dict[str, str], argv: list[str], fds: tuple[int, ...], log: str | None) -> Worker:
         """Fork one worker: ``env`` (``{fd<i>}`` values name ``fds[i]`` as the worker sees
         it), ``python -m shmtrain.runtime.worker *argv``, stderr to ``log`` when given."""
         request = {"env": env, "argv": argv, "cwd": os.getcwd(), "log": log}
         with self.lock:
+            self._handshake()
+            assert self.reader is not None
             with self.changed:
                 waiting = len(self.pids)
             socket.send_fds(self.sock, [json.dumps(request).encode()],
@@ -255,8 +265,10 @@ class Zygote:
         return worker
 
     def exited(self, worker: Worker, timeout: float | None) -> bool:
+        reader = self.reader
+        assert reader is not None
         with self.changed:
-            return self.changed.wait_for(lambda: worker.returncode is not None or not self.reader.is_alive(),
+            return self.changed.wait_for(lambda: worker.returncode is not None or not reader.is_alive(),
                                          timeout) and worker.returncode is not None
 
     def _read(self) -> None:
@@ -284,7 +296,10 @@ class Zygote:
                 self.changed.notify_all()
 
     def close(self) -> None:
-        """Close our end: the zygote exits once its workers have ended."""
+        """Close our end: the zygote exits once its workers have ended (at once when it
+        has forked none: it may still be importing)."""
+        if self.reader is None and self.process.poll() is None:
+            self.process.kill()
         try:
             self.sock.close()
         finally:
@@ -307,8 +322,16 @@ _ZYGOTE: Zygote | None = None
 _ZYGOTE_LOCK = threading.Lock()
 
 
+def prestart() -> None:
+    """Start this process's zygote now without waiting for it (``shmtrain train`` does
+    this first, so the zygote imports torch while the launcher checks its input)."""
+    if enabled():
+        get(START_S)
+
+
 def get(timeout: float = 120.0) -> Zygote:
-    """This process's zygote, started on first use (and again if it died)."""
+    """This process's zygote, started on first use (and again if it died); its imports
+    may still be running (the first spawn waits for them)."""
     global _ZYGOTE
     with _ZYGOTE_LOCK:
         if _ZYGOTE is None or not _ZYGOTE.alive():
