@@ -301,6 +301,10 @@ class Zygote:
         if self.reader is None and self.process.poll() is None:
             self.process.kill()
         try:
+            try:  # wakes our reader's recv and tells the zygote (a bare close would wait for the reader)
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self.sock.close()
         finally:
             try:
