@@ -83,17 +83,30 @@ def parse_size(text: str) -> int:
     return value
 
 
+#: benchmark modes that are torch DistributedDataParallel: over gloo, and with
+#: :func:`shmtrain.ddp_comm_hook` (buckets averaged through the host's shared memory)
+DDP_MODES = ("ddp", "ddp-shm")
+
+
 class DDPEngine:
     """PyTorch DistributedDataParallel with the three calls :class:`Trainer` drives, so the
     benchmarks time DDP with the same loop body as every strategy (``update`` timed;
-    DDP's allreduce overlaps backward and is awaited inside it)."""
+    DDP's allreduce overlaps backward and is awaited inside it). With ``ctx``, the
+    buckets go through :func:`shmtrain.ddp.ddp_comm_hook` on that context's host
+    (issue 16, item 3) instead of gloo."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer, ctx=None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         self.net = DistributedDataParallel(model)
         self.optimizer = optimizer
         self.timer = timer
+        self.state = None
+        if ctx is not None:
+            from shmtrain.ddp import ShmHookState, ddp_comm_hook
+
+            self.state = ShmHookState(ctx)
+            self.net.register_comm_hook(self.state, ddp_comm_hook)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -106,15 +119,18 @@ class DDPEngine:
             self.optimizer.step()
 
     def close(self) -> None:
-        """Nothing to release (for symmetry with DataParallel)."""
+        """Release the hook's shared buffers, if any (for symmetry with DataParallel)."""
+        if self.state is not None:
+            self.state.close()
 
 
 def build_engine(mode: str, ctx, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer,
                  strategy: str | None = None, options: dict[str, Any] | None = None):
-    """``ddp`` -> :class:`DDPEngine`; otherwise ``DataParallel`` with ``strategy`` and
-    ``options`` (each benchmark mode is one of these)."""
-    if mode == "ddp":
-        return DDPEngine(model, optimizer, timer)
+    """``ddp`` -> :class:`DDPEngine` over gloo, ``ddp-shm`` -> with the shared-memory hook;
+    otherwise ``DataParallel`` with ``strategy`` and ``options`` (each benchmark mode is
+    one of these)."""
+    if mode in DDP_MODES:
+        return DDPEngine(model, optimizer, timer, ctx if mode == "ddp-shm" else None)
     from shmtrain.api import DataParallel
 
     return DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **(options or {}))

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shmtrain.bench.common import table, write_json
+from shmtrain.bench.common import DDP_MODES, table, write_json
 
-# mode -> (strategy, options): the same table as ``shmtrain bench step``; ``ddp`` apart.
+# mode -> (strategy, options): the same table as ``shmtrain bench step``; ``ddp``, ``ddp-shm`` apart.
 from shmtrain.bench.step import MODES, check_modes
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.runtime.launcher import launch
@@ -94,8 +94,8 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
 
 def run(modes: list[str], workers: int, payload: dict[str, Any],
         specs: dict[str, tuple[str, dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
-    """Run ``modes`` (names in ``specs``, default :data:`MODES`, or ``ddp``) in one launch."""
-    specs = {m: (specs or MODES)[m] for m in modes if m != "ddp"}
+    """Run ``modes`` (names in ``specs``, default :data:`MODES`, or in ``DDP_MODES``) in one launch."""
+    specs = {m: (specs or MODES)[m] for m in modes if m not in DDP_MODES}
     results = launch("shmtrain.bench.overlap:_worker", workers, dict(payload, modes=modes, specs=specs),
                      threads=payload["threads"], timeout=payload.get("timeout", 600))
     rows = []

@@ -1,7 +1,8 @@
 """``shmtrain bench step``: time per training iteration, strategies side by side with DDP.
 
 Same model, same synthetic batch, same threads for every mode: ``nocomm`` (each worker
-trains alone; the floor), ``ddp`` (torch DistributedDataParallel over gloo), and the
+trains alone; the floor), ``ddp`` (torch DistributedDataParallel over gloo), ``ddp-shm``
+(DDP with ``shmtrain.ddp_comm_hook``: its buckets averaged through shared memory), and the
 shmtrain strategies in :data:`MODES`. Each mode is one launch of N workers; a sample is
 one iteration's wall time on a worker, and the row reports the median over workers
 and iterations after warm-up, plus the mean of each phase the strategy reports.
@@ -16,11 +17,11 @@ from typing import Any
 
 from torch import nn
 
-from shmtrain.bench.common import table, write_json
+from shmtrain.bench.common import DDP_MODES, table, write_json
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.runtime.launcher import launch
 
-#: mode -> (strategy, options); ``ddp`` is handled apart.
+#: mode -> (strategy, options); ``ddp`` and ``ddp-shm`` (:data:`DDP_MODES`) are handled apart.
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "nocomm": ("nocomm", {}),
     "ssgd": ("ssgd", {}),
@@ -28,6 +29,8 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpi": ("gpi", {}),
     "cpu_acc": ("cpu_acc", {}),
     "ssgd_overlap": ("ssgd", {"overlap": True}),
+    # the update sharded over the host's workers, ZeRO-1 inside a host (issue 16 item 4)
+    "ssgd_sharded": ("ssgd", {"sharded_update": True}),
 }
 DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]
 
@@ -90,10 +93,10 @@ def run(modes: list[str], workers: list[int], payload: dict[str, Any]) -> list[d
 
 
 def check_modes(modes: list[str]) -> None:
-    """Reject a ``--modes`` name that is neither ``ddp`` nor in :data:`MODES`."""
-    unknown = [m for m in modes if m != "ddp" and m not in MODES]
+    """Reject a ``--modes`` name that is neither in :data:`DDP_MODES` nor in :data:`MODES`."""
+    unknown = [m for m in modes if m not in DDP_MODES and m not in MODES]
     if unknown:
-        raise ValueError(f"--modes {unknown}: unknown; choose from ddp, {', '.join(MODES)}")
+        raise ValueError(f"--modes {unknown}: unknown; choose from {', '.join([*DDP_MODES, *MODES])}")
 
 
 def _handler(args: argparse.Namespace) -> int:
