@@ -9,17 +9,20 @@ The allreduce comes from the strategy's transports (``--allreduce``: ``shm`` by 
 With ``shm``, gradients go straight into this worker's slot of the shared-memory
 allreduce (``param.grad`` are views of it); after the reduction ``param.grad`` are
 re-pointed at the shared result, which the optimizer reads in place. ``--overlap`` is
-run by :class:`shmtrain.strategies.ssgd_overlap.OverlapSSGD` (``implementation``).
+run by :class:`shmtrain.strategies.ssgd_overlap.OverlapSSGD` (``implementation``),
+``--sharded-update`` (ZeRO-1 inside a host, issue 16 item 4) by
+:class:`shmtrain.strategies.ssgd_sharded.ShardedSSGD`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 from shmtrain.strategies.ssgd_overlap import OverlapSSGD
+from shmtrain.strategies.ssgd_sharded import ShardedSSGD
 
 AllreduceName = Literal["shm", "gloo", "ring", "rhd", "tree", "topo", "hierarchical", "auto"]
 
@@ -40,6 +43,11 @@ class SSGD(Strategy):
         overlap: bool = False
         #: bucket size cap in MiB for --overlap (the first bucket is at most 1 MiB)
         bucket_mb: float = 25.0
+        #: ZeRO-1 inside a host: weights in shared memory, each local rank updates its chunk
+        #: with momentum for that chunk only (shmtrain.strategies.ssgd_sharded; docs/overlap.md)
+        sharded_update: bool = field(default=False, metadata={
+            "help": "ZeRO-1 inside a host: weights in shared memory, each local rank runs SGD "
+                    "on its chunk with momentum for that chunk only (docs/overlap.md)"})
 
         def __post_init__(self) -> None:
             from shmtrain.fabric.collectives.reducers import check_name
@@ -55,9 +63,18 @@ class SSGD(Strategy):
                     f"--allreduce {self.allreduce!r} with --overlap: overlapped buckets go "
                     "through shared memory or gloo only; use --allreduce shm or gloo, or drop --overlap"
                 )
+            if self.sharded_update and (self.overlap or self.allreduce != "shm"):
+                chosen = "--overlap" if self.overlap else f"--allreduce {self.allreduce!r}"
+                raise ValueError(
+                    f"--sharded-update with {chosen}: the sharded update follows the "
+                    "shared-memory allreduce (each rank updates the chunk it reduced); use "
+                    "--allreduce shm without --overlap, or drop --sharded-update"
+                )
 
     @classmethod
     def implementation(cls, config: StrategyConfig) -> type[Strategy]:
+        if getattr(config, "sharded_update", False):
+            return ShardedSSGD
         return OverlapSSGD if getattr(config, "overlap", False) else cls
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
