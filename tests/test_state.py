@@ -53,12 +53,11 @@ SYNCHRONOUS = [
 ]
 
 
-@pytest.mark.parametrize(("strategy", "options"), SYNCHRONOUS)
-def test_synchronous_resume_is_exact(strategy: str, options: dict[str, Any]) -> None:
-    payload = {"strategy": strategy, "options": options}
+def assert_exact_resume(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A 2-worker run saved after HALF iterations and resumed in a fresh launch ends with
+    the straight run's weights; the saved states (for further checks)."""
     first = launch("test_state:resume_worker", 2, dict(payload, mode="first"))
     states = [r["state"] for r in first]
-    assert all(s["strategy"]["iteration"] == HALF for s in states)
     resumed = launch("test_state:resume_worker", 2, dict(payload, mode="resume", states=states))
     for a, b in zip(first, resumed, strict=True):
         assert b["iteration"] == 2 * HALF
@@ -66,6 +65,13 @@ def test_synchronous_resume_is_exact(strategy: str, options: dict[str, Any]) -> 
     # the second half moved the weights: equality is not trivial
     mid = torch.cat([v.reshape(-1) for v in states[0]["model"].values()])
     assert relative_error(mid, first[0]["final"]) > 1e-3
+    return states
+
+
+@pytest.mark.parametrize(("strategy", "options"), SYNCHRONOUS)
+def test_synchronous_resume_is_exact(strategy: str, options: dict[str, Any]) -> None:
+    states = assert_exact_resume({"strategy": strategy, "options": options})
+    assert all(s["strategy"]["iteration"] == HALF for s in states)
 
 
 def test_seasgd_resume_continues_from_the_saved_global_weights() -> None:

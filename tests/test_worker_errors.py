@@ -124,3 +124,25 @@ def test_hangup_and_terminate_stop_every_worker_before_the_launcher_exits(signum
     assert signal.Signals(signum).name in err.strip().splitlines()[-1], err
     gone, alive = psutil.wait_procs(workers, timeout=0)
     assert not alive, [p.pid for p in alive]
+
+
+def test_a_peer_that_noticed_the_death_first_is_not_blamed() -> None:
+    """The race the launcher loses when a peer finds the SIGKILLed rank dead before the
+    launcher's poll: rank 0 exits first, but its record names rank 1 as the cause."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from shmtrain.runtime.launcher import _root_cause, _WorkerLogs
+
+    children = [SimpleNamespace(pid=100, returncode=1), SimpleNamespace(pid=101, returncode=-signal.SIGKILL)]
+    record = {"cause": "local rank 1 (pid 101) died while this worker waited for gradients", "peer": 1,
+              "timeout": False}
+    failure = _root_cause(children, 0, 1, record, [], {}, _WorkerLogs(None, 2, False), dist.HashStore())
+    assert str(failure) == "worker rank 1 (pid 101) failed: killed by SIGKILL" and failure.rank == 1
+    # its own error, when it had one, is the cause
+    store = dist.HashStore()
+    store.set("error/1", json.dumps({"cause": "ValueError: bad", "peer": None, "timeout": False}))
+    children[1].returncode = 1
+    failure = _root_cause(children, 0, 1, record, [], {}, _WorkerLogs(None, 2, False), store)
+    assert str(failure) == "worker rank 1 (pid 101) failed: ValueError: bad"

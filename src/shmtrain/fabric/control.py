@@ -32,7 +32,12 @@ _MAGIC = 0x53484D54
 
 
 class PeerFailure(RuntimeError):
-    """A peer died or reported an error; raised instead of hanging."""
+    """A peer died or reported an error; raised instead of hanging. ``peer`` is its local
+    rank when known (the launcher then reports that peer as the root cause)."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class PeerTimeout(TimeoutError):
@@ -190,11 +195,12 @@ class ControlBlock:
         if failed is not None:
             who, code = failed
             how = "died" if code == DIED else (f"was killed by signal {code - 128}" if code > 128 else f"failed (exit status {code})")
-            raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) {how} while this worker waited for {what}")
+            raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) {how} while this worker waited for {what}",
+                              peer=who)
         if not _alive(self.pid(rank)):
             # Record the dead peer as the first failure before this worker's own error
             # does (first writer wins), so every other waiter names the root cause.
             self.abort(rank, DIED)
             raise PeerFailure(
-                f"local rank {rank} (pid {self.pid(rank)}) died while this worker waited for {what}"
+                f"local rank {rank} (pid {self.pid(rank)}) died while this worker waited for {what}", peer=rank
             )

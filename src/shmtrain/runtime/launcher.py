@@ -151,7 +151,7 @@ def launch(
                 control.abort(rank, code if code > 0 else 128 - code)
                 record = _error_record(store, rank, code)
                 stuck = _end(children, GRACE_S)
-                failure = _root_cause(children, rank, code, record, stuck, lost, logs)
+                failure = _root_cause(children, rank, code, record, stuck, lost, logs, store)
                 failure.stop_signal = stopping.signum if stopping is not None else 0
                 break
             if all(c == 0 or (c is not None and r in lost) for r, c in enumerate(codes)):
@@ -276,28 +276,42 @@ def _error_record(store: dist.TCPStore, rank: int, code: int) -> dict[str, Any]:
 
 
 def _root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any],
-                stuck: list[int], lost: dict[int, int], logs: _WorkerLogs) -> WorkerFailed:
-    """The one-line failure: the first worker to fail, unless it only gave up waiting for
-    a peer that stalled (then that peer, ended by the launcher)."""
-    pid = children[rank].pid
-    cause = record.get("cause")
+                stuck: list[int], lost: dict[int, int], logs: _WorkerLogs, store: dist.TCPStore) -> WorkerFailed:
+    """The one-line failure: the first worker to fail, unless it only failed because of a
+    peer: one it gave up waiting for (that peer stalled; the launcher ended it), or one it
+    found dead or failed (that peer's own failure is the cause)."""
     peer = record.get("peer")
     if record.get("timeout") and peer is None and stuck:
         peer = stuck[0]
-    if record.get("timeout") and peer is not None and peer != rank and 0 <= peer < len(children):
+    if peer is None or peer == rank or not 0 <= peer < len(children):
+        failure = _failure_of(children, rank, code, record, logs)
+    elif record.get("timeout"):
         how = describe_exit(children[peer].returncode) if peer in stuck else "it did not answer"
         message = (f"worker rank {peer} (pid {children[peer].pid}) stalled: worker rank {rank} gave up "
-                   f"waiting for it ({cause}); the launcher ended it ({how})")
+                   f"waiting for it ({record.get('cause')}); the launcher ended it ({how})")
         failure = WorkerFailed(message + logs.where(peer), peer, children[peer].returncode or code)
-    elif cause:
+        failure.cause = record.get("cause")
+    else:
+        peer_code = children[peer].returncode
+        peer_code = code if peer_code is None else peer_code
+        failure = _failure_of(children, peer, peer_code, _error_record(store, peer, peer_code), logs)
+    if lost:
+        failure.args = (failure.args[0] + "".join(
+            f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),)
+    return failure
+
+
+def _failure_of(children: list[Any], rank: int, code: int, record: dict[str, Any],
+                logs: _WorkerLogs) -> WorkerFailed:
+    """``worker rank R (pid P) failed: <its own cause, or how it exited>; its log: ...``."""
+    pid = children[rank].pid
+    cause = record.get("cause")
+    if cause:
         failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {cause}" + logs.where(rank), rank, code)
     else:
         failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {describe_exit(code)}"
                                + logs.last_line(rank) + logs.where(rank), rank, code)
     failure.cause = cause
-    if lost:
-        failure.args = (failure.args[0] + "".join(
-            f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),)
     return failure
 
 

@@ -21,6 +21,7 @@ from typing import Literal
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
+from shmtrain.strategies.slots import SlotGradients
 from shmtrain.strategies.ssgd_overlap import OverlapSSGD
 from shmtrain.strategies.ssgd_sharded import ShardedSSGD
 
@@ -28,7 +29,7 @@ AllreduceName = Literal["shm", "gloo", "ring", "rhd", "tree", "topo", "hierarchi
 
 
 @register
-class SSGD(Strategy):
+class SSGD(SlotGradients, Strategy):
     """Synchronous SGD, gradient averaging through the shared-memory allreduce."""
 
     name = "ssgd"
@@ -84,17 +85,4 @@ class SSGD(Strategy):
         self.allreduce = self.transports.allreduce(
             config.allreduce, self.layout.numel, self.layout.dtype, op="mean", tag="grads"
         )
-        # Views of both slot sets and both results, made once: binding is pointer work.
-        self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
-        self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
-        self.zero_grad()
-
-    def zero_grad(self) -> None:
-        step = self.allreduce.count + 1
-        self.allreduce.input(step).zero_()
-        self.layout.bind_grads(self._input_views[step % 2])
-
-    def after_backward(self) -> None:
-        with self.timer.phase("comm"):
-            self.allreduce()
-        self.layout.bind_grads(self._result_views[self.allreduce.count % 2])
+        self.bind_slots()

@@ -29,6 +29,7 @@ from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.fabric.segment import align
 from shmtrain.fabric.stitch import PAGE
 from shmtrain.strategies.base import Strategy
+from shmtrain.strategies.slots import SlotGradients
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -47,7 +48,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             )
 
 
-class ShardedSSGD(Strategy):
+class ShardedSSGD(SlotGradients, Strategy):
     """Synchronous SGD whose update is sharded over the host's workers (not registered:
     ``ssgd`` hands a config with ``sharded_update`` to it, see ``SSGD.implementation``)."""
 
@@ -72,14 +73,12 @@ class ShardedSSGD(Strategy):
         self.allreduce = self.transports.allreduce(
             "shm", layout.numel, layout.dtype, op="mean", tag="grads"
         )
-        self._input_views = [layout.views(self.allreduce.input(s)) for s in (0, 1)]
-        self._result_views = [layout.views(self.allreduce.result(s)) for s in (0, 1)]
         self.lo, self.hi = self.allreduce.chunks[host.local_rank]
         self._runs = self._group_runs(optimizer)
         #: momentum of this rank's chunk only (None until the first step, as in SGD)
         self.momentum: torch.Tensor | None = None
         self._updated = host.channel("grads.updated")
-        self.zero_grad()
+        self.bind_slots()
 
     def _group_runs(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, int, dict]]:
         """Contiguous ranges of this rank's chunk, relative to the chunk, with their group."""
@@ -100,16 +99,6 @@ class ShardedSSGD(Strategy):
             else:
                 runs.append((a - self.lo, b - self.lo, group))
         return runs
-
-    def zero_grad(self) -> None:
-        step = self.allreduce.count + 1
-        self.allreduce.input(step).zero_()
-        self.layout.bind_grads(self._input_views[step % 2])
-
-    def after_backward(self) -> None:
-        with self.timer.phase("comm"):
-            self.allreduce()
-        self.layout.bind_grads(self._result_views[self.allreduce.count % 2])
 
     def apply_update(self) -> None:
         """SGD on this rank's chunk (torch.optim.SGD's formulas), then wait for every chunk."""
