@@ -34,14 +34,20 @@ def _terminate(signum, frame):  # noqa: ARG001
     raise SystemExit(128 + signum)
 
 
-def _report(ctx, exc: BaseException) -> None:
-    """One line for the launcher: the cause, and the peer waited for when it timed out."""
+def _says_it_all(exc: BaseException) -> bool:
+    """shmtrain's own errors, whose message alone names the cause (no type name needed)."""
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
     from shmtrain.runtime.checkpoint import CheckpointError
     from shmtrain.runtime.files import OutputError
 
-    own = isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | OutputError | ValueError)
-    cause = str(exc) if own and str(exc) else f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | OutputError | ValueError) and bool(str(exc))
+
+
+def _report(ctx, exc: BaseException) -> None:
+    """One line for the launcher: the cause, and the peer waited for when it timed out."""
+    from shmtrain.fabric.control import PeerTimeout
+
+    cause = str(exc) if _says_it_all(exc) else f"{type(exc).__name__}: {exc}"
     record = {"cause": " ".join(cause.split()), "peer": getattr(exc, "peer", None),
               # gloo's own timeouts are RuntimeErrors that say so
               "timeout": isinstance(exc, PeerTimeout | TimeoutError) or "timed out" in cause.lower()}
@@ -94,7 +100,9 @@ def main() -> int:
         from shmtrain.fabric.control import PeerFailure, PeerTimeout
         from shmtrain.runtime.checkpoint import CheckpointError
 
-        if isinstance(exc, PeerFailure | PeerTimeout | CheckpointError):  # the message says it all
+        # a peer's failure or a checkpoint file: this worker's traceback would say nothing more;
+        # anything else (a bad image deep in the data, a full disk) keeps its traceback in the log
+        if isinstance(exc, PeerFailure | PeerTimeout | CheckpointError):
             print(f"shmtrain: worker rank {rank}: {exc}", file=sys.stderr)
         else:
             print(f"shmtrain: worker rank {rank} failed:", file=sys.stderr)

@@ -172,7 +172,6 @@ class Worker:
     def __init__(self, pid: int, zygote: Zygote) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self.stderr = None
         self._zygote = zygote
 
     def poll(self) -> int | None:
