@@ -133,6 +133,18 @@ class ShmAllreduce:
             control.wait(self._published, [0], step, timeout=host.timeout, what="hosts' result")
         return result
 
+    def reduce_private(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Allreduce a private tensor in place (what ``torch.distributed.all_reduce`` offers):
+        copy in, reduce, copy the result back into ``tensor``; returns ``tensor``.
+
+        ``tensor`` must be contiguous, on the CPU, with ``numel`` elements of this
+        allreduce's dtype.
+        """
+        flat = tensor.view(-1)
+        self.input().copy_(flat)
+        flat.copy_(self())
+        return tensor
+
     def close(self) -> None:
         """Release the stitched views (the result tensors must not be used afterwards)."""
         self.results = []
