@@ -51,7 +51,8 @@ class ShmAllreduce:
         numel: elements per buffer.
         dtype: element type.
         op: ``"mean"`` over all workers of the job, or ``"sum"``.
-        leaders: gloo group of every host's local rank 0; None on one host.
+        leaders: gloo group of every host's local rank 0 (registered with torch.distributed
+            or a bare ``ProcessGroupGloo``); None on one host.
         tag: name fragment of the segment.
     """
 
@@ -71,7 +72,7 @@ class ShmAllreduce:
         self.numel = numel
         self.op = op
         self.leaders = leaders
-        self.num_hosts = dist.get_world_size(leaders) if leaders is not None else 1
+        self.num_hosts = leaders.size() if leaders is not None else 1
         itemsize = torch.empty((), dtype=dtype).element_size()
         L = host.local_world
         self._stride = align(max(numel, 1) * itemsize, PAGE)
@@ -125,7 +126,7 @@ class ShmAllreduce:
             control.wait(self._reduced, host.ranks, step, timeout=host.timeout, what="reduction")
         elif me == 0:
             control.wait(self._reduced, host.ranks, step, timeout=host.timeout, what="reduction")
-            dist.all_reduce(result, group=self.leaders)
+            self.leaders.allreduce([result]).wait()  # a registered group or a bare ProcessGroupGloo
             if self.op == "mean":
                 result.mul_(1.0 / self.num_hosts)
             control.post(self._published, me, step)
