@@ -9,11 +9,21 @@ abort word (the first failing rank, set by that rank or by the launcher), a stop
 the launcher; the training loop reads it once per iteration, see
 :mod:`shmtrain.runtime.stop`), and a per-rank progress record (iterations done, state)
 used for termination alignment.
+
+Waking is cheap and waiting is short (issue 16, item 2): a waiter first spins briefly on
+the word when every local rank has a core of its own (a peer that is running posts
+within microseconds), then sleeps on the futex; each rank announces the word it sleeps
+on in its own "sleeper" line, and ``post`` makes the wake-up system call only when
+someone sleeps on that word. A wake-up lost to the store/load race of that handshake
+costs at most one short sleep slice (1 ms, doubling to 50 ms while the wait lasts).
+Sequence words compare modulo 2**32, so a channel that posts once per block of a
+pipelined allreduce never wraps into a wrong answer.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable
 
@@ -24,7 +34,11 @@ from shmtrain.fabric.segment import SharedSegment
 
 LINE = 64
 MAX_CHANNELS = 48
-_SLICE_S = 0.05  # how often a sleeping waiter re-checks abort and peer liveness
+_SLICE_S = 0.05  # how often a sleeping waiter re-checks abort and peer liveness (at most)
+_FIRST_SLICE_S = 0.001  # the first sleep: bounds the cost of a lost wake-up
+_ANY = -1  # a sleeper line's value when threads sleep on several words
+_YIELDS = int(os.environ.get("SHMTRAIN_YIELDS", "20"))
+_SPINS = 400  # reads of the word before sleeping, when every rank has a core (~40 us)
 DIED = 255  # abort code a peer records for a rank it found dead (its exit code is unknown)
 
 # header line 0: [magic, local_world, abort_rank+1, abort_code, stop_signal]
@@ -71,7 +85,7 @@ class ControlBlock:
 
     @staticmethod
     def nbytes(local_world: int) -> int:
-        return LINE * (1 + 3 * local_world + MAX_CHANNELS * local_world)
+        return LINE * (1 + 4 * local_world + MAX_CHANNELS * local_world)
 
     def __init__(self, segment: SharedSegment, local_world: int, *, init: bool) -> None:
         self.segment = segment
@@ -80,6 +94,15 @@ class ControlBlock:
         self._i32 = np.frombuffer(segment.buffer, dtype=np.int32, count=n // 4)
         self._i64 = np.frombuffer(segment.buffer, dtype=np.int64, count=n // 8)
         self._base = segment.address(0)
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        self._me: int | None = None
+        self._sleep_lock = threading.Lock()
+        self._sleeping: dict[int, int] = {}  # word index -> this process's threads asleep on it
+        self.spin = cores >= local_world  # spinning only steals a core from a peer otherwise
+        self._sleepers = [self._sleeper_off(r) // 4 for r in range(local_world)]
         if init:
             self._i32[:] = 0
             self._i32[0] = _MAGIC
@@ -99,6 +122,9 @@ class ControlBlock:
     def _state_off(self, rank: int) -> int:
         return LINE * (1 + 2 * self.local_world + rank)
 
+    def _sleeper_off(self, rank: int) -> int:
+        return LINE * (1 + 3 * self.local_world + MAX_CHANNELS * self.local_world + rank)
+
     def _word_off(self, channel: int, rank: int) -> int:
         if not 0 <= channel < MAX_CHANNELS:
             raise ValueError(f"channel {channel} outside 0..{MAX_CHANNELS - 1}")
@@ -106,6 +132,9 @@ class ControlBlock:
 
     # -- identity and progress --------------------------------------------------
     def set_pid(self, rank: int, pid: int) -> None:
+        """Register local ``rank``'s pid (liveness); registering this process binds it."""
+        if pid == os.getpid():
+            self.bind(rank)
         self._i64[self._pid_off(rank) // 8] = pid
 
     def pid(self, rank: int) -> int:
@@ -155,8 +184,13 @@ class ControlBlock:
     def post(self, channel: int, rank: int, value: int) -> None:
         """Publish ``value`` in ``rank``'s word of ``channel`` and wake its waiters."""
         off = self._word_off(channel, rank)
-        self._i32[off // 4] = value
-        futex_wake(self._base + off)
+        idx = off // 4
+        self._i32[idx] = _as_int32(value)
+        i32 = self._i32
+        for sleeper in self._sleepers:
+            if i32[sleeper] in (idx + 1, _ANY):  # someone sleeps on this word: wake them all
+                futex_wake(self._base + off)
+                return
 
     def wait(
         self,
@@ -173,14 +207,43 @@ class ControlBlock:
             PeerFailure: a peer died or aborted (names it).
             PeerTimeout: a peer did not post within ``timeout`` seconds (names it).
         """
-        deadline = time.monotonic() + timeout
+        i32 = self._i32
+        deadline: float | None = None
         for rank in ranks:
             off = self._word_off(channel, rank)
             idx = off // 4
+            if _reached(int(i32[idx]), target):
+                continue
+            if self.spin:
+                for _ in range(_SPINS):
+                    if _reached(int(i32[idx]), target):
+                        break
+                else:
+                    deadline = self._sleep(rank, idx, target, deadline, timeout, what)
+            elif _YIELDS:
+                for _ in range(_YIELDS):
+                    os.sched_yield()  # let a runnable peer on this core post first
+                    if _reached(int(i32[idx]), target):
+                        break
+                else:
+                    deadline = self._sleep(rank, idx, target, deadline, timeout, what)
+            else:
+                deadline = self._sleep(rank, idx, target, deadline, timeout, what)
+
+    def _sleep(self, rank: int, idx: int, target: int, deadline: float | None, timeout: float,
+               what: str) -> float:
+        """Sleep on word ``idx`` (rank ``rank``'s) until it reaches ``target``; returns the
+        deadline so one wait over many ranks keeps one ``timeout``."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout
+        i32, me = self._i32, self._me is not None
+        slice_s = _FIRST_SLICE_S
+        announced = False
+        try:
             while True:
-                value = int(self._i32[idx])
-                if value >= target:
-                    break
+                value = int(i32[idx])
+                if _reached(value, target):
+                    return deadline
                 self._check(rank, what)
                 now = time.monotonic()
                 if now >= deadline:
@@ -188,7 +251,34 @@ class ControlBlock:
                         f"local rank {rank} (pid {self.pid(rank)}) did not reach {what} "
                         f"#{target} within {timeout:.0f} s", peer=rank,
                     )
-                futex_wait(self._base + off, value, min(_SLICE_S, deadline - now))
+                if me and not announced:
+                    self._announce(idx, +1)  # then re-check: the poster wakes only sleepers
+                    announced = True
+                    value = int(i32[idx])
+                    if _reached(value, target):
+                        return deadline
+                futex_wait(self._base + idx * 4, value, min(slice_s, deadline - now))
+                slice_s = min(slice_s * 2, _SLICE_S)
+        finally:
+            if announced:
+                self._announce(idx, -1)
+
+    def _announce(self, idx: int, delta: int) -> None:
+        """Count this process's threads sleeping on word ``idx`` and publish, in this rank's
+        sleeper line, that word (one word slept on) or ``_ANY`` (several: wake on any post)."""
+        with self._sleep_lock:
+            count = self._sleeping.get(idx, 0) + delta
+            if count:
+                self._sleeping[idx] = count
+            else:
+                self._sleeping.pop(idx, None)
+            words = list(self._sleeping)
+            self._i32[self._sleepers[self._me]] = 0 if not words else (words[0] + 1 if len(words) == 1 else _ANY)
+
+    def bind(self, rank: int) -> None:
+        """This process is local ``rank``: its sleeps are announced in that rank's sleeper
+        line (a block not bound to a rank, e.g. the launcher's, always wakes on post)."""
+        self._me = rank
 
     def _check(self, rank: int, what: str) -> None:
         failed = self.aborted()
@@ -204,3 +294,13 @@ class ControlBlock:
             raise PeerFailure(
                 f"local rank {rank} (pid {self.pid(rank)}) died while this worker waited for {what}", peer=rank
             )
+
+
+def _as_int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
+def _reached(value: int, target: int) -> bool:
+    """``value >= target`` for sequence numbers modulo 2**32 (less than 2**31 apart)."""
+    return ((value - target) & 0xFFFFFFFF) < 0x80000000

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.host import HostGroup
+from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
 from shmtrain.fabric.segment import align
 from shmtrain.fabric.stitch import PAGE, StitchedView
 
@@ -72,7 +73,8 @@ class ShmAllreduce:
         self.numel = numel
         self.op = op
         self.leaders = leaders
-        self.num_hosts = leaders.size() if leaders is not None else 1
+        # (a rank outside the leaders' group holds torch's non-member marker, an int)
+        self.num_hosts = leaders.size() if isinstance(leaders, dist.ProcessGroup) else 1
         itemsize = torch.empty((), dtype=dtype).element_size()
         L = host.local_world
         self._stride = align(max(numel, 1) * itemsize, PAGE)
@@ -97,6 +99,8 @@ class ShmAllreduce:
         self._reduced = host.channel(f"{tag}.reduced")
         self._published = host.channel(f"{tag}.published")
         self.count = 0
+        self.tag = tag
+        self._pipeline: PipelinedAllreduce | None = None
 
     def input(self, step: int | None = None) -> torch.Tensor:
         """This worker's slot for ``step`` (default: the next call): write the buffer here."""
@@ -139,8 +143,15 @@ class ShmAllreduce:
         copy in, reduce, copy the result back into ``tensor``; returns ``tensor``.
 
         ``tensor`` must be contiguous, on the CPU, with ``numel`` elements of this
-        allreduce's dtype.
+        allreduce's dtype. Inside one host this goes through a
+        :class:`~shmtrain.fabric.pipeline_allreduce.PipelinedAllreduce` (built on the first
+        call, collectively), which moves each private byte through DRAM once in and once
+        out; across hosts the local sum goes through this allreduce's slots as usual.
         """
+        if self.leaders is None:
+            if self._pipeline is None:
+                self._pipeline = PipelinedAllreduce(self.host, tag=f"{self.tag}.pipe")
+            return self._pipeline(tensor, op=self.op)
         flat = tensor.view(-1)
         self.input().copy_(flat)
         flat.copy_(self())
@@ -149,6 +160,9 @@ class ShmAllreduce:
     def close(self) -> None:
         """Release the stitched views (the result tensors must not be used afterwards)."""
         self.results = []
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
         for view in self._views:
             view.close()
         self._views = []

@@ -1,0 +1,105 @@
+"""The private-tensor allreduce (issue 16, item 2): exact sums through a ring of blocks,
+both paths (all-read, split), any length and dtype, identical bits on every rank, and
+the control block's wake-ups (spin, announce, conditional wake, wrap-around)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from shmtrain.fabric.control import _reached
+from shmtrain.fabric.pipeline_allreduce import PAGE, PipelinedAllreduce, _part
+from shmtrain.fabric.shm_allreduce import ShmAllreduce
+from shmtrain.runtime.launcher import launch
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "int64": torch.int64}
+
+
+def pipeline_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    dtype = DTYPES[payload["dtype"]]
+    pipe = PipelinedAllreduce(ctx.host, block_bytes=payload["block"], split=payload["split"])
+    errors, digests = [], []
+    for numel in payload["lengths"]:
+        base = torch.arange(numel) % 31  # small integers: every sum is exact in every dtype
+        mine = (base * (ctx.rank + 1) + 1).to(dtype)
+        pipe(mine, op="sum")
+        expected = (base * (ctx.world_size * (ctx.world_size + 1) // 2) + ctx.world_size).to(dtype)
+        errors.append(float((mine.double() - expected.double()).abs().max()) if numel else 0.0)
+        noisy = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank)).mul(100).to(dtype)
+        pipe(noisy, op="mean" if noisy.is_floating_point() else "sum")
+        digests.append(noisy.double().sum().item() if numel else 0.0)
+        digests.append(noisy.view(-1)[: min(numel, 64)].tolist())
+    blocks = pipe.blocks
+    pipe.close()
+    return {"errors": errors, "digests": digests, "blocks": blocks}
+
+
+@pytest.mark.parametrize("procs,split", [(2, False), (2, True), (3, False), (4, True), (4, False)])
+def test_exact_sums_any_length_both_paths(procs: int, split: bool) -> None:
+    lengths = [0, 1, 17, PAGE // 4 - 1, 3 * PAGE + 5, 100_003]
+    results = launch("test_pipeline_allreduce:pipeline_worker", procs,
+                     {"dtype": "float32", "block": PAGE * 4, "split": split, "lengths": lengths})
+    assert all(err == 0.0 for r in results for err in r["errors"])
+    # the mean of different random inputs: every rank holds the very same bits
+    assert all(r["digests"] == results[0]["digests"] for r in results)
+    assert results[0]["blocks"] > 2 * len(lengths)  # several blocks per call: the ring was reused
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16", "int64"])
+def test_other_dtypes(dtype: str) -> None:
+    results = launch("test_pipeline_allreduce:pipeline_worker", 3,
+                     {"dtype": dtype, "block": PAGE, "split": None, "lengths": [5, 4099]})
+    assert all(err == 0.0 for r in results for err in r["errors"])
+    assert all(r["digests"] == results[0]["digests"] for r in results)
+
+
+def private_worker(ctx, payload: dict[str, Any]) -> float:
+    ar = ShmAllreduce(ctx.host, payload["numel"], op="mean")
+    worst = 0.0
+    for step in range(3):
+        mine = torch.full((payload["numel"],), float(ctx.rank + step))
+        assert ar.reduce_private(mine) is mine
+        worst = max(worst, float((mine - ((ctx.world_size - 1) / 2 + step)).abs().max()))
+    ar.close()
+    return worst
+
+
+def test_shm_allreduce_reduce_private_goes_through_the_pipeline() -> None:
+    assert max(launch("test_pipeline_allreduce:private_worker", 2, {"numel": 300_000})) <= 1e-6
+
+
+def test_bad_tensors_are_refused_before_any_hand_off() -> None:
+    messages = launch("test_pipeline_allreduce:refusing_worker", 2, {})
+    assert all("contiguous CPU tensors" in m[0] and "'mean' needs a floating-point" in m[1] for m in messages)
+
+
+def refusing_worker(ctx, payload: dict[str, Any]) -> list[str]:
+    pipe = PipelinedAllreduce(ctx.host)
+    messages = []
+    for bad, op in ((torch.zeros(4, 4).t(), "sum"), (torch.zeros(4, dtype=torch.int32), "mean")):
+        try:
+            pipe(bad, op=op)
+        except ValueError as e:
+            messages.append(str(e))
+    ones = torch.ones(3)
+    pipe(ones)  # the refusals posted nothing: the ranks are still in step
+    assert ones.tolist() == [2.0] * 3
+    pipe.close()
+    return messages
+
+
+def test_parts_cover_a_block_once() -> None:
+    for m in (1, 16, 17, 1000, 65_536):
+        for parts in (1, 2, 3, 4):
+            ranges = [_part(m, parts, i) for i in range(parts)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == m
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_sequence_numbers_compare_across_the_wrap() -> None:
+    assert _reached(5, 5) and _reached(6, 5) and not _reached(4, 5)
+    top = 2**31 - 1
+    assert _reached(-(2**31), top)  # top + 1 wrapped to the smallest int32
+    assert not _reached(top, -(2**31))
