@@ -41,3 +41,26 @@ def test_forked_workers_train_exactly_as_fresh_ones(tmp_path: Path) -> None:
     assert fresh.returncode == 0, fresh.stderr
     a, b = torch.load(tmp_path / "forked" / "model.pt"), torch.load(tmp_path / "fresh" / "model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def preloaded_worker(ctx, payload) -> list[bool]:
+    return [name in sys.modules for name in payload]
+
+
+def test_a_worker_environment_can_ask_the_zygote_to_preload() -> None:
+    # what ``shmtrain train --model resnet18`` asks for: torchvision imported once, in the zygote
+    seen = launch("test_zygote:preloaded_worker", 1, ["torchvision", "torch._dynamo"],
+                  env={zygote.PRELOAD_ENV: "torchvision, no_such_module_xyz"})
+    assert seen == [[True, True]]
+
+
+def test_digits_read_from_the_packaged_table_equal_scikit_learns() -> None:
+    from sklearn.datasets import load_digits
+
+    from shmtrain.runtime.data import _digits_table, load_digits_data
+
+    table, digits = _digits_table(), load_digits()
+    assert (table[:, :64] == digits.data).all() and (table[:, 64] == digits.target).all()
+    data = load_digits_data()
+    assert data.train_x.shape[1:] == (1, 8, 8) and len(data.train_x) + len(data.test_x) == 1797
+    assert float(data.train_x.max()) == 1.0 and load_digits_data() is data  # read once per process

@@ -285,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; the exit status (2: bad input, 1: a worker failed)."""
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] in (["train"], ["bench"], ["reproduce"], ["experiment"]) and not {"-h", "--help"} & set(words):
+        from shmtrain.runtime import zygote
+
+        zygote.prestart()  # the workers' torch imports while this process builds its parser
     parser = build_parser()
     args = parser.parse_args(argv)
     from shmtrain.fabric.control import PeerFailure, PeerTimeout

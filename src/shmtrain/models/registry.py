@@ -84,5 +84,11 @@ def _torchvision(name: str, min_side: int) -> Builder:
 register_model("smallcnn", small_cnn)
 register_model("mlp", mlp)
 register_model("wide_mlp", wide_mlp)
-for _name, _side in [("alexnet", 63), ("googlenet", 32), ("resnet18", 32), ("resnet50", 32), ("vgg16", 32)]:
+_TORCHVISION = {"alexnet": 63, "googlenet": 32, "resnet18": 32, "resnet50": 32, "vgg16": 32}
+for _name, _side in _TORCHVISION.items():
     register_model(_name, _torchvision(_name, _side))
+
+
+def needs_torchvision(name: str) -> bool:
+    """Whether model ``name`` is built by torchvision (the launcher preloads it then)."""
+    return name in _TORCHVISION

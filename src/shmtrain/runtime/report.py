@@ -94,7 +94,8 @@ def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str,
     ax_time.set(xlabel="iteration", ylabel="ms", title="rank 0: compute vs communication", yscale="log")
     ax_time.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
+    # fixed margins: tight_layout measures every text extent (~0.7 s of a 1-iteration run)
+    fig.subplots_adjust(left=0.07 if panels == 3 else 0.1, right=0.98, bottom=0.13, top=0.85, wspace=0.3)
     path = out / "plot.png"
     try:
         figure_output(path, fig, dpi=110)

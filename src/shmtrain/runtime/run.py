@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,25 @@ def _warn(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _preload_env(config: TrainConfig) -> dict[str, str]:
+    """What the zygote should import once before forking this run's workers."""
+    from shmtrain.models.registry import needs_torchvision
+    from shmtrain.runtime.zygote import PRELOAD_ENV
+
+    return {PRELOAD_ENV: "torchvision"} if needs_torchvision(config.model) else {}
+
+
+def _import_matplotlib() -> None:
+    """Import the plotting library while the workers train (the plot is drawn at the end)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
+
+
 def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> dict[str, Any] | None:
     """Train as ``config`` says; return the summary (None on non-zero ranks of torchrun).
 
@@ -67,6 +87,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     from shmtrain.runtime import zygote
 
     zygote.prestart()  # imports torch for the workers while the launcher checks the input
+    threading.Thread(target=_import_matplotlib, name="shmtrain-plot-import", daemon=True).start()
     out = Path(config.out) if config.out else default_out(config)
     preflight(config, out)  # before any folder or worker: one clear line, exit 2
     start_from = _starting_point(out, config, resume)
@@ -83,7 +104,8 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
                              # with restarts left, a death restarts the run instead (item 4)
                              tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss
                              and restarts >= config.max_restarts,
-                             graceful_stop=True, log_dir=out / "logs", verbose=config.verbose)
+                             graceful_stop=True, log_dir=out / "logs", verbose=config.verbose,
+                             env=_preload_env(config))
             break
         except WorkerFailed as exc:
             if not exc.stop_signal and restarts < config.max_restarts:

@@ -2,8 +2,9 @@
 
 Every worker used to be a fresh ``python -m shmtrain.runtime.worker``, which spends
 ~2.3 s of CPU importing torch before it does anything; N workers on 2 cores waited
-~N x 1.2 s. The zygote is a child of the launcher that imports torch, torchvision and
-shmtrain's worker path once, runs nothing (so it holds no thread pool and no lock a fork
+~N x 1.2 s. The zygote is a child of the launcher that imports torch and shmtrain's
+worker path once (and the digits data set; torchvision only when a worker's environment
+asks for it, :data:`PRELOAD_ENV`), runs nothing (so it holds no thread pool and no lock a fork
 could copy half-taken), and forks a worker per request: the fork costs milliseconds,
 and the workers share the imported pages copy-on-write.
 
@@ -42,8 +43,15 @@ _MAX_FDS = 8
 #: seconds the zygote may take to import torch (a busy machine takes tens)
 START_S = 120.0
 #: imported by the zygote before it forks anything (what every worker would import)
-PRELOAD = ("torch", "torch.distributed", "torchvision", "numpy", "shmtrain.runtime.worker",
-           "shmtrain.runtime.loop", "shmtrain.strategies")
+PRELOAD = ("torch", "torch.distributed", "numpy", "shmtrain.runtime.worker",
+           "shmtrain.runtime.loop", "shmtrain.strategies",
+           # a torch.optim optimizer's first construction imports torch._dynamo (~1.2 s of
+           # CPU per worker otherwise); importing it starts no thread
+           "torch._dynamo")
+#: a worker environment's list of further modules the zygote imports before forking it
+#: (comma-separated; ``shmtrain train`` asks for torchvision when the model is one of its:
+#: 1.3 s once here, instead of in every worker, and not at all for the other models)
+PRELOAD_ENV = "SHMTRAIN_PRELOAD"
 
 
 def enabled() -> bool:
@@ -73,7 +81,9 @@ def _serve(sock: socket.socket) -> None:
             if not data:
                 open_ = False
             else:
-                pid = _fork(sock, json.loads(data), fds)
+                request = json.loads(data)
+                _preload(request["env"].get(PRELOAD_ENV, ""))
+                pid = _fork(sock, request, fds)
                 live.add(pid)
                 _send(sock, {"pid": pid})
         while live:
@@ -87,6 +97,16 @@ def _serve(sock: socket.socket) -> None:
             live.discard(pid)
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             _send(sock, {"exit": pid, "code": code})
+
+
+def _preload(names: str) -> None:
+    import importlib
+
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # the worker imports it itself and reports what is missing
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -160,9 +180,19 @@ def main() -> int:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    try:  # the default data set, read once here: every forked worker shares the pages
+        from shmtrain.runtime.data import load_digits_data
+
+        load_digits_data()
+    except ImportError:  # scikit-learn missing: a worker that needs it says so
+        pass
     _send(sock, {"ready": os.getpid()})
     _serve(sock)
-    return 0
+    # every worker has ended and been reported: leave without tearing down torch's
+    # modules (a second or more on a busy machine, spent while the launcher waits)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- the launcher's side -----------------------------------------------------------------------
