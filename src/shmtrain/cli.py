@@ -280,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parser(sub)
     _add_experiment(sub)
     _add_reproduce(sub)
+    from shmtrain.runtime.smb_server import add_parser as add_smb_server
+
+    add_smb_server(sub)
     return parser
 
 

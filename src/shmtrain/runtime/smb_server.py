@@ -1,0 +1,85 @@
+"""``shmtrain smb-server``: a stand-alone memory server (SMB-REMOTE, ShmCaffe III-B, Fig. 7).
+
+Runs :class:`shmtrain.fabric.smb_remote.MemoryServer` until every client has said
+goodbye, writing the global buffers to ``--out`` every ``--snapshot-every`` seconds
+(atomically); ``--resume FILE`` starts from such a snapshot. SIGINT/SIGTERM write a last
+snapshot (when snapshots are on) and end the server; its clients then fail with an
+error naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+SNAPSHOT = "smb-snapshot.pt"
+
+
+def _handler(args: argparse.Namespace) -> int:
+    from shmtrain.fabric.smb_remote import MemoryServer, read_secret
+
+    if args.snapshot_every < 0:
+        raise ValueError(f"--snapshot-every {args.snapshot_every}: seconds must be >= 0 (0: no snapshots)")
+    if args.resume and not Path(args.resume).is_file():
+        raise ValueError(f"--resume {args.resume}: no such snapshot file (the server writes {SNAPSHOT} in --out)")
+    secret = read_secret(args.secret_file)
+    out = Path(args.out)
+    if args.snapshot_every:
+        out.mkdir(parents=True, exist_ok=True)
+    server = MemoryServer(args.clients, bind=args.bind, port=args.port, secret=secret, timeout=args.timeout,
+                          log=lambda line: print(line, file=sys.stderr, flush=True), resume=args.resume)
+    print(f"shmtrain smb-server: serving {args.clients} workers at {server.address}"
+          f"{' (shared secret required)' if secret else ''}; clients: shmtrain train --smb-server {server.address}",
+          flush=True)
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            server.serve()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, name="smb-serve", daemon=True)
+    stopping: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda s, _f: stopping.append(s))
+    thread.start()
+    last = time.monotonic()
+    snapshot = out / SNAPSHOT
+    while thread.is_alive() and not stopping:
+        thread.join(0.2)
+        if args.snapshot_every and time.monotonic() - last >= args.snapshot_every:
+            server.snapshot(snapshot)
+            last = time.monotonic()
+    if args.snapshot_every:
+        server.snapshot(snapshot)
+        print(f"shmtrain smb-server: buffers written to {snapshot}", flush=True)
+    print(f"shmtrain smb-server: {server.applied} accumulations applied, {server.refused} requests refused, "
+          f"{server.errors} errors", flush=True)
+    if stopping:
+        return 128 + stopping[0]
+    if failure:
+        raise failure[0]
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "smb-server", help="run a memory server for workers on several hosts (SMB-REMOTE)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, required=True, help="the job's workers (all hosts together)")
+    p.add_argument("--bind", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; any other needs a shared secret)")
+    p.add_argument("--port", type=int, default=29600, help="port of the server (default 29600; 0: any free one)")
+    p.add_argument("--secret-file", help="file holding the shared secret (or set SHMTRAIN_SECRET)")
+    p.add_argument("--snapshot-every", type=float, default=0.0,
+                   help="write the buffers to OUT/smb-snapshot.pt every this many seconds (default 0: never)")
+    p.add_argument("--out", default="smb-server", help="folder of the snapshots (default ./smb-server)")
+    p.add_argument("--resume", help="start the buffers from this snapshot file")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds to wait for the clients to connect, and for each transfer (default 120)")
+    p.set_defaults(handler=_handler)
