@@ -216,3 +216,42 @@ def test_bad_server_options_are_named(argv: list[str], message: str) -> None:
 def test_a_client_names_an_unreachable_server() -> None:
     with pytest.raises(Exception, match="cannot reach the memory server at 127.0.0.1"):
         RemoteBufferService(f"127.0.0.1:{_port()}", 0, 1, timeout=2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy,extra", [("seasgd", []), ("hsgd", ["--groups", "2", "--group-size", "2"])])
+def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Path, strategy: str,
+                                                                   extra: list[str]) -> None:
+    """Two torchrun launches on this machine, each one host of 2 workers, share the global
+    weights through one memory server (HSGD: a group per host, its root the only client
+    that accumulates)."""
+    from test_torchrun import TORCHRUN, env, free_port
+
+    proc, address = _server(4)
+    port = free_port()
+    nodes = []
+    try:
+        for node in (0, 1):
+            cmd = TORCHRUN + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "shmtrain", "train",
+                              "--strategy", strategy, *extra, "--iterations", "12", "--batch-size", "16",
+                              "--smb-server", address, "--no-progress", "--out", str(tmp_path)]
+            nodes.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [p.communicate(timeout=200)[0].decode() for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+        code, out, err = _finish(proc)
+    assert all(p.returncode == 0 for p in nodes), outputs
+    summary = __import__("json").loads((tmp_path / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["iterations"] >= 10
+    applied = int(out.split("shmtrain smb-server: ")[-1].split(" accumulations")[0])
+    roots = 2 if strategy == "hsgd" else 4
+    assert code == 0 and applied >= roots * 10, out + err  # every client's increments reached the server
+
+
+def test_smb_server_option_is_checked_and_named() -> None:
+    proc = subprocess.run([sys.executable, "-m", "shmtrain", "train", "--strategy", "seasgd",
+                           "--smb-server", "nowhere"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--smb-server 'nowhere' must be HOST:PORT" in proc.stderr, proc.stderr

@@ -59,7 +59,7 @@ _MAGIC = 0x534D4231  # "SMB1"
 # worker states in the control block (termination alignment reads them too)
 STATE_SETUP, STATE_TRAINING, STATE_DONE = 0, 1, 2
 #: the buffer services :func:`open_buffer_service` knows
-BUFFER_SERVICES = ("local",)
+BUFFER_SERVICES = ("local", "remote")
 
 # -- request words: one writer per cache line ------------------------------------------
 # line 0: magic and world; DOORBELL: written by every requester (a value no other request
@@ -541,18 +541,23 @@ class LocalBufferService(BufferService):
         server.check()
 
 
-def open_buffer_service(ctx: ProcessContext, name: str = "local") -> BufferService:
-    """The buffer service ``name`` for this worker of ``ctx`` (collective: every local
-    rank opens it, in the same order as its other collectives).
+def open_buffer_service(ctx: ProcessContext, name: str = "local", address: str = "") -> BufferService:
+    """The buffer service ``name`` for this worker of ``ctx`` (collective: every worker
+    opens it, in the same order as its other collectives).
 
     ``local`` is :class:`LocalBufferService` on the host's shared memory (every worker
-    of the host a client). The name is checked before ``ctx`` is used.
+    of the host a client); ``remote`` is
+    :class:`~shmtrain.fabric.smb_remote.RemoteBufferService` on the memory server at
+    ``address`` (every worker of the job a client; the secret from ``SHMTRAIN_SECRET``).
+    The name is checked before ``ctx`` is used.
     """
     if name not in BUFFER_SERVICES:
-        raise ValueError(
-            f"buffer service {name!r} is unknown; choose one of: {', '.join(BUFFER_SERVICES)} "
-            "(the buffer service for other hosts, SMB-REMOTE, is not built yet)"
-        )
+        raise ValueError(f"buffer service {name!r} is unknown; choose one of: {', '.join(BUFFER_SERVICES)}")
+    if name == "remote":
+        from shmtrain.fabric.smb_remote import RemoteBufferService, read_secret
+
+        return RemoteBufferService(address, ctx.rank, ctx.world_size, secret=read_secret(None),
+                                   timeout=ctx.host.timeout)
     return LocalBufferService(ctx.host)
 
 

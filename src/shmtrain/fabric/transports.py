@@ -23,8 +23,8 @@ from shmtrain.fabric.context import ProcessContext
 
 #: transports whose data plane is one host's shared memory, with the reason
 ONE_HOST: dict[str, str] = {
-    "smb:local": "the local buffer service lives in one host's shared memory, and the "
-    "buffer service for other hosts (SMB-REMOTE) is not built yet",
+    "smb:local": "the local buffer service lives in one host's shared memory; start a memory "
+    "server (`shmtrain smb-server --clients N`) and pass --smb-server HOST:PORT to span hosts",
 }
 
 
@@ -87,12 +87,13 @@ class Transports:
         raise ValueError(f"--allreduce {name!r} with --overlap: overlapped buckets go through "
                          "shared memory or gloo only; use --allreduce shm or gloo, or drop --overlap")
 
-    def buffer_service(self, name: str = "local"):
+    def buffer_service(self, name: str = "local", address: str = ""):
         """The shared buffer service (SMB-API) of this job: ``local`` is the host's shared
-        memory (every worker of the host a client)."""
+        memory (every worker of the host a client), ``remote`` the memory server at
+        ``address`` (every worker of the job a client)."""
         from shmtrain.fabric.smb import open_buffer_service
 
-        return open_buffer_service(self.ctx, name)
+        return open_buffer_service(self.ctx, name, address)
 
     def star(self, name: Literal["shm", "gloo"], tag: str, numel: int, dtype: torch.dtype,
              init: torch.Tensor):

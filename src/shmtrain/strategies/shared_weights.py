@@ -40,6 +40,14 @@ def check_update_interval(value: int) -> None:
         )
 
 
+def check_smb_server(address: str) -> None:
+    """``--smb-server`` is empty or ``HOST:PORT``."""
+    host, _, port = address.rpartition(":")
+    if address and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+        raise ValueError(f"--smb-server {address!r} must be HOST:PORT of a `shmtrain smb-server`, "
+                         "e.g. 127.0.0.1:29600")
+
+
 @dataclass(kw_only=True, slots=True)
 class AsyncConfig(StrategyConfig):
     """Options of every asynchronous strategy on the buffer service."""
@@ -54,9 +62,17 @@ class AsyncConfig(StrategyConfig):
         metadata={"help": "when asynchronous workers stop: master, first or average (ShmCaffe III-E)"},
     )
 
+    #: HOST:PORT of a ``shmtrain smb-server`` (SMB-REMOTE); empty: this host's shared memory
+    smb_server: str = field(
+        default="",
+        metadata={"help": "HOST:PORT of a `shmtrain smb-server` holding the global weights (SMB-REMOTE; "
+                          "lets the job span hosts); default: this host's shared memory"},
+    )
+
     def __post_init__(self) -> None:
         check_update_interval(self.update_interval)
         check_terminate(self.terminate)
+        check_smb_server(self.smb_server)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,8 +129,8 @@ class SharedWeightsStrategy(Strategy):
 
     @classmethod
     def hosts_reason(cls, config: StrategyConfig) -> str | None:
-        """The local buffer service keeps the job on one host (SMB-REMOTE is not built)."""
-        return ONE_HOST["smb:local"]
+        """The local buffer service keeps the job on one host; ``--smb-server`` does not."""
+        return None if getattr(config, "smb_server", "") else ONE_HOST["smb:local"]
 
     #: whether this worker writes increments into the global weights
     updates_global: bool = True
@@ -125,7 +141,8 @@ class SharedWeightsStrategy(Strategy):
         broadcast_parameters(self.layout)
         self.weights = self.local_weights_storage()
         self.layout.bind_data(self.weights)
-        self.service = self.transports.buffer_service("local")
+        address = getattr(config, "smb_server", "")
+        self.service = self.transports.buffer_service("remote" if address else "local", address)
         self.global_weights, self.weight_increment = open_global_weights(
             self.service, self.weights, increment=self.updates_global
         )
