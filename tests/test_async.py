@@ -281,6 +281,6 @@ def test_hsgd_check_world_before_launch() -> None:
         HSGD.check_world(make_config("hsgd", {"groups": 3}), 4)
     with pytest.raises(ValueError, match=r"--groups 2 x --group-size 3 = 6 must equal the number of workers \(4\)"):
         HSGD.check_world(make_config("hsgd", {"groups": 2, "group_size": 3}), 4)
-    # across hosts the one-host reason comes first, not a misleading group error
-    with pytest.raises(ValueError, match=r"--strategy hsgd runs on one host \(2 hosts"):
+    # across hosts (a memory server holds the global weights) the group rules still apply
+    with pytest.raises(ValueError, match="--groups 3 does not divide the 4 workers"):
         HSGD.check_world(make_config("hsgd", {"groups": 3}), 4, num_nodes=2)

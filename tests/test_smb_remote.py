@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -218,37 +219,60 @@ def test_a_client_names_an_unreachable_server() -> None:
         RemoteBufferService(f"127.0.0.1:{_port()}", 0, 1, timeout=2)
 
 
+def _smb_servers() -> list[int]:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "smb-server" in cmdline and "--address-file" in cmdline:
+            found.append(process.pid)
+    return found
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy,extra", [("seasgd", []), ("hsgd", ["--groups", "2", "--group-size", "2"])])
+@pytest.mark.parametrize("strategy,standalone", [("seasgd", True), ("hsgd", False)])
 def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Path, strategy: str,
-                                                                   extra: list[str]) -> None:
+                                                                   standalone: bool) -> None:
     """Two torchrun launches on this machine, each one host of 2 workers, share the global
-    weights through one memory server (HSGD: a group per host, its root the only client
-    that accumulates)."""
+    weights through one memory server: a stand-alone ``shmtrain smb-server`` (seasgd), or
+    the one global rank 0 starts when the job spans hosts (hsgd, one group per host by
+    default, its root the only client that accumulates). The started server ends with
+    the job."""
     from test_torchrun import TORCHRUN, env, free_port
 
-    proc, address = _server(4)
+    before = set(_smb_servers())
+    proc, address = _server(4) if standalone else (None, "")
     port = free_port()
     nodes = []
     try:
         for node in (0, 1):
             cmd = TORCHRUN + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "shmtrain", "train",
-                              "--strategy", strategy, *extra, "--iterations", "12", "--batch-size", "16",
-                              "--smb-server", address, "--no-progress", "--out", str(tmp_path)]
+                              "--strategy", strategy, "--iterations", "12", "--batch-size", "16",
+                              *(["--smb-server", address] if standalone else []),
+                              "--no-progress", "--out", str(tmp_path)]
             nodes.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         outputs = [p.communicate(timeout=200)[0].decode() for p in nodes]
     finally:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
-        code, out, err = _finish(proc)
+        if proc is not None:
+            code, out, err = _finish(proc)
     assert all(p.returncode == 0 for p in nodes), outputs
     summary = __import__("json").loads((tmp_path / "summary.json").read_text())
     assert summary["workers"] == 4 and summary["iterations"] >= 10
-    applied = int(out.split("shmtrain smb-server: ")[-1].split(" accumulations")[0])
-    roots = 2 if strategy == "hsgd" else 4
-    assert code == 0 and applied >= roots * 10, out + err  # every client's increments reached the server
+    if standalone:
+        applied = int(out.split("shmtrain smb-server: ")[-1].split(" accumulations")[0])
+        assert code == 0 and applied >= 4 * 10, out + err  # every client's increments reached the server
+    else:
+        config = (tmp_path / "config.toml").read_text()
+        assert 'smb-server = ""' in config  # no server was given: the job started its own
+        deadline = time.monotonic() + 15
+        while set(_smb_servers()) - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not set(_smb_servers()) - before, "the memory server the job started outlived it"
 
 
 def test_smb_server_option_is_checked_and_named() -> None:

@@ -541,14 +541,15 @@ class LocalBufferService(BufferService):
         server.check()
 
 
-def open_buffer_service(ctx: ProcessContext, name: str = "local", address: str = "") -> BufferService:
+def open_buffer_service(ctx: ProcessContext, name: str = "local", address: str = "",
+                        secret: bytes | None = None) -> BufferService:
     """The buffer service ``name`` for this worker of ``ctx`` (collective: every worker
     opens it, in the same order as its other collectives).
 
     ``local`` is :class:`LocalBufferService` on the host's shared memory (every worker
     of the host a client); ``remote`` is
     :class:`~shmtrain.fabric.smb_remote.RemoteBufferService` on the memory server at
-    ``address`` (every worker of the job a client; the secret from ``SHMTRAIN_SECRET``).
+    ``address`` (every worker of the job a client; ``secret``, else ``SHMTRAIN_SECRET``).
     The name is checked before ``ctx`` is used.
     """
     if name not in BUFFER_SERVICES:
@@ -556,7 +557,7 @@ def open_buffer_service(ctx: ProcessContext, name: str = "local", address: str =
     if name == "remote":
         from shmtrain.fabric.smb_remote import RemoteBufferService, read_secret
 
-        return RemoteBufferService(address, ctx.rank, ctx.world_size, secret=read_secret(None),
+        return RemoteBufferService(address, ctx.rank, ctx.world_size, secret=secret or read_secret(None),
                                    timeout=ctx.host.timeout)
     return LocalBufferService(ctx.host)
 

@@ -132,6 +132,7 @@ class MemoryServer:
         self._trusted: set[int] = set() if secret else set(range(1, clients + 1))
         self._left: set[int] = set()
         self._lock = threading.Lock()  # buffers: the serving loop vs snapshots
+        self.last_request = time.monotonic()
         self._pg: dist.ProcessGroup | None = None
         self.store.set("smb/clients", str(clients))
         self.store.set("smb/nonce", self.nonce)
@@ -142,6 +143,11 @@ class MemoryServer:
     @property
     def address(self) -> str:
         return f"{self.bind}:{self.port}"
+
+    @property
+    def finished(self) -> bool:
+        """Every client has said goodbye or been lost."""
+        return len(self._left) >= self.clients
 
     # -- buffers ---------------------------------------------------------------------
     def _buffer(self, buffer_id: int) -> torch.Tensor | None:
@@ -198,6 +204,7 @@ class MemoryServer:
                 self.errors += 1
                 self.log(f"shmtrain smb-server: a request could not be received ({_first_line(exc)}); serving on")
                 continue
+            self.last_request = time.monotonic()
             try:
                 self._handle(source, header)
             except RuntimeError as exc:  # that client's link broke mid-request: the others go on
@@ -489,6 +496,56 @@ class RemoteBufferService(BufferService):
                 self._status(seq, "goodbye")
             except (PeerFailure, PermissionError, ValueError):
                 pass
+
+
+def route_address(peer: str) -> str:
+    """This host's address on the interface that routes to ``peer`` (loopback for a
+    loopback peer): what other hosts reach a server here at. No packet is sent."""
+    import socket
+
+    if is_loopback(peer):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(peer), 9))
+        return probe.getsockname()[0]
+
+
+def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: float,
+                        log: str | None = None) -> tuple[str, bytes]:
+    """Start the job's memory server next to global rank 0 (collective; ``torchrun
+    --nnodes N ... --strategy seasgd`` needs nothing else); returns its address and the
+    secret every client proves (generated here, handed out through the job's store: the
+    same trust as the rendezvous itself).
+
+    The server runs in its own session, so it outlives the loss of rank 0; it ends when
+    every client has said goodbye, or after ``timeout`` seconds without any request (a
+    job whose workers are all gone), writing its log to ``log``.
+    """
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    if rank == 0:
+        bind = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        secret = secrets.token_hex(32)
+        log = log or os.path.join(tempfile.gettempdir(), f"shmtrain-smb-{os.getpid()}.log")
+        with open(log, "ab") as sink:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "shmtrain", "smb-server", "--clients", str(world), "--bind", bind,
+                 "--port", "0", "--timeout", str(timeout), "--idle-exit", str(timeout), "--address-file", log + ".addr"],
+                env={**os.environ, SECRET_ENV: secret}, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
+                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(log + ".addr"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise PeerFailure(f"the memory server did not start (exit status {proc.poll()}); see {log}")
+            time.sleep(0.05)
+        address = Path(log + ".addr").read_text().strip()
+        os.unlink(log + ".addr")
+        store.set("smb/auto", json.dumps({"address": address, "secret": secret, "log": log}))
+    info = json.loads(store.get("smb/auto"))
+    return info["address"], info["secret"].encode()
 
 
 def _local_address(server_host: str) -> str:

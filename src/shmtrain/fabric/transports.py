@@ -87,13 +87,20 @@ class Transports:
         raise ValueError(f"--allreduce {name!r} with --overlap: overlapped buckets go through "
                          "shared memory or gloo only; use --allreduce shm or gloo, or drop --overlap")
 
-    def buffer_service(self, name: str = "local", address: str = ""):
+    def buffer_service(self, name: str = "local", address: str = "", secret: bytes | None = None):
         """The shared buffer service (SMB-API) of this job: ``local`` is the host's shared
         memory (every worker of the host a client), ``remote`` the memory server at
-        ``address`` (every worker of the job a client)."""
+        ``address`` (every worker of the job a client; ``secret``, or ``SHMTRAIN_SECRET``)."""
         from shmtrain.fabric.smb import open_buffer_service
 
-        return open_buffer_service(self.ctx, name, address)
+        return open_buffer_service(self.ctx, name, address, secret)
+
+    def memory_server(self) -> tuple[str, bytes]:
+        """Start this job's memory server next to global rank 0 (collective); its
+        ``HOST:PORT`` and the secret the clients prove."""
+        from shmtrain.fabric.smb_remote import start_memory_server
+
+        return start_memory_server(self.ctx.store, self.ctx.rank, self.ctx.world_size, timeout=self.ctx.timeout)
 
     def star(self, name: Literal["shm", "gloo"], tag: str, numel: int, dtype: torch.dtype,
              init: torch.Tensor):

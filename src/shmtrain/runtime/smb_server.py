@@ -10,6 +10,7 @@ error naming it.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -22,6 +23,8 @@ SNAPSHOT = "smb-snapshot.pt"
 def _handler(args: argparse.Namespace) -> int:
     from shmtrain.fabric.smb_remote import MemoryServer, read_secret
 
+    if args.idle_exit < 0:
+        raise ValueError(f"--idle-exit {args.idle_exit}: seconds must be >= 0 (0: never)")
     if args.snapshot_every < 0:
         raise ValueError(f"--snapshot-every {args.snapshot_every}: seconds must be >= 0 (0: no snapshots)")
     if args.resume and not Path(args.resume).is_file():
@@ -32,6 +35,10 @@ def _handler(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     server = MemoryServer(args.clients, bind=args.bind, port=args.port, secret=secret, timeout=args.timeout,
                           log=lambda line: print(line, file=sys.stderr, flush=True), resume=args.resume)
+    if args.address_file:  # written whole, then renamed: a reader never sees half of it
+        tmp = f"{args.address_file}.tmp"
+        Path(tmp).write_text(server.address)
+        Path(tmp).rename(args.address_file)
     print(f"shmtrain smb-server: serving {args.clients} workers at {server.address}"
           f"{' (shared secret required)' if secret else ''}; clients: shmtrain train --smb-server {server.address}",
           flush=True)
@@ -50,8 +57,14 @@ def _handler(args: argparse.Namespace) -> int:
     thread.start()
     last = time.monotonic()
     snapshot = out / SNAPSHOT
+    idle = False
     while thread.is_alive() and not stopping:
         thread.join(0.2)
+        if args.idle_exit and time.monotonic() - server.last_request > args.idle_exit:
+            idle = True
+            print(f"shmtrain smb-server: no request for {args.idle_exit:.0f} s "
+                  f"({server.clients - len(server._left)} clients never said goodbye); stopping", flush=True)
+            break
         if args.snapshot_every and time.monotonic() - last >= args.snapshot_every:
             server.snapshot(snapshot)
             last = time.monotonic()
@@ -60,8 +73,10 @@ def _handler(args: argparse.Namespace) -> int:
         print(f"shmtrain smb-server: buffers written to {snapshot}", flush=True)
     print(f"shmtrain smb-server: {server.applied} accumulations applied, {server.refused} requests refused, "
           f"{server.errors} errors", flush=True)
-    if stopping:
-        return 128 + stopping[0]
+    if stopping or idle:  # the serving thread is blocked in gloo: leave without joining it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + stopping[0] if stopping else 3)
     if failure:
         raise failure[0]
     return 0
@@ -82,4 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", help="start the buffers from this snapshot file")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to wait for the clients to connect, and for each transfer (default 120)")
+    p.add_argument("--idle-exit", type=float, default=0.0,
+                   help="stop after this many seconds without any request (default 0: never; the server "
+                        "that `shmtrain train` starts for a multi-host job uses its --timeout)")
+    p.add_argument("--address-file", help=argparse.SUPPRESS)  # where a starter reads HOST:PORT
     p.set_defaults(handler=_handler)

@@ -122,6 +122,9 @@ class HSGD(SharedWeightsStrategy):
     def check_world(cls, config: HSGD.Config, workers: int, num_nodes: int = 1) -> int:
         """The group size for ``workers`` on one host; ValueError naming the options."""
         cls.check_hosts(config, num_nodes)  # before the group arithmetic, whose error would mislead
+        local = workers // max(num_nodes, 1)
+        if num_nodes > 1 and config.groups == 1 and config.group_size == 0:
+            return local  # across hosts, by default: one group per host (its shared memory)
         size = config.group_size
         if size == 0:
             if workers % config.groups:
@@ -136,11 +139,16 @@ class HSGD(SharedWeightsStrategy):
                 f"equal the number of workers ({workers}); e.g. --groups 2 --group-size "
                 f"{max(workers // 2, 1)} for {workers} workers"
             )
+        if num_nodes > 1 and local % size:
+            raise ValueError(
+                f"--group-size {size} does not divide the {local} workers of each host: a group shares "
+                f"one host's memory; choose a group size that divides {local} (default: one group per host)"
+            )
         return size
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         size = self.check_world(config, ctx.world_size, ctx.num_nodes)
-        self.group_host = GroupHost(ctx.host, config.groups, size)
+        self.group_host = GroupHost(ctx.host, ctx.host.local_world // size, size)  # this host's groups
         self.is_root = self.group_host.local_rank == 0
         self.updates_global = self.is_root
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)

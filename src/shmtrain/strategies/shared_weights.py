@@ -17,7 +17,6 @@ import torch
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.fabric.smb import STATE_TRAINING, Buffer, BufferService
-from shmtrain.fabric.transports import ONE_HOST
 from shmtrain.strategies.base import Strategy, StrategyConfig
 from shmtrain.strategies.termination import MASTER, Termination, check_terminate
 
@@ -129,8 +128,9 @@ class SharedWeightsStrategy(Strategy):
 
     @classmethod
     def hosts_reason(cls, config: StrategyConfig) -> str | None:
-        """The local buffer service keeps the job on one host; ``--smb-server`` does not."""
-        return None if getattr(config, "smb_server", "") else ONE_HOST["smb:local"]
+        """None: across hosts the global weights live on a memory server (``--smb-server``,
+        or one that global rank 0 starts for the job)."""
+        return None
 
     #: whether this worker writes increments into the global weights
     updates_global: bool = True
@@ -141,8 +141,10 @@ class SharedWeightsStrategy(Strategy):
         broadcast_parameters(self.layout)
         self.weights = self.local_weights_storage()
         self.layout.bind_data(self.weights)
-        address = getattr(config, "smb_server", "")
-        self.service = self.transports.buffer_service("remote" if address else "local", address)
+        address, secret = getattr(config, "smb_server", ""), None
+        if not address and getattr(ctx, "num_nodes", 1) > 1:  # SMB-REMOTE, started for this job
+            address, secret = self.transports.memory_server()
+        self.service = self.transports.buffer_service("remote" if address else "local", address, secret)
         self.global_weights, self.weight_increment = open_global_weights(
             self.service, self.weights, increment=self.updates_global
         )
