@@ -279,3 +279,27 @@ def test_smb_server_option_is_checked_and_named() -> None:
     proc = subprocess.run([sys.executable, "-m", "shmtrain", "train", "--strategy", "seasgd",
                            "--smb-server", "nowhere"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--smb-server 'nowhere' must be HOST:PORT" in proc.stderr, proc.stderr
+
+
+def test_losing_the_memory_server_ends_every_worker_with_its_name(tmp_path: Path) -> None:
+    proc, address = _server(2)
+    train = subprocess.Popen([sys.executable, "-m", "shmtrain", "train", "--strategy", "seasgd", "--workers", "2",
+                              "--iterations", "100000", "--smb-server", address, "--timeout", "20",
+                              "--no-progress", "--out", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not list((tmp_path / "metrics").glob("rank-*.jsonl")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # training, through the server
+        proc.kill()
+        killed = time.monotonic()
+        _, err = train.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if train.poll() is None:
+            train.kill()
+        _finish(proc, wait=1)
+    assert train.returncode == 1, err
+    assert f"the memory server at {address} was lost" in err
+    assert took < 20  # not the timeout: the closed connection is noticed at once

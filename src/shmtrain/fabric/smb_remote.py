@@ -278,22 +278,37 @@ def _first_line(exc: BaseException) -> str:
 
 class StoreProgressBoard(ProgressBoard):
     """Progress, state and liveness of the remote service's clients, in the server's store
-    (one key per worker: iterations and state; ``smb/dead/<rank>`` once it is known lost)."""
+    (one key per worker: iterations and state; ``smb/dead/<rank>`` once it is known lost).
+    A failure to reach the store is a :class:`PeerFailure` naming the server (``lost``)."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, world: int,
+                 lost: Callable[[RuntimeError, str], Exception] | None = None) -> None:
         self.store, self.rank, self.world = store, rank, world
+        self._lost = lost
         self._state = STATE_SETUP
         self.set_progress(0, STATE_SETUP)
+
+    def _do(self, fn: Callable, what: str):
+        try:
+            return fn()
+        except RuntimeError as exc:
+            if self._lost is None:
+                raise
+            raise self._lost(exc, what) from None
 
     def set_progress(self, iterations: int, state: int | None = None) -> None:
         if state is not None:
             self._state = state
-        self.store.set(f"smb/progress/{self.rank}", f"{iterations},{self._state}")
+        self._do(lambda: self.store.set(f"smb/progress/{self.rank}", f"{iterations},{self._state}"),
+                 "publishing progress")
 
     def _record(self, rank: int) -> tuple[int, int]:
-        if not self.store.check([f"smb/progress/{rank}"]):
+        key = f"smb/progress/{rank}"
+        text = self._do(lambda: self.store.get(key).decode() if self.store.check([key]) else None,
+                        "reading progress")
+        if text is None:
             return 0, STATE_SETUP
-        iterations, state = self.store.get(f"smb/progress/{rank}").decode().split(",")
+        iterations, state = text.split(",")
         return int(iterations), int(state)
 
     def progress(self, rank: int) -> int:
@@ -303,11 +318,11 @@ class StoreProgressBoard(ProgressBoard):
         return self._record(rank)[1]
 
     def alive(self, rank: int) -> bool:
-        return not self.store.check([f"smb/dead/{rank}"])
+        return not self._do(lambda: self.store.check([f"smb/dead/{rank}"]), "reading liveness")
 
     def mark_dead(self, rank: int) -> None:
         """Record that worker ``rank`` is lost (its host's launcher saw it die)."""
-        self.store.set(f"smb/dead/{rank}", "1")
+        self._do(lambda: self.store.set(f"smb/dead/{rank}", "1"), "recording a lost worker")
 
 
 class RemoteBufferService(BufferService):
@@ -343,7 +358,7 @@ class RemoteBufferService(BufferService):
         self._seq = 0
         self._pending: list[tuple[Ticket, dist.Work, torch.Tensor]] = []
         self._done = 0
-        self.board = StoreProgressBoard(self.store, rank, world)
+        self.board = StoreProgressBoard(self.store, rank, world, self._lost)
         self.store.add("smb/joined", 1)
         self.pg = self._call(lambda: _gloo(self.store, 1 + rank, world + 1, _local_address(host), delta),
                              "connecting")
@@ -362,7 +377,19 @@ class RemoteBufferService(BufferService):
         try:
             return fn()
         except RuntimeError as exc:
-            raise PeerFailure(f"the memory server at {self.address} failed while {what}: {_first_line(exc)}") from None
+            raise self._lost(exc, what) from None
+
+    def _lost(self, exc: RuntimeError, what: str) -> Exception:
+        """The error for a failed transfer to or from the server, naming it."""
+        text = str(exc)
+        if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")):
+            return PeerFailure(f"the memory server at {self.address} was lost (its connection closed: it died "
+                               f"or was stopped) while {what}; restart it, with --resume from its "
+                               "snapshot if it wrote one")
+        if "Timed out" in text or "timed out" in text:
+            return PeerTimeout(f"the memory server at {self.address} did not answer within "
+                               f"{self.timeout:.0f} s while {what}")
+        return PeerFailure(f"the memory server at {self.address} failed while {what}: {_first_line(exc)}")
 
     def _request(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> int:
         """Send one header and return its sequence number (the caller holds the lock)."""
