@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.smb_remote import OP_ACCUMULATE, OP_WRITE, RemoteBufferService
+from shmtrain.fabric.smb_remote import OP_ACCUMULATE, RemoteBufferService
 from shmtrain.runtime.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
@@ -160,9 +160,6 @@ def test_a_client_without_the_secret_is_refused_and_changes_nothing(tmp_path: Pa
 def malformed_worker(ctx, payload: dict[str, Any]) -> list[str]:
     service = RemoteBufferService(payload["address"], ctx.rank, ctx.world_size, timeout=30)
     seen = []
-    if ctx.rank == 0:
-        key = service.create("target", 8)
-    dist.barrier()
     if ctx.rank == 1:
         with service._lock:  # an unknown op, then an accumulate of buffers that do not exist
             for op, a in ((99, 0), (OP_ACCUMULATE, 12345)):
@@ -171,34 +168,58 @@ def malformed_worker(ctx, payload: dict[str, Any]) -> list[str]:
                     service._status(seq, f"op {op}")
                 except ValueError as exc:
                     seen.append(str(exc))
-            # a truncated request: a write announced, accepted, and its payload never sent
-            target = service.lookup("target")
-            seq = service._request(OP_WRITE, target.id, target.numel)
-            service._status(seq, "the write")
-        service.pg.abort()  # the link drops mid-request
-        dist.barrier()
-        return seen
     dist.barrier()
-    buffer = service.attach(key)  # the server still serves the others, and "target" is intact
-    seen.append(str(service.read(buffer, torch.zeros(8)).sum().item()))
+    buffer = service.attach(service.create(f"after.{ctx.rank}", 8))  # and everyone is still served
     service.write(buffer, torch.full((8,), 2.0))
     seen.append(str(service.read(buffer, torch.zeros(8)).sum().item()))
     service.close()
     return seen
 
 
-def test_malformed_and_truncated_requests_get_errors_and_serving_goes_on() -> None:
-    # (a header of the wrong size is not tested: gloo's receive of a mismatched message
-    # breaks the server's any-source receive for everyone; docs/async.md says so)
+def test_malformed_requests_get_errors_and_serving_goes_on() -> None:
     proc, address = _server(2)
     try:
         results = launch("test_smb_remote:malformed_worker", 2, {"address": address})
     finally:
         code, out, err = _finish(proc)
-    assert results[0] == ["0.0", "16.0"]
-    assert len(results[1]) == 2 and all("malformed request" in m for m in results[1])
+    assert results[0] == ["16.0"]
+    assert len(results[1]) == 3 and all("malformed request" in m for m in results[1][:2])
+    assert results[1][2] == "16.0"
     assert "unknown op 99" in err and "accumulate 12345 into 12346: unknown buffers" in err
-    assert "client 1 lost in the middle of a request" in err
+    assert code == 0, out + err
+
+
+_TRUNCATING_CLIENT = """
+import os, sys, torch
+from shmtrain.fabric.smb_remote import OP_WRITE, RemoteBufferService
+service = RemoteBufferService(sys.argv[1], 1, 2, timeout=30)
+target = service.lookup("target")
+with service._lock:  # a write announced and accepted, then the client dies without its payload
+    seq = service._request(OP_WRITE, target.id, target.numel)
+    service._status(seq, "the write")
+os._exit(0)
+"""
+
+
+def test_a_client_lost_in_the_middle_of_a_write_changes_nothing_and_blocks_no_one() -> None:
+    # (a header of the wrong size is not tested: gloo's receive of a mismatched message
+    # breaks the server's any-source receive for everyone; docs/async.md says so)
+    proc, address = _server(2)
+    client = subprocess.Popen([sys.executable, "-c", _TRUNCATING_CLIENT, address])
+    try:
+        service = RemoteBufferService(address, 0, 2, timeout=30)
+        target = service.attach(service.create("target", 1000))
+        service.write(target, torch.full((1000,), 7.0))
+        client.wait(timeout=60)
+        time.sleep(0.5)
+        for _ in range(3):  # served while the lost client's write stays unapplied
+            assert service.read(target, torch.zeros(1000)).sum().item() == 7000.0
+        service.close()
+    finally:
+        if client.poll() is None:
+            client.kill()
+        code, out, err = _finish(proc)
+    assert "client 1 lost in the middle of a request" in err, err
     assert code == 0, out + err
 
 

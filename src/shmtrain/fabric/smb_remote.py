@@ -133,6 +133,9 @@ class MemoryServer:
         self._left: set[int] = set()
         self._lock = threading.Lock()  # buffers: the serving loop vs snapshots
         self.last_request = time.monotonic()
+        # per client: its payload in flight (kind, work, tensor, buffer id, finished, failure)
+        self._inflight: dict[int, tuple] = {}
+        self._state = threading.RLock()  # requests vs reap(): clients, transfers in flight
         self._pg: dist.ProcessGroup | None = None
         self.store.set("smb/clients", str(clients))
         self.store.set("smb/nonce", self.nonce)
@@ -205,13 +208,68 @@ class MemoryServer:
                 self.log(f"shmtrain smb-server: a request could not be received ({_first_line(exc)}); serving on")
                 continue
             self.last_request = time.monotonic()
+            with self._state:
+                self._settle(block=False)  # payloads that have arrived, from anyone
+                if source in self._left:
+                    continue
+                try:
+                    self._settle_client(source, block=True)  # its own last transfer comes first
+                    self._handle(source, header)
+                except RuntimeError as exc:
+                    self._lose(source, exc)
+        self.reap()
+
+    def reap(self) -> None:
+        """Apply the payloads that have arrived and drop the clients lost mid-transfer
+        (called between requests, and by the server's main thread while it waits for one)."""
+        with self._state:
+            self._settle(block=False)
+
+    def _track(self, client: int, kind: str, work: dist.Work, tensor: torch.Tensor, buffer_id: int) -> None:
+        """Watch a payload in flight: gloo reports a transfer's end (or its peer's death)
+        only to a waiter, so one short-lived thread waits for it."""
+        finished, failure = threading.Event(), []
+
+        def watch() -> None:
             try:
-                self._handle(source, header)
-            except RuntimeError as exc:  # that client's link broke mid-request: the others go on
-                self.errors += 1
-                self._left.add(source)
-                self.log(f"shmtrain smb-server: client {source - 1} lost in the middle of a request "
-                         f"({_first_line(exc)}); nothing of it was applied; serving the others")
+                work.wait()
+            except RuntimeError as exc:
+                failure.append(exc)
+            finally:
+                finished.set()
+
+        self._inflight[client] = (kind, work, tensor, buffer_id, finished, failure)
+        threading.Thread(target=watch, name=f"smb-{kind}-{client}", daemon=True).start()
+
+    def _lose(self, client: int, exc: BaseException) -> None:
+        """Client ``client``'s link broke mid-request: drop it; the others go on."""
+        self.errors += 1
+        self._left.add(client)
+        self._inflight.pop(client, None)
+        self.log(f"shmtrain smb-server: client {client - 1} lost in the middle of a request "
+                 f"({_first_line(exc)}); nothing of it was applied; serving the others")
+
+    def _settle(self, block: bool) -> None:
+        for client in list(self._inflight):
+            try:
+                self._settle_client(client, block)
+            except RuntimeError as exc:
+                self._lose(client, exc)
+
+    def _settle_client(self, client: int, block: bool) -> None:
+        """Finish ``client``'s payload in flight: a write is applied only once every byte
+        has arrived (into a staging copy), so a client lost mid-payload changes nothing."""
+        entry = self._inflight.get(client)
+        if entry is None or (not block and not entry[4].is_set()):
+            return
+        del self._inflight[client]
+        kind, work, staging, buffer_id, finished, failure = entry
+        finished.wait()
+        if failure:
+            raise failure[0]
+        if kind == "write":
+            with self._lock:
+                self.buffers[buffer_id].copy_(staging)
 
     def _reply(self, client: int, status: int, seq: int, value: int = 0) -> None:
         assert self._pg is not None
@@ -224,7 +282,7 @@ class MemoryServer:
         if op == OP_HELLO:
             proof = torch.zeros(32, dtype=torch.uint8)
             self._reply(client, OK, seq)  # then the proof
-            pg.recv([proof], client, TAG_TO_SERVER).wait(self._bound)
+            pg.recv([proof], client, TAG_TO_SERVER).wait(min(self._bound, datetime.timedelta(seconds=10)))
             expected = _proof(self.secret, self.nonce) if self.secret else proof
             if hmac.compare_digest(bytes(proof.tolist()), bytes(expected.tolist())):
                 self._trusted.add(client)
@@ -248,12 +306,15 @@ class MemoryServer:
             if tensor is None or b != tensor.numel():
                 return self._bad(client, seq, f"op {op} on buffer {a} with {b} elements: no such buffer")
             self._reply(client, OK, seq)
+            # the payload moves while the server serves the others (a stalled client blocks
+            # no one): a read sends a copy taken now, a write lands in a staging copy
             if op == OP_READ:
                 with self._lock:
-                    pg.send([tensor], client, TAG_TO_CLIENT).wait(self._bound)
+                    payload = tensor.clone()
+                self._track(client, "read", pg.send([payload], client, TAG_TO_CLIENT), payload, a)
             else:
-                with self._lock:
-                    pg.recv([tensor], client, TAG_TO_SERVER).wait(self._bound)
+                staging = torch.empty_like(tensor)
+                self._track(client, "write", pg.recv([staging], client, TAG_TO_SERVER), staging, a)
             return
         if op == OP_ACCUMULATE:
             src, dst = self._buffer(a), self._buffer(b)

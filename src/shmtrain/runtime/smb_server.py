@@ -60,6 +60,9 @@ def _handler(args: argparse.Namespace) -> int:
     idle = False
     while thread.is_alive() and not stopping:
         thread.join(0.2)
+        server.reap()  # payloads that arrived, clients lost while the server waits for requests
+        if server.finished:
+            break
         if args.idle_exit and time.monotonic() - server.last_request > args.idle_exit:
             idle = True
             print(f"shmtrain smb-server: no request for {args.idle_exit:.0f} s "
@@ -73,10 +76,10 @@ def _handler(args: argparse.Namespace) -> int:
         print(f"shmtrain smb-server: buffers written to {snapshot}", flush=True)
     print(f"shmtrain smb-server: {server.applied} accumulations applied, {server.refused} requests refused, "
           f"{server.errors} errors", flush=True)
-    if stopping or idle:  # the serving thread is blocked in gloo: leave without joining it
+    if stopping or idle or thread.is_alive():  # the serving thread may be blocked in gloo
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(128 + stopping[0] if stopping else 3)
+        os._exit(128 + stopping[0] if stopping else 3 if idle else 0)
     if failure:
         raise failure[0]
     return 0
