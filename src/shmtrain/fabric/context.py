@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from shmtrain.fabric.control import ControlBlock, _alive
+from shmtrain.fabric.control import ControlBlock, PeerFailure, _alive
 from shmtrain.fabric.host import HostGroup
+from shmtrain.fabric.netif import choose_interface, rendezvous_error
 from shmtrain.fabric.segment import PREFIX, SharedSegment
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -109,17 +111,25 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
     if addr in ("127.0.0.1", "localhost", "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
         # A job on loopback: keep gloo there too instead of resolving the host name.
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    store_port = _env_int("SHMTRAIN_STORE_PORT", 0)
-    if store_port:
-        store: dist.Store = dist.TCPStore(addr, store_port, world, is_master=False, timeout=wait)
     elif world > 1:
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        port = _env_int("MASTER_PORT", 29500)
-        base = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent, timeout=wait)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"shmtrain/{attempt}/", base)
-    else:
-        store = dist.HashStore()
+        chosen = choose_interface(addr)  # not the host name's address (often 127.0.1.1)
+        if chosen is not None and local_rank == 0:
+            print(f"shmtrain: gloo uses interface {chosen[0]} ({chosen[1]}), the one that routes to "
+                  f"MASTER_ADDR {addr}; set GLOO_SOCKET_IFNAME to choose another", file=sys.stderr, flush=True)
+    store_port = _env_int("SHMTRAIN_STORE_PORT", 0)
+    port = store_port or _env_int("MASTER_PORT", 29500)
+    try:
+        if store_port:
+            store: dist.Store = dist.TCPStore(addr, store_port, world, is_master=False, timeout=wait)
+        elif world > 1:
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            base = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent, timeout=wait)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"shmtrain/{attempt}/", base)
+        else:
+            store = dist.HashStore()
+    except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+        raise rendezvous_error(exc, addr, port, timeout, rank) from None
     if rank == 0 and not store.check(["run_id"]):  # shmtrain's launcher set it: keep it,
         store.set("run_id", secrets.token_hex(4))  # so its sweep(prefix) finds our segments
     run_id = store.get("run_id").decode()
@@ -140,13 +150,22 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         timeout,
     )
     host.control.set_pid(local_rank, os.getpid())
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
-        )
-    leaders = None
-    if num_nodes > 1:
-        leaders = dist.new_group([node * local_world for node in range(num_nodes)], backend="gloo")
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
+            )
+        leaders = None
+        if num_nodes > 1:
+            leaders = dist.new_group([node * local_world for node in range(num_nodes)], backend="gloo",
+                                     timeout=wait)
+    except RuntimeError as exc:  # a peer's gloo address unreachable, or a peer that never came
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME", "(unset)")
+        raise PeerFailure(
+            f"rank {rank} could not connect to the other workers' gloo sockets within {timeout:.0f} s "
+            f"({str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__}); "
+            f"GLOO_SOCKET_IFNAME={ifname}: every host must reach the others on that interface (set it to "
+            "the interface on the hosts' shared network)") from None
     host.barrier("set-up")
     return ProcessContext(
         rank=rank,

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.control import PeerFailure, PeerTimeout
+from shmtrain.fabric.netif import route_source
 from shmtrain.fabric.smb import (
     STATE_SETUP,
     Buffer,
@@ -421,7 +422,7 @@ class RemoteBufferService(BufferService):
         self._done = 0
         self.board = StoreProgressBoard(self.store, rank, world, self._lost)
         self.store.add("smb/joined", 1)
-        self.pg = self._call(lambda: _gloo(self.store, 1 + rank, world + 1, _local_address(host), delta),
+        self.pg = self._call(lambda: _gloo(self.store, 1 + rank, world + 1, route_address(host), delta),
                              "connecting")
         if self.store.get("smb/secret") == b"1":
             try:
@@ -588,14 +589,8 @@ class RemoteBufferService(BufferService):
 
 def route_address(peer: str) -> str:
     """This host's address on the interface that routes to ``peer`` (loopback for a
-    loopback peer): what other hosts reach a server here at. No packet is sent."""
-    import socket
-
-    if is_loopback(peer):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((socket.gethostbyname(peer), 9))
-        return probe.getsockname()[0]
+    loopback peer): what a server here is reached at, and what a client binds."""
+    return "127.0.0.1" if is_loopback(peer) else route_source(peer)
 
 
 def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: float,
@@ -634,8 +629,3 @@ def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: fl
         store.set("smb/auto", json.dumps({"address": address, "secret": secret, "log": log}))
     info = json.loads(store.get("smb/auto"))
     return info["address"], info["secret"].encode()
-
-
-def _local_address(server_host: str) -> str:
-    """The address this client's gloo device binds: loopback for a loopback server."""
-    return "127.0.0.1" if is_loopback(server_host) else ""

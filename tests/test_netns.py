@@ -1,0 +1,129 @@
+"""Two hosts in network namespaces joined by a veth pair (issue 12, items 5 and 6).
+
+Each test makes its own namespaces (``st<pid>a``/``st<pid>b``, 10.77.x.1 and .2) and
+removes them, shaped with ``tc qdisc ... tbf rate 1gbit`` where asked. They need root
+and ``ip netns``, and skip with the reason elsewhere. Traffic stays inside the pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the `ip` tool (iproute2) is not installed"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"`ip netns` does not work here: {probe.stderr.strip()}"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def hosts(request) -> Iterator[tuple[str, str, str]]:
+    """Two namespaces and a veth pair between them: (namespace a, namespace b, address of a)."""
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    tag = f"st{os.getpid() % 100000}"
+    a, b, subnet = f"{tag}a", f"{tag}b", f"10.77.{os.getpid() % 250}"
+    shaped = getattr(request, "param", None) == "1gbit"
+    try:
+        _ip("netns", "add", a)
+        _ip("netns", "add", b)
+        _ip("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
+        for ns, dev, last in ((a, f"{tag}va", 1), (b, f"{tag}vb", 2)):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{subnet}.{last}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            if shaped and shutil.which("tc"):
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                                "rate", "1gbit", "burst", "256kb", "latency", "50ms"], check=True)
+        yield a, b, f"{subnet}.1"
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert a not in listed and b not in listed, "a test namespace was left behind"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}  # as a new user has it
+    return dict(env, OMP_NUM_THREADS="1", SHMTRAIN_NO_PROGRESS="1")
+
+
+def _two_hosts(hosts: tuple[str, str, str], out: Path, args: list[str]) -> list[str]:
+    a, b, master = hosts
+    procs = []
+    for node, ns in enumerate((a, b)):
+        cmd = ["ip", "netns", "exec", ns, *TORCHRUN, "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", master, "--master-port", "29500",
+               "--rdzv-conf", "timeout=60", "-m", "shmtrain", "train", *args, "--timeout", "60",
+               "--no-progress", "--out", str(out)]
+        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=200)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), outputs
+    return outputs
+
+
+def test_ssgd_across_two_namespaced_hosts_picks_the_routed_interface(hosts, tmp_path: Path) -> None:
+    outputs = _two_hosts(hosts, tmp_path, ["--strategy", "ssgd", "--iterations", "8", "--batch-size", "16"])
+    assert "gloo uses interface st" in outputs[1] and "routes to MASTER_ADDR" in outputs[1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["iterations"] == 8
+
+
+@pytest.mark.parametrize("hosts", ["1gbit"], indirect=True)
+def test_seasgd_across_two_hosts_on_a_shaped_link_starts_its_memory_server(hosts, tmp_path: Path) -> None:
+    # no --smb-server: rank 0 starts one on 10.77.x.1 with a generated secret
+    _two_hosts(hosts, tmp_path, ["--strategy", "seasgd", "--iterations", "12", "--batch-size", "16"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["iterations"] >= 10
+
+
+def test_a_host_whose_peer_never_comes_fails_within_the_timeout(hosts, tmp_path: Path) -> None:
+    a, b, master = hosts
+    proc = subprocess.run(["ip", "netns", "exec", b, *TORCHRUN, "--nnodes", "2", "--node-rank", "1",
+                           "--nproc-per-node", "1", "--master-addr", master, "--master-port", "29500",
+                           "--rdzv-conf", "timeout=5", "-m", "shmtrain", "train", "--timeout", "5",
+                           "--out", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"({master}, 29500)" in proc.stderr + proc.stdout  # torchrun names the address it waited for
+
+
+def test_shmtrains_own_rendezvous_names_the_address_and_the_fix() -> None:
+    # no namespace needed: rank 1 of a job whose rank 0 never listens, on loopback
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("from shmtrain.fabric.context import from_env\n"
+            "try:\n    from_env(timeout=3)\nexcept ValueError as e:\n    print(e)\n")
+    env = dict(_env(), RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert f"cannot join the job's rendezvous at 127.0.0.1:{port}" in proc.stdout, proc.stdout + proc.stderr
+    assert "is node 0 started" in proc.stdout
