@@ -324,3 +324,16 @@ def test_losing_the_memory_server_ends_every_worker_with_its_name(tmp_path: Path
     assert train.returncode == 1, err
     assert f"the memory server at {address} was lost" in err
     assert took < 20  # not the timeout: the closed connection is noticed at once
+
+
+def test_bench_smb_remote_reports_the_service_beside_gloo(tmp_path: Path) -> None:
+    from shmtrain.cli import main
+
+    out = tmp_path / "rows.json"
+    assert main(["bench", "smb", "--remote", "--procs", "2", "--size", "64KiB", "--reps", "2", "--samples", "1",
+                 "--json", str(out)]) == 0
+    rows = __import__("json").loads(out.read_text())
+    ops = {r["op"] for r in rows}
+    assert ops == {"gloo-read", "gloo-write", "read", "write", "readwrite", "accumulate"}
+    assert all(r["aggregate_GBps"] > 0 for r in rows)
+    assert all("vs_gloo" in r for r in rows if r["op"] in ("read", "write"))

@@ -28,6 +28,7 @@ from shmtrain.fabric.smb import LocalBufferService
 from shmtrain.runtime.launcher import launch
 
 OPS = ("read", "write", "readwrite", "accumulate", "copy")
+REMOTE_OPS = ("read", "write", "readwrite", "accumulate")
 
 
 def _slowest(ctx: ProcessContext, seconds: float) -> float:
@@ -96,7 +97,7 @@ def run_smb(procs: list[int], nbytes: int, reps: int, samples: int, ops: list[st
 
 
 def _smb_handler(args: argparse.Namespace) -> int:
-    procs = args.procs or [1, 2, 4, 8]
+    procs = args.procs or ([1, 2, 4] if args.remote else [1, 2, 4, 8])
     if any(p < 1 for p in procs):
         raise ValueError(f"--procs {procs}: every process count must be at least 1")
     nbytes = parse_size(args.size)
@@ -104,10 +105,20 @@ def _smb_handler(args: argparse.Namespace) -> int:
         raise ValueError(f"--size {args.size}: at least one float32 (4 bytes) is needed")
     if args.reps < 1 or args.samples < 1:
         raise ValueError(f"--reps {args.reps} / --samples {args.samples}: each must be at least 1")
-    ops = args.ops or list(OPS)
-    unknown = sorted(set(ops) - set(OPS))
+    known = REMOTE_OPS if args.remote else OPS
+    ops = args.ops or list(known)
+    unknown = sorted(set(ops) - set(known))
     if unknown:
-        raise ValueError(f"--ops {' '.join(unknown)}: unknown; choose from {' '.join(OPS)}")
+        raise ValueError(f"--ops {' '.join(unknown)}: unknown{' with --remote' if args.remote else ''}; "
+                         f"choose from {' '.join(known)}")
+    if args.remote:
+        from shmtrain.bench import smb_remote
+
+        rows = smb_remote.run(procs, nbytes, args.reps, args.samples, ops)
+        print(table(rows, [("procs", "clients", "d"), ("op", "op", "s"), ("bytes", "bytes", "d"),
+                           ("aggregate_GBps", "GB/s", ".3f"), ("vs_gloo", "vs gloo", ".2f")]))
+        write_json(args.json, rows)
+        return 0
     rows = run_smb(procs, nbytes, args.reps, args.samples, ops)
     copy = {r["procs"]: r["aggregate_GBps"] for r in rows if r["op"] == "copy"}
     for row in rows:
@@ -127,7 +138,10 @@ def add_bench_smb_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--size", default="64MiB", help="buffer per process (default 64MiB; the paper: 1GB)")
     p.add_argument("--reps", type=int, default=10, help="operations per timed sample (default 10)")
     p.add_argument("--samples", type=int, default=3, help="timed samples, median kept (default 3)")
-    p.add_argument("--ops", nargs="+", help=f"subset of {' '.join(OPS)} (default all)")
+    p.add_argument("--ops", nargs="+", help=f"subset of {' '.join(OPS)} (default all; --remote: no copy)")
+    p.add_argument("--remote", action="store_true",
+                   help="the remote service (SMB-REMOTE): a memory server here and the processes as its "
+                        "clients, beside gloo send/recv between the same endpoints (default --procs 1 2 4)")
     p.add_argument("--json", help="write the rows here")
     p.set_defaults(handler=_smb_handler)
 

@@ -187,17 +187,9 @@ class MemoryServer:
 
     # -- serving -----------------------------------------------------------------------
     def serve(self) -> None:
-        """Connect every client, then serve until each has said goodbye."""
-        made: list[dist.ProcessGroup] = []
-        connect = threading.Thread(target=lambda: made.append(_gloo(self.store, 0, self.clients + 1, self.bind, _FOREVER)),
-                                   name="smb-connect", daemon=True)
-        connect.start()
-        connect.join(self.timeout)
-        if not made:
-            joined = self.store.add("smb/joined", 0)
-            raise PeerTimeout(f"only {joined} of {self.clients} clients connected to the memory server at "
-                              f"{self.address} within {self.timeout:.0f} s")
-        self._pg = pg = made[0]
+        """Connect every client (unless :meth:`connect` did), then serve until each has
+        said goodbye."""
+        pg = self._pg if self._pg is not None else self.connect()
         header = torch.zeros(HEADER, dtype=torch.int64)
         while len(self._left) < self.clients:
             try:
@@ -219,6 +211,20 @@ class MemoryServer:
                 except RuntimeError as exc:
                     self._lose(source, exc)
         self.reap()
+
+    def connect(self) -> dist.ProcessGroup:
+        """Form the server's process group with every client (within ``timeout``)."""
+        made: list[dist.ProcessGroup] = []
+        connect = threading.Thread(target=lambda: made.append(_gloo(self.store, 0, self.clients + 1, self.bind, _FOREVER)),
+                                   name="smb-connect", daemon=True)
+        connect.start()
+        connect.join(self.timeout)
+        if not made:
+            joined = self.store.add("smb/joined", 0)
+            raise PeerTimeout(f"only {joined} of {self.clients} clients connected to the memory server at "
+                              f"{self.address} within {self.timeout:.0f} s")
+        self._pg = made[0]
+        return self._pg
 
     def reap(self) -> None:
         """Apply the payloads that have arrived and drop the clients lost mid-transfer
