@@ -6,6 +6,10 @@ DistributedDataParallel communication hook) -> ``runtime`` (Trainer, worker
 loop, launcher) -> ``bench`` -> ``cli``; docs/architecture.md.
 """
 
+import importlib.abc
+import importlib.util
+import sys
+
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "DataParallel", "ShmHookState", "Trainer", "ddp_comm_hook"]
@@ -26,3 +30,42 @@ def __getattr__(name: str):
 
         return Trainer
     raise AttributeError(name)
+
+
+# -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend.py) ---------------
+def _create_shm_group(store, rank, size, timeout):
+    from shmtrain.backend import ShmProcessGroup
+
+    return ShmProcessGroup(store, rank, size, timeout)
+
+
+def _register_backend(dist) -> None:
+    if "shm" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("shm", _create_shm_group, devices=["cpu"])
+
+
+class _RegisterWhenImported(importlib.abc.MetaPathFinder):
+    """Registers the backend right after ``torch.distributed`` is imported, so ``import
+    shmtrain`` works before or after ``import torch`` without importing torch itself."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.distributed":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            _register_backend(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "torch.distributed" in sys.modules:
+    _register_backend(sys.modules["torch.distributed"])
+elif not any(isinstance(f, _RegisterWhenImported) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenImported())

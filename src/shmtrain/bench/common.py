@@ -83,9 +83,10 @@ def parse_size(text: str) -> int:
     return value
 
 
-#: benchmark modes that are torch DistributedDataParallel: over gloo, and with
-#: :func:`shmtrain.ddp_comm_hook` (buckets averaged through the host's shared memory)
-DDP_MODES = ("ddp", "ddp-shm")
+#: benchmark modes that are torch DistributedDataParallel: over gloo, with
+#: :func:`shmtrain.ddp_comm_hook` (buckets averaged through the host's shared memory), and
+#: on the ``shm`` torch.distributed backend (:mod:`shmtrain.backend`, unchanged DDP)
+DDP_MODES = ("ddp", "ddp-shm", "ddp-backend")
 
 
 class DDPEngine:
@@ -93,12 +94,18 @@ class DDPEngine:
     benchmarks time DDP with the same loop body as every strategy (``update`` timed;
     DDP's allreduce overlaps backward and is awaited inside it). With ``ctx``, the
     buckets go through :func:`shmtrain.ddp.ddp_comm_hook` on that context's host
-    (issue 16, item 3) instead of gloo."""
+    (issue 16, item 3) instead of gloo; with ``backend``, DDP runs unchanged on a group
+    of the ``shm`` backend."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer, ctx=None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer, ctx=None,
+                 *, backend: bool = False) -> None:
+        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        self.net = DistributedDataParallel(model)
+        import shmtrain  # noqa: F401 - registers the "shm" backend
+
+        self.group = dist.new_group(backend="shm") if backend else None
+        self.net = DistributedDataParallel(model, process_group=self.group)
         self.optimizer = optimizer
         self.timer = timer
         self.state = None
@@ -119,9 +126,13 @@ class DDPEngine:
             self.optimizer.step()
 
     def close(self) -> None:
-        """Release the hook's shared buffers, if any (for symmetry with DataParallel)."""
+        """Release the hook's shared buffers or the backend's group, if any (for symmetry
+        with DataParallel)."""
         if self.state is not None:
             self.state.close()
+        if self.group is not None:  # (torch's destroy_process_group needs a group name that
+            self.group.shutdown()  # torch does not give a Python group made by new_group)
+            self.group = None
 
 
 def build_engine(mode: str, ctx, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer,
@@ -130,7 +141,8 @@ def build_engine(mode: str, ctx, model: torch.nn.Module, optimizer: torch.optim.
     otherwise ``DataParallel`` with ``strategy`` and ``options`` (each benchmark mode is
     one of these)."""
     if mode in DDP_MODES:
-        return DDPEngine(model, optimizer, timer, ctx if mode == "ddp-shm" else None)
+        return DDPEngine(model, optimizer, timer, ctx if mode == "ddp-shm" else None,
+                         backend=mode == "ddp-backend")
     from shmtrain.api import DataParallel
 
     return DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **(options or {}))

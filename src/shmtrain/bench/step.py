@@ -1,7 +1,7 @@
 """``shmtrain bench step``: time per training iteration, strategies side by side with DDP.
 
 Same model, same synthetic batch, same threads for every mode: ``nocomm`` (each worker
-trains alone; the floor), ``ddp`` (torch DistributedDataParallel over gloo), ``ddp-shm``
+trains alone; the floor), ``ddp`` (torch DistributedDataParallel over gloo), ``ddp-backend`` (DDP on the ``shm`` backend), ``ddp-shm``
 (DDP with ``shmtrain.ddp_comm_hook``: its buckets averaged through shared memory), and the
 shmtrain strategies in :data:`MODES`. Each mode is one launch of N workers; a sample is
 one iteration's wall time on a worker, and the row reports the median over workers

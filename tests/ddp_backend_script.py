@@ -1,0 +1,47 @@
+"""An unchanged DDP script whose backend is the first argument (run by tests/test_backend.py
+under torchrun): collectives, then 5 DDP steps; rank 0 saves the weights to argv[2]."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import shmtrain  # noqa: F401 - registers the "shm" backend
+
+backend, out = sys.argv[1], sys.argv[2]
+dist.init_process_group(backend)
+r, w = dist.get_rank(), dist.get_world_size()
+t = torch.full((100_003,), float(r + 1))
+dist.all_reduce(t)
+assert float(t[0]) == w * (w + 1) / 2 and float(t[-1]) == w * (w + 1) / 2, float(t[0])
+t = torch.full((1000,), float(r + 1))
+dist.all_reduce(t, op=dist.ReduceOp.AVG)
+assert float(t[0]) == (w + 1) / 2
+t = torch.full((10,), float(r))
+dist.all_reduce(t, op=dist.ReduceOp.MAX)  # gloo's
+assert float(t[0]) == w - 1
+i = torch.full((10,), r, dtype=torch.int64)
+dist.all_reduce(i)  # integers: gloo's
+assert int(i[0]) == w * (w - 1) // 2
+b = torch.full((5,), float(r))
+dist.broadcast(b, src=w - 1)
+assert float(b[0]) == w - 1
+gathered = [torch.zeros(3) for _ in range(w)]
+dist.all_gather(gathered, torch.full((3,), float(r)))
+assert [float(g[0]) for g in gathered] == [float(k) for k in range(w)]
+dist.barrier()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets, reduced while backward goes on
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+g = torch.Generator().manual_seed(r)
+for _ in range(5):
+    x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+    opt.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+if r == 0:
+    torch.save(model.state_dict(), out)
+dist.destroy_process_group()
