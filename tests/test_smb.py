@@ -15,8 +15,8 @@ from shmtrain.fabric.smb import (
     BufferKey,
     LocalBufferService,
     LocalProgressBoard,
-    open_buffer_service,
 )
+from shmtrain.fabric.transports import open_buffer_service
 from shmtrain.runtime.launcher import WorkerFailed, launch
 
 NUMEL = 4099  # not a multiple of anything convenient

@@ -32,7 +32,7 @@ Transport neutrality: strategies hold a :class:`Buffer` handle and never touch i
 bytes except through ``read``, ``write`` and ``accumulate``, and read progress through
 a :class:`ProgressBoard`, so the remote service (SMB-REMOTE, another host's memory
 server) can stand in for :class:`LocalBufferService` without a change in the
-strategies. :func:`open_buffer_service` builds a service by name.
+strategies. :func:`shmtrain.fabric.transports.open_buffer_service` builds a service by name.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.control import DIED, ControlBlock, PeerFailure, PeerTimeout, _alive
 from shmtrain.fabric.futex import futex_wait, futex_wake
 from shmtrain.fabric.host import HostGroup
@@ -58,8 +57,6 @@ _SLICE_S = 0.05  # how often a sleeper re-checks liveness and abort
 _MAGIC = 0x534D4231  # "SMB1"
 # worker states in the control block (termination alignment reads them too)
 STATE_SETUP, STATE_TRAINING, STATE_DONE = 0, 1, 2
-#: the buffer services :func:`open_buffer_service` knows
-BUFFER_SERVICES = ("local", "remote")
 
 # -- request words: one writer per cache line ------------------------------------------
 # line 0: magic and world; DOORBELL: written by every requester (a value no other request
@@ -539,27 +536,6 @@ class LocalBufferService(BufferService):
         finally:
             server.stop(timeout=10)
         server.check()
-
-
-def open_buffer_service(ctx: ProcessContext, name: str = "local", address: str = "",
-                        secret: bytes | None = None) -> BufferService:
-    """The buffer service ``name`` for this worker of ``ctx`` (collective: every worker
-    opens it, in the same order as its other collectives).
-
-    ``local`` is :class:`LocalBufferService` on the host's shared memory (every worker
-    of the host a client); ``remote`` is
-    :class:`~shmtrain.fabric.smb_remote.RemoteBufferService` on the memory server at
-    ``address`` (every worker of the job a client; ``secret``, else ``SHMTRAIN_SECRET``).
-    The name is checked before ``ctx`` is used.
-    """
-    if name not in BUFFER_SERVICES:
-        raise ValueError(f"buffer service {name!r} is unknown; choose one of: {', '.join(BUFFER_SERVICES)}")
-    if name == "remote":
-        from shmtrain.fabric.smb_remote import RemoteBufferService, read_secret
-
-        return RemoteBufferService(address, ctx.rank, ctx.world_size, secret=secret or read_secret(None),
-                                   timeout=ctx.host.timeout)
-    return LocalBufferService(ctx.host)
 
 
 def _init_words(world: int):

@@ -20,12 +20,37 @@ from typing import Literal
 import torch
 
 from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.smb import BufferService, LocalBufferService
+from shmtrain.fabric.smb_remote import RemoteBufferService, read_secret
 
 #: transports whose data plane is one host's shared memory, with the reason
 ONE_HOST: dict[str, str] = {
     "smb:local": "the local buffer service lives in one host's shared memory; start a memory "
     "server (`shmtrain smb-server --clients N`) and pass --smb-server HOST:PORT to span hosts",
 }
+
+
+#: the buffer services :func:`open_buffer_service` knows
+BUFFER_SERVICES = ("local", "remote")
+
+
+def open_buffer_service(ctx: ProcessContext, name: str = "local", address: str = "",
+                        secret: bytes | None = None) -> BufferService:
+    """The buffer service ``name`` for this worker of ``ctx`` (collective: every worker
+    opens it, in the same order as its other collectives).
+
+    ``local`` is :class:`LocalBufferService` on the host's shared memory (every worker
+    of the host a client); ``remote`` is
+    :class:`~shmtrain.fabric.smb_remote.RemoteBufferService` on the memory server at
+    ``address`` (every worker of the job a client; ``secret``, else ``SHMTRAIN_SECRET``).
+    The name is checked before ``ctx`` is used.
+    """
+    if name not in BUFFER_SERVICES:
+        raise ValueError(f"buffer service {name!r} is unknown; choose one of: {', '.join(BUFFER_SERVICES)}")
+    if name == "remote":
+        return RemoteBufferService(address, ctx.rank, ctx.world_size, secret=secret or read_secret(None),
+                                   timeout=ctx.host.timeout)
+    return LocalBufferService(ctx.host)
 
 
 class Transports:
@@ -91,8 +116,6 @@ class Transports:
         """The shared buffer service (SMB-API) of this job: ``local`` is the host's shared
         memory (every worker of the host a client), ``remote`` the memory server at
         ``address`` (every worker of the job a client; ``secret``, or ``SHMTRAIN_SECRET``)."""
-        from shmtrain.fabric.smb import open_buffer_service
-
         return open_buffer_service(self.ctx, name, address, secret)
 
     def memory_server(self) -> tuple[str, bytes]:
