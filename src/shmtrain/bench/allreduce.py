@@ -1,9 +1,12 @@
-"""``shmtrain bench allreduce``: the shared-memory allreduce against gloo, same host, one run.
+"""``shmtrain bench allreduce``: shmtrain's allreduce against every peer, same host, one run.
 
-For each process count and size: median time of ``ShmAllreduce`` (elementwise sum of
-float32 buffers, the same operation as gloo's) and of ``torch.distributed.all_reduce``
-over gloo, each sample the slowest
-rank's time, beside two floors:
+For each process count and size (float32 sum; each sample the slowest rank's time;
+median and p90): shmtrain zero-copy (``ShmAllreduce``: the inputs already in shared
+slots, how shmtrain's strategies use it), shmtrain with private tensors
+(``reduce_private``: a tensor in, the sum back in it, as ``all_reduce``, DDP, MPI and
+DeepSpeed offer; the pipelined path of :mod:`shmtrain.fabric.pipeline_allreduce`), and
+the peers of :mod:`shmtrain.bench.peers` (gloo, MPICH, DeepSpeed's shared-memory op),
+with ratios against the best peer, beside two floors:
 
 * the memory-traffic floor: every input read once and every output written once
   (``2 * procs * bytes``) at the copy bandwidth measured with all ranks copying at once;
@@ -32,6 +35,7 @@ from shmtrain.bench.common import (
     timed_collective,
     write_json,
 )
+from shmtrain.bench.peers import EXTERNAL, PEERS, reps_for, run_peer, summarize
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
 from shmtrain.runtime.launcher import launch
@@ -42,81 +46,130 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
     rows = []
     for nbytes in payload["sizes"]:
         n = nbytes // 4
-        reps = payload["reps"] if nbytes <= 64 << 20 else max(3, payload["reps"] // 2)
+        reps = reps_for(nbytes, payload["reps"])
         ar = ShmAllreduce(ctx.host, n, op="sum", tag=f"bench{nbytes}")
         shm = timed_collective(ar, reps, 2, before=lambda a=ar: a.input().fill_(1.0),
                                barrier=lambda: ctx.host.barrier("bench"))
         expected = float(ctx.world_size)
         ok = bool(torch.all(ar.result() == expected))
+        mine = torch.ones(n)
+        private = timed_collective(lambda a=ar, t=mine: a.reduce_private(t), reps, 2,
+                                   before=lambda t=mine: t.fill_(1.0), barrier=lambda: ctx.host.barrier("bench"))
+        ok_private = bool(torch.all(mine == expected))
         ar.close()
         del ar
-        buf = torch.ones(n)
-        gloo = timed_collective(lambda b=buf: dist.all_reduce(b), reps, 1)
-        del buf
+        gloo = []
+        if "gloo" in payload["peers"]:
+            buf = torch.ones(n)
+            gloo = timed_collective(lambda b=buf: dist.all_reduce(b), reps, 1, before=lambda b=buf: b.fill_(1.0))
+            ok_gloo = bool(torch.all(buf == expected))
+            del buf
         floor = 2 * ctx.world_size * nbytes / bandwidth
         # every rank reads its share of the inputs (n elements), all ranks at once, as two
         # streams (a dot product of two halves: the fastest read-only kernel found here)
         halves = torch.ones(n + n % 2).chunk(2)
         read_floor = median(timed_collective(lambda h=halves: torch.dot(*h), reps, 1))
         del halves
-        for impl, samples in (("shm", shm), ("gloo", gloo)):
+        for impl, samples, correct in (("shm", shm, ok), ("shm-private", private, ok_private),
+                                       *((("gloo", gloo, ok_gloo),) if gloo else ())):
             rows.append({
-                "impl": impl, "procs": ctx.world_size, "bytes": nbytes, "median_s": median(samples),
+                "impl": impl, "procs": ctx.world_size, "bytes": nbytes, **summarize(samples),
                 "min_s": min(samples), "reps": len(samples), "floor_s": floor, "read_floor_s": read_floor,
-                "copy_GBps": bandwidth / 1e9, **({"correct": ok} if impl == "shm" else {}),
+                "copy_GBps": bandwidth / 1e9, "correct": correct,
             })
     return rows
 
 
-def run(procs: list[int], sizes: list[int], reps: int) -> list[dict[str, Any]]:
+def run(procs: list[int], sizes: list[int], reps: int, peers: list[str] | None = None) -> list[dict[str, Any]]:
+    """shmtrain's allreduce (zero-copy and private) and every peer in ``peers``, at each
+    process count; a peer that cannot run gets a row with its ``reason``."""
+    peers = list(PEERS) if peers is None else peers
     rows: list[dict[str, Any]] = []
     for p in procs:
-        print(f"... {p} processes", flush=True)
-        rows += launch("shmtrain.bench.allreduce:_worker", p, {"sizes": sizes, "reps": reps})[0]
+        print(f"... {p} processes: shmtrain{' and gloo' if 'gloo' in peers else ''}", flush=True)
+        rows += launch("shmtrain.bench.allreduce:_worker", p, {"sizes": sizes, "reps": reps, "peers": peers})[0]
+        for peer in (q for q in peers if q in EXTERNAL):
+            print(f"... {p} processes: {peer}", flush=True)
+            result = run_peer(peer, p, sizes, reps)
+            if "reason" in result:
+                print(f"    {peer}: {result['reason']}", flush=True)
+                rows.append({"impl": peer, "procs": p, "reason": result["reason"]})
+            else:
+                rows += [dict(r, impl=peer, procs=p) for r in result["rows"]]
     return rows
 
 
 def comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (procs, bytes) with both implementations side by side."""
+    """One row per (procs, bytes): every implementation's median side by side, the best
+    peer, and shmtrain's ratios against it (below 1: shmtrain is faster)."""
     out = []
-    for shm in (r for r in rows if r["impl"] == "shm"):
-        gloo = next(r for r in rows if r["impl"] == "gloo" and r["procs"] == shm["procs"] and r["bytes"] == shm["bytes"])
-        out.append({
-            "procs": shm["procs"], "MiB": shm["bytes"] / (1 << 20), "shm_ms": shm["median_s"] * 1e3,
-            "gloo_ms": gloo["median_s"] * 1e3, "speedup": gloo["median_s"] / shm["median_s"],
-            "floor_ms": shm["floor_s"] * 1e3, "vs_floor": shm["median_s"] / shm["floor_s"],
-            "read_floor_ms": shm["read_floor_s"] * 1e3, "max_speedup": gloo["median_s"] / shm["read_floor_s"],
-        })
+    measured = [r for r in rows if "median_s" in r]
+    for shm in (r for r in measured if r["impl"] == "shm"):
+        same = {r["impl"]: r for r in measured if r["procs"] == shm["procs"] and r["bytes"] == shm["bytes"]}
+        peers = {k: v for k, v in same.items() if k in PEERS}
+        best = min(peers, key=lambda k: peers[k]["median_s"]) if peers else None
+        row = {"procs": shm["procs"], "size": _size(shm["bytes"]), "bytes": shm["bytes"],
+               "shm_ms": shm["median_s"] * 1e3, "private_ms": same["shm-private"]["median_s"] * 1e3,
+               "read_floor_ms": shm["read_floor_s"] * 1e3, "vs_read_floor": shm["median_s"] / shm["read_floor_s"]}
+        for peer in PEERS:
+            row[f"{peer}_ms"] = peers[peer]["median_s"] * 1e3 if peer in peers else None
+        if best is not None:
+            row["best_peer"] = best
+            row["private_vs_best"] = same["shm-private"]["median_s"] / peers[best]["median_s"]
+            row["shm_vs_best"] = shm["median_s"] / peers[best]["median_s"]
+        out.append(row)
     return out
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return f"{nbytes}B"
+
+
+DEFAULT_SIZES = ["4KiB", "16KiB", "64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB", "256MiB"]
 
 
 def _handler(args: argparse.Namespace) -> int:
     procs = args.procs or [2, 4]
     if any(p < 1 for p in procs):
         raise ValueError(f"--procs {procs}: every process count must be at least 1")
-    sizes = [parse_size(s) for s in (args.sizes or ["1MiB", "16MiB", "64MiB", "256MiB"])]
+    sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES)]
+    if any(s < 4 for s in sizes):
+        raise ValueError(f"--sizes {args.sizes}: every size must hold at least one float32 (4 bytes)")
     if args.reps < 1:
         raise ValueError(f"--reps {args.reps}: at least 1 repetition is needed")
-    rows = run(procs, sizes, args.reps)
+    peers = list(PEERS) if args.peers is None else args.peers
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"--peers {' '.join(unknown)}: unknown; choose from {' '.join(PEERS)} "
+                         "(mpich and deepspeed need `pip install 'shmtrain[peers]'`)")
+    rows = run(procs, sizes, args.reps, peers)
     print(table(comparison(rows), [
-        ("procs", "procs", "d"), ("MiB", "MiB", ".0f"), ("shm_ms", "shm ms", ".2f"),
-        ("gloo_ms", "gloo ms", ".2f"), ("speedup", "gloo/shm", ".1f"), ("floor_ms", "floor ms", ".2f"),
-        ("vs_floor", "shm/floor", ".2f"), ("read_floor_ms", "read floor ms", ".2f"),
-        ("max_speedup", "gloo/read", ".1f"),
+        ("procs", "procs", "d"), ("size", "size", "s"), ("shm_ms", "shm ms", ".3f"),
+        ("private_ms", "private ms", ".3f"), ("gloo_ms", "gloo ms", ".3f"), ("mpich_ms", "mpich ms", ".3f"),
+        ("deepspeed_ms", "deepspeed ms", ".3f"), ("best_peer", "best peer", "s"),
+        ("private_vs_best", "private/best", ".2f"), ("shm_vs_best", "shm/best", ".2f"),
+        ("vs_read_floor", "shm/read floor", ".2f"),
     ]))
+    for row in (r for r in rows if "reason" in r):
+        print(f"{row['impl']} at {row['procs']} processes: {row['reason']}")
     write_json(args.json, rows)
     bad = [r for r in rows if r.get("correct") is False]
     if bad:
-        print(f"shmtrain: error: the shared-memory allreduce returned wrong values for {len(bad)} sizes")
+        print(f"shmtrain: error: wrong sums from {sorted({(r['impl'], r['bytes']) for r in bad})}")
         return 1
     return 0
 
 
 def add_parser(bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("allreduce", help="shared-memory allreduce vs gloo, same host",
+    p = bench.add_parser("allreduce", help="shared-memory allreduce vs gloo, MPICH and DeepSpeed, same host",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--procs", type=int, nargs="+", help="process counts (default 2 4)")
-    p.add_argument("--sizes", nargs="+", help="buffer sizes, e.g. 1MiB 64MiB (default 1MiB 16MiB 64MiB 256MiB)")
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions per size (default 10)")
+    p.add_argument("--sizes", nargs="+", help="buffer sizes, e.g. 1MiB 64MiB (default 4KiB to 256MiB, x4 steps)")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per size (default 10; half above 64MiB)")
+    p.add_argument("--peers", nargs="*", help=f"peers to run beside shmtrain, of {' '.join(PEERS)} (default all; "
+                                              "mpich and deepspeed: pip install 'shmtrain[peers]')")
     p.add_argument("--json", help="write the rows here")
     p.set_defaults(handler=_handler)

@@ -15,20 +15,25 @@ import torch.distributed as dist
 
 def timed_collective(fn: Callable[[], Any], reps: int, warmup: int, before: Callable[[], Any] | None = None,
                      barrier: Callable[[], Any] | None = None) -> list[float]:
-    """Time ``fn`` ``reps`` times after ``warmup``; each sample is the slowest rank's time."""
-    samples = []
+    """Time ``fn`` ``reps`` times after ``warmup``; each sample is the slowest rank's time.
+
+    The per-rank times are combined once at the end (one MAX allreduce of the vector),
+    not after every repetition: a gloo collective between repetitions leaves the ranks
+    out of step by its own wake-up latency and that skew would be timed as the next
+    repetition's (measured: 24 us vs 60 us for a 64 KiB shared-memory allreduce)."""
+    local = []
     for i in range(warmup + reps):
         if before is not None:
             before()
         (barrier or dist.barrier)()
         start = time.perf_counter()
         fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= warmup:
-            samples.append(float(elapsed))
-    return samples
+            local.append(time.perf_counter() - start)
+    samples = torch.tensor(local, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    return samples.tolist()
 
 
 def median(values: list[float]) -> float:

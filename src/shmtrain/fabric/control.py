@@ -38,7 +38,7 @@ _SLICE_S = 0.05  # how often a sleeping waiter re-checks abort and peer liveness
 _FIRST_SLICE_S = 0.001  # the first sleep: bounds the cost of a lost wake-up
 _ANY = -1  # a sleeper line's value when threads sleep on several words
 _YIELDS = int(os.environ.get("SHMTRAIN_YIELDS", "20"))
-_SPINS = 400  # reads of the word before sleeping, when every rank has a core (~40 us)
+_SPIN_S = 150e-6  # how long a waiter spins before sleeping, when every rank has a core
 DIED = 255  # abort code a peer records for a rank it found dead (its exit code is unknown)
 
 # header line 0: [magic, local_world, abort_rank+1, abort_code, stop_signal]
@@ -99,6 +99,7 @@ class ControlBlock:
         except AttributeError:  # not Linux
             cores = os.cpu_count() or 1
         self._me: int | None = None
+        self._indices: dict[int, int] = {}
         self._sleep_lock = threading.Lock()
         self._sleeping: dict[int, int] = {}  # word index -> this process's threads asleep on it
         self.spin = cores >= local_world  # spinning only steals a core from a peer otherwise
@@ -183,14 +184,21 @@ class ControlBlock:
 
     def post(self, channel: int, rank: int, value: int) -> None:
         """Publish ``value`` in ``rank``'s word of ``channel`` and wake its waiters."""
-        off = self._word_off(channel, rank)
-        idx = off // 4
-        self._i32[idx] = _as_int32(value)
+        idx = self._index(channel, rank)
         i32 = self._i32
+        i32[idx] = _as_int32(value)
         for sleeper in self._sleepers:
             if i32[sleeper] in (idx + 1, _ANY):  # someone sleeps on this word: wake them all
-                futex_wake(self._base + off)
+                futex_wake(self._base + idx * 4)
                 return
+
+    def _index(self, channel: int, rank: int) -> int:
+        """The int32 index of ``rank``'s word of ``channel`` (cached: posts and waits are hot)."""
+        key = channel * 4096 + rank
+        idx = self._indices.get(key)
+        if idx is None:
+            idx = self._indices[key] = self._word_off(channel, rank) // 4
+        return idx
 
     def wait(
         self,
@@ -210,16 +218,15 @@ class ControlBlock:
         i32 = self._i32
         deadline: float | None = None
         for rank in ranks:
-            off = self._word_off(channel, rank)
-            idx = off // 4
+            idx = self._index(channel, rank)
             if _reached(int(i32[idx]), target):
                 continue
             if self.spin:
-                for _ in range(_SPINS):
-                    if _reached(int(i32[idx]), target):
+                stop = time.perf_counter() + _SPIN_S
+                while not _reached(int(i32[idx]), target):
+                    if time.perf_counter() > stop:
+                        deadline = self._sleep(rank, idx, target, deadline, timeout, what)
                         break
-                else:
-                    deadline = self._sleep(rank, idx, target, deadline, timeout, what)
             elif _YIELDS:
                 for _ in range(_YIELDS):
                     os.sched_yield()  # let a runnable peer on this core post first

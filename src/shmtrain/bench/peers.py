@@ -1,0 +1,179 @@
+"""The allreduce peers ``shmtrain bench allreduce --peers`` runs beside shmtrain's.
+
+Each peer runs in processes of its own, with its own launcher, on the same host, with
+the same process count and sizes, float32 sum in place, and reports per size the median
+and p90 of samples that are each the slowest rank's time (a barrier before each):
+
+``gloo``
+    ``torch.distributed.all_reduce`` over gloo (measured in shmtrain's own launch).
+``mpich``
+    MPICH through mpi4py (``comm.Allreduce(MPI.IN_PLACE, ...)``), started with the
+    ``mpiexec`` installed beside this Python (``pip install 'shmtrain[peers]'``).
+``deepspeed``
+    DeepSpeed's CPU shared-memory allreduce (``DS_ACCELERATOR=cpu``,
+    ``deepspeed.comm.inference_all_reduce``; it JIT-builds its op with g++ on first
+    use), started with torchrun.
+
+A peer that cannot run here (not installed, fails to build, times out) is reported with
+the reason instead of figures, and the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PEERS = ("gloo", "mpich", "deepspeed")
+EXTERNAL = ("mpich", "deepspeed")
+TIMEOUT_S = 300.0
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    """Median and p90 (nearest rank) of ``samples``, in seconds."""
+    ordered = sorted(samples)
+    return {"median_s": statistics.median(ordered), "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+
+
+def reps_for(nbytes: int, reps: int) -> int:
+    return reps if nbytes <= 64 << 20 else max(3, reps // 2)
+
+
+# -- inside the peers' processes ---------------------------------------------------------------
+def _mpich(sizes: list[int], reps: int, out: str) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rows = []
+    for nbytes in sizes:
+        buf = np.ones(nbytes // 4, dtype=np.float32)
+        samples = []
+        count = reps_for(nbytes, reps)
+        for i in range(2 + count):
+            buf.fill(1.0)
+            comm.Barrier()
+            start = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            if i >= 2:
+                samples.append(time.perf_counter() - start)
+        slowest = np.array(samples)
+        comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)  # as shmtrain's: one MAX at the end
+        samples = slowest.tolist()
+        ok = bool(np.all(buf == comm.Get_size()))
+        rows.append({"bytes": nbytes, "correct": ok, **summarize(samples), "reps": count})
+    if comm.Get_rank() == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def _deepspeed(sizes: list[int], reps: int, out: str) -> None:
+    import deepspeed
+    import deepspeed.comm as ds_comm
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rows = []
+    for nbytes in sizes:
+        buf = torch.ones(nbytes // 4)
+        samples = []
+        count = reps_for(nbytes, reps)
+        for i in range(2 + count):
+            buf.fill_(1.0)
+            dist.barrier()
+            start = time.perf_counter()
+            ds_comm.inference_all_reduce(buf)
+            if i >= 2:
+                samples.append(time.perf_counter() - start)
+        slowest = torch.tensor(samples, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # as shmtrain's: one MAX at the end
+        samples = slowest.tolist()
+        ok = bool(torch.all(buf == dist.get_world_size()))
+        rows.append({"bytes": nbytes, "correct": ok, **summarize(samples), "reps": count})
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+# -- from the benchmark's process -----------------------------------------------------------------
+def _why_not(peer: str) -> str | None:
+    import importlib.util
+
+    if peer == "mpich":
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py is not installed (pip install 'shmtrain[peers]')"
+        if _mpiexec() is None:
+            return "no mpiexec beside this Python or on PATH (pip install mpich)"
+    if peer == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (pip install 'shmtrain[peers]')"
+    return None
+
+
+def _mpiexec() -> str | None:
+    beside = Path(sys.executable).with_name("mpiexec")
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def run_peer(peer: str, procs: int, sizes: list[int], reps: int, timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    """Run one external peer; ``{"rows": [...]}`` or ``{"reason": "..."}``."""
+    reason = _why_not(peer)
+    if reason:
+        return {"reason": reason}
+    with tempfile.TemporaryDirectory(prefix="shmtrain-peer-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        args = ["-m", "shmtrain.bench.peers", peer, out, str(reps), *map(str, sizes)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if peer == "mpich":
+            cmd = [_mpiexec(), "-n", str(procs), sys.executable, *args]
+        else:
+            env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(procs))  # its shm op needs LOCAL_SIZE
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
+                   "--master-port", str(_free_port()), *args]
+        before = _shm_names()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"reason": f"timed out after {timeout:.0f} s"}
+        finally:
+            for name in _shm_names() - before:  # DeepSpeed leaves its shared-memory files behind
+                try:
+                    os.unlink(f"/dev/shm/{name}")
+                except OSError:
+                    pass
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()
+            last = next((line for line in reversed(tail) if "Error" in line), tail[-1] if tail else "")
+            return {"reason": f"failed (exit {proc.returncode}): {last.strip()[:150]}"}
+        return {"rows": json.loads(Path(out).read_text())}
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str]) -> int:
+    """``python -m shmtrain.bench.peers PEER OUT REPS SIZE...`` (inside a peer's launch)."""
+    peer, out, reps, *sizes = argv
+    {"mpich": _mpich, "deepspeed": _deepspeed}[peer]([int(s) for s in sizes], int(reps), out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
