@@ -83,7 +83,9 @@ class ShmProcessGroup(dist.ProcessGroup):
         self.leaders = None
         if self.hosts > 1 and local_rank == 0:
             self.leaders = dist.ProcessGroupGloo(dist.PrefixStore("leaders/", store), node, self.hosts, timeout)
-        self.pipeline = PipelinedAllreduce(self.host, tag="pg")
+        # its waits sleep at once: a spinning reduction thread would take the core from the
+        # backward pass running beside it (measured either way, the difference was noise)
+        self.pipeline = PipelinedAllreduce(self.host, spin=False, tag="pg")
         self.host.barrier("the shm backend's set-up")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._failure: BaseException | None = None

@@ -208,8 +208,11 @@ class ControlBlock:
         *,
         timeout: float,
         what: str,
+        spin: bool | None = None,
     ) -> None:
-        """Sleep until every rank in ``ranks`` has posted at least ``target`` on ``channel``.
+        """Sleep until every rank in ``ranks`` has posted at least ``target`` on ``channel``
+        (``spin``: whether to spin first; default :attr:`spin`, False for a helper thread
+        whose spinning would take the core from its own process's compute).
 
         Raises:
             PeerFailure: a peer died or aborted (names it).
@@ -217,17 +220,18 @@ class ControlBlock:
         """
         i32 = self._i32
         deadline: float | None = None
+        spin = self.spin if spin is None else spin
         for rank in ranks:
             idx = self._index(channel, rank)
             if _reached(int(i32[idx]), target):
                 continue
-            if self.spin:
+            if spin:
                 stop = time.perf_counter() + _SPIN_S
                 while not _reached(int(i32[idx]), target):
                     if time.perf_counter() > stop:
                         deadline = self._sleep(rank, idx, target, deadline, timeout, what)
                         break
-            elif _YIELDS:
+            elif _YIELDS and not self.spin:
                 for _ in range(_YIELDS):
                     os.sched_yield()  # let a runnable peer on this core post first
                     if _reached(int(i32[idx]), target):

@@ -64,11 +64,13 @@ class PipelinedAllreduce:
         split: reduce each block split ``L`` ways (two hand-offs, ``2L`` block reads) instead
             of every rank summing the whole block (one hand-off, ``L * L`` reads); default:
             split when the host's ranks outnumber its cores.
+        spin: whether waits spin before sleeping (default: the host's rule, cores >= ranks);
+            False for a reduction thread running beside its process's compute.
         tag: name fragment of the segment and channels.
     """
 
     def __init__(self, host: HostGroup, *, block_bytes: int | None = None, split: bool | None = None,
-                 tag: str = "pipeline") -> None:
+                 spin: bool | None = None, tag: str = "pipeline") -> None:
         split = split if split is not None else not host.control.spin
         if block_bytes is None:
             block_bytes = SPLIT_BLOCK_BYTES if split else BLOCK_BYTES
@@ -81,6 +83,7 @@ class PipelinedAllreduce:
         self._channel = host.channel(f"{tag}.posted")
         self._reduced = host.channel(f"{tag}.reduced")
         self.split = split
+        self.spin = spin
         self._views: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.blocks = 0  # blocks posted so far (the sequence number of the last one)
 
@@ -126,7 +129,7 @@ class PipelinedAllreduce:
             out = flat[start:stop]
             slot[me, :m].copy_(out)
             control.post(channel, me, k)
-            control.wait(channel, ranks, k, timeout=timeout, what="a block of the allreduce")
+            control.wait(channel, ranks, k, timeout=timeout, what="a block of the allreduce", spin=self.spin)
             if L == 2:  # own + peer: addition commutes, so both ranks get the same bits
                 out.add_(slot[1 - me, :m])
             elif out.is_floating_point():
@@ -157,7 +160,7 @@ class PipelinedAllreduce:
             out = flat[start:stop]
             slot[me, :m].copy_(out)
             control.post(self._channel, me, k)
-            control.wait(self._channel, ranks, k, timeout=timeout, what="a block of the allreduce")
+            control.wait(self._channel, ranks, k, timeout=timeout, what="a block of the allreduce", spin=self.spin)
             lo, hi = _part(m, L, me)
             if hi > lo:
                 mine = result[lo:hi]
@@ -170,7 +173,8 @@ class PipelinedAllreduce:
                 if op == "mean":
                     mine.mul_(1.0 / L)
             control.post(self._reduced, me, k)
-            control.wait(self._reduced, ranks, k, timeout=timeout, what="a reduced block of the allreduce")
+            control.wait(self._reduced, ranks, k, timeout=timeout, what="a reduced block of the allreduce",
+                         spin=self.spin)
             out.copy_(result[:m])
 
     def close(self) -> None:
