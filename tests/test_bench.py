@@ -20,15 +20,15 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_bench_allreduce_rows(tmp_path: Path) -> None:
     out = tmp_path / "ar.json"
-    result = run("allreduce", "--procs", "2", "--sizes", "1MiB", "4MiB", "--reps", "3", "--json", str(out))
+    result = run("allreduce", "--procs", "2", "--sizes", "1MiB", "4MiB", "--reps", "3", "--peers", "gloo",
+                 "--json", str(out))
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert {(r["impl"], r["procs"], r["bytes"]) for r in rows} == {
-        (impl, 2, size) for impl in ("shm", "gloo") for size in (1 << 20, 4 << 20)
+        (impl, 2, size) for impl in ("shm", "shm-private", "gloo") for size in (1 << 20, 4 << 20)
     }
-    assert all(r["median_s"] > 0 for r in rows)
-    assert all(r["correct"] for r in rows if r["impl"] == "shm")
-    assert "gloo/shm" in result.stdout
+    assert all(r["median_s"] > 0 and r["correct"] for r in rows)
+    assert "private/best" in result.stdout
 
 
 @pytest.mark.slow
