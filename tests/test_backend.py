@@ -32,7 +32,7 @@ def _close(a: Path, b: Path) -> float:
     return max(float((x[k] - y[k]).norm() / x[k].norm()) for k in x)
 
 
-@pytest.mark.parametrize("per_node", [2, 4])
+@pytest.mark.parametrize("per_node", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_on_the_shm_backend_equals_ddp_on_gloo(tmp_path: Path, per_node: int) -> None:
     _run("gloo", tmp_path / "gloo.pt", per_node=per_node)
     _run("cpu:shm", tmp_path / "shm.pt", per_node=per_node)

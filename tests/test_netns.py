@@ -103,6 +103,7 @@ def test_seasgd_across_two_hosts_on_a_shaped_link_starts_its_memory_server(hosts
     assert summary["workers"] == 4 and summary["iterations"] >= 10
 
 
+@pytest.mark.slow  # torchrun's own rendezvous timeout, not shmtrain's code
 def test_a_host_whose_peer_never_comes_fails_within_the_timeout(hosts, tmp_path: Path) -> None:
     a, b, master = hosts
     proc = subprocess.run(["ip", "netns", "exec", b, *TORCHRUN, "--nnodes", "2", "--node-rank", "1",

@@ -252,7 +252,7 @@ def _smb_servers() -> list[int]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy,standalone", [("seasgd", True), ("hsgd", False)])
+@pytest.mark.parametrize("strategy,standalone", [("seasgd", True), pytest.param("hsgd", False, marks=pytest.mark.slow)])
 def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Path, strategy: str,
                                                                    standalone: bool) -> None:
     """Two torchrun launches on this machine, each one host of 2 workers, share the global
