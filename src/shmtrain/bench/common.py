@@ -36,6 +36,23 @@ def timed_collective(fn: Callable[[], Any], reps: int, warmup: int, before: Call
     return samples.tolist()
 
 
+def timed_rounds(fn: Callable[[int], Any], reps: int, samples: int, barrier: Callable[[], Any],
+                 slowest: Callable[[float], float]) -> list[float]:
+    """``samples`` timed rounds (after one warm-up round) of ``fn(i)`` for i in range(reps),
+    a barrier before each; each round's time is ``slowest`` of the ranks' (the buffer
+    service benchmarks: ShmCaffe Fig. 7's bandwidth over a round of operations)."""
+    times = []
+    for sample in range(samples + 1):
+        barrier()
+        start = time.perf_counter()
+        for i in range(reps):
+            fn(i)
+        elapsed = slowest(time.perf_counter() - start)
+        if sample:
+            times.append(elapsed)
+    return times
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -47,28 +47,40 @@ def reps_for(nbytes: int, reps: int) -> int:
 
 
 # -- inside the peers' processes ---------------------------------------------------------------
+def _measure(sizes: list[int], reps: int, make, fill, barrier, run, slowest, correct) -> list[dict[str, Any]]:
+    """The one timing loop of every external peer: per size, 2 warm-up and ``reps``
+    timed repetitions after a barrier each, the per-rank times combined by ``slowest``
+    once at the end (as shmtrain's ``timed_collective`` does)."""
+    rows = []
+    for nbytes in sizes:
+        buf = make(nbytes // 4)
+        count = reps_for(nbytes, reps)
+        samples = []
+        for i in range(2 + count):
+            fill(buf)
+            barrier()
+            start = time.perf_counter()
+            run(buf)
+            if i >= 2:
+                samples.append(time.perf_counter() - start)
+        rows.append({"bytes": nbytes, "correct": correct(buf), **summarize(slowest(samples)), "reps": count})
+    return rows
+
+
 def _mpich(sizes: list[int], reps: int, out: str) -> None:
     import numpy as np
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rows = []
-    for nbytes in sizes:
-        buf = np.ones(nbytes // 4, dtype=np.float32)
-        samples = []
-        count = reps_for(nbytes, reps)
-        for i in range(2 + count):
-            buf.fill(1.0)
-            comm.Barrier()
-            start = time.perf_counter()
-            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            if i >= 2:
-                samples.append(time.perf_counter() - start)
-        slowest = np.array(samples)
-        comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)  # as shmtrain's: one MAX at the end
-        samples = slowest.tolist()
-        ok = bool(np.all(buf == comm.Get_size()))
-        rows.append({"bytes": nbytes, "correct": ok, **summarize(samples), "reps": count})
+
+    def slowest(samples: list[float]) -> list[float]:
+        times = np.array(samples)
+        comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+        return times.tolist()
+
+    rows = _measure(sizes, reps, lambda n: np.ones(n, dtype=np.float32), lambda b: b.fill(1.0), comm.Barrier,
+                    lambda b: comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM), slowest,
+                    lambda b: bool(np.all(b == comm.Get_size())))
     if comm.Get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
 
@@ -80,23 +92,14 @@ def _deepspeed(sizes: list[int], reps: int, out: str) -> None:
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    rows = []
-    for nbytes in sizes:
-        buf = torch.ones(nbytes // 4)
-        samples = []
-        count = reps_for(nbytes, reps)
-        for i in range(2 + count):
-            buf.fill_(1.0)
-            dist.barrier()
-            start = time.perf_counter()
-            ds_comm.inference_all_reduce(buf)
-            if i >= 2:
-                samples.append(time.perf_counter() - start)
-        slowest = torch.tensor(samples, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # as shmtrain's: one MAX at the end
-        samples = slowest.tolist()
-        ok = bool(torch.all(buf == dist.get_world_size()))
-        rows.append({"bytes": nbytes, "correct": ok, **summarize(samples), "reps": count})
+
+    def slowest(samples: list[float]) -> list[float]:
+        times = torch.tensor(samples, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        return times.tolist()
+
+    rows = _measure(sizes, reps, torch.ones, lambda b: b.fill_(1.0), dist.barrier, ds_comm.inference_all_reduce,
+                    slowest, lambda b: bool(torch.all(b == dist.get_world_size())))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
 

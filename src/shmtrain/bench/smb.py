@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shmtrain.bench.common import median, parse_size, table, write_json
+from shmtrain.bench.common import median, parse_size, table, timed_rounds, write_json
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.smb import LocalBufferService
 from shmtrain.runtime.launcher import launch
@@ -65,18 +65,14 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
     }
     rows = []
     for op in payload["ops"]:
-        times = []
-        for sample in range(samples + 1):  # the first is warm-up
-            ctx.host.barrier(f"bench {op}")
-            start = time.perf_counter()
-            for i in range(reps):
-                if op == "readwrite":
-                    (ops["read"] if i % 2 == 0 else ops["write"])()
-                else:
-                    ops[op]()
-            elapsed = _slowest(ctx, time.perf_counter() - start)
-            if sample:
-                times.append(elapsed)
+        def one(i: int, op: str = op) -> None:
+            if op == "readwrite":
+                (ops["read"] if i % 2 == 0 else ops["write"])()
+            else:
+                ops[op]()
+
+        times = timed_rounds(one, reps, samples, lambda op=op: ctx.host.barrier(f"bench {op}"),
+                             lambda t: _slowest(ctx, t))
         seconds = median(times)
         rows.append({
             "procs": ctx.world_size, "op": op, "bytes": nbytes,

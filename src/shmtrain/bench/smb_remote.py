@@ -13,13 +13,12 @@ protocol. Aggregate bandwidth is every client's bytes over the slowest client's 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shmtrain.bench.common import median
+from shmtrain.bench.common import median, timed_rounds
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.smb_remote import MemoryServer, RemoteBufferService
 from shmtrain.runtime.launcher import launch
@@ -48,20 +47,10 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
     service = RemoteBufferService(payload["address"], ctx.rank, ctx.world_size, timeout=300)
     private = torch.ones(numel)
     rows = []
+    raw = {"gloo-read": lambda i: service.pg.recv([private], 0, _TAG_RAW).wait(),
+           "gloo-write": lambda i: service.pg.send([private], 0, _TAG_RAW).wait()}
     for op in RAW:  # the link: the server's process group, no protocol
-        times = []
-        for sample in range(samples + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(reps):
-                if op == "gloo-read":
-                    service.pg.recv([private], 0, _TAG_RAW).wait()
-                else:
-                    service.pg.send([private], 0, _TAG_RAW).wait()
-            elapsed = _slowest(time.perf_counter() - start)
-            if sample:
-                times.append(elapsed)
-        rows.append(_row(ctx, op, nbytes, reps, times))
+        rows.append(_row(ctx, op, nbytes, reps, timed_rounds(raw[op], reps, samples, dist.barrier, _slowest)))
     if ctx.rank == 0:
         shared = service.attach(service.create("bench.global", numel))
     own = service.attach(service.create(f"bench.{ctx.rank}", numel))
@@ -75,16 +64,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
         "accumulate": lambda i: service.wait(service.accumulate(own, shared)),
     }
     for op in payload["ops"]:
-        times = []
-        for sample in range(samples + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            for i in range(reps):
-                ops[op](i)
-            elapsed = _slowest(time.perf_counter() - start)
-            if sample:
-                times.append(elapsed)
-        rows.append(_row(ctx, op, nbytes, reps, times))
+        rows.append(_row(ctx, op, nbytes, reps, timed_rounds(ops[op], reps, samples, dist.barrier, _slowest)))
     service.close()
     return rows
 
