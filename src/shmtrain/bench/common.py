@@ -53,6 +53,17 @@ def timed_rounds(fn: Callable[[int], Any], reps: int, samples: int, barrier: Cal
     return times
 
 
+def bench_buffers(service, numel: int) -> tuple[Any, Any]:
+    """The buffer-service benchmarks' buffers: one shared by all (rank 0 creates it) and one
+    of this worker's own, on ``service`` (local or remote: the same SMB API); ready."""
+    shared = service.attach(service.create("bench.global", numel)) if service.rank == 0 else None
+    own = service.attach(service.create(f"bench.{service.rank}", numel))
+    if shared is None:
+        shared = service.attach(service.lookup("bench.global"))
+    service.ready()
+    return shared, own
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shmtrain.bench.common import median, parse_size, table, timed_rounds, write_json
+from shmtrain.bench.common import bench_buffers, median, parse_size, table, timed_rounds, write_json
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.smb import LocalBufferService
 from shmtrain.runtime.launcher import launch
@@ -44,12 +44,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
     nbytes, reps, samples = payload["bytes"], payload["reps"], payload["samples"]
     numel = nbytes // 4
     smb = LocalBufferService(ctx.host)
-    if smb.rank == 0:
-        shared = smb.attach(smb.create("bench.global", numel))
-    own = smb.attach(smb.create(f"bench.{smb.rank}", numel))
-    if smb.rank:
-        shared = smb.attach(smb.lookup("bench.global"))
-    smb.ready()
+    shared, own = bench_buffers(smb, numel)
     private = torch.ones(numel)
     other = torch.empty(numel)
 

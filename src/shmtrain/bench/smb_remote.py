@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shmtrain.bench.common import median, timed_rounds
+from shmtrain.bench.common import bench_buffers, median, timed_rounds
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.smb_remote import MemoryServer, RemoteBufferService
 from shmtrain.runtime.launcher import launch
@@ -51,12 +51,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
            "gloo-write": lambda i: service.pg.send([private], 0, _TAG_RAW).wait()}
     for op in RAW:  # the link: the server's process group, no protocol
         rows.append(_row(ctx, op, nbytes, reps, timed_rounds(raw[op], reps, samples, dist.barrier, _slowest)))
-    if ctx.rank == 0:
-        shared = service.attach(service.create("bench.global", numel))
-    own = service.attach(service.create(f"bench.{ctx.rank}", numel))
-    if ctx.rank:
-        shared = service.attach(service.lookup("bench.global"))
-    service.ready()
+    shared, own = bench_buffers(service, numel)
     ops = {
         "read": lambda i: service.read(own, private),
         "write": lambda i: service.write(own, private),
