@@ -44,4 +44,5 @@ for _ in range(5):
     opt.step()
 if r == 0:
     torch.save(model.state_dict(), out)
+dist.barrier()  # every rank done before any tears its groups down (gloo aborted once without it)
 dist.destroy_process_group()
