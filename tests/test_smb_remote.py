@@ -163,9 +163,9 @@ def malformed_worker(ctx, payload: dict[str, Any]) -> list[str]:
     if ctx.rank == 1:
         with service._lock:  # an unknown op, then an accumulate of buffers that do not exist
             for op, a in ((99, 0), (OP_ACCUMULATE, 12345)):
-                seq = service._request(op, a, a + 1)
+                seq, posted, _ = service._request(op, a, a + 1)
                 try:
-                    service._status(seq, f"op {op}")
+                    service._status(seq, posted, f"op {op}")
                 except ValueError as exc:
                     seen.append(str(exc))
     dist.barrier()
@@ -195,8 +195,8 @@ from shmtrain.fabric.smb_remote import OP_WRITE, RemoteBufferService
 service = RemoteBufferService(sys.argv[1], 1, 2, timeout=30)
 target = service.lookup("target")
 with service._lock:  # a write announced and accepted, then the client dies without its payload
-    seq = service._request(OP_WRITE, target.id, target.numel)
-    service._status(seq, "the write")
+    seq, posted, _ = service._request(OP_WRITE, target.id, target.numel)
+    service._status(seq, posted, "the write")
 os._exit(0)
 """
 

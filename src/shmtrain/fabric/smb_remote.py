@@ -53,7 +53,16 @@ from shmtrain.fabric.smb import (
 )
 
 HEADER, REPLY_WORDS = 8, 4
-TAG_REQUEST, TAG_REPLY, TAG_TO_SERVER, TAG_TO_CLIENT = 1, 2, 3, 4
+TAG_REQUEST, TAG_TO_SERVER = 1, 3
+_REPLY, _TO_CLIENT, _PAYLOAD_IN, _VERDICT = 0, 1, 2, 3
+
+
+def _tag(seq: int, kind: int) -> int:
+    """The tag of request ``seq``'s reply, payload to the client, or payload to the server:
+    one per request, so a client posts its receives before it sends the header (no
+    round trip waits for a receive to be posted) and a receive left posted after a
+    refusal can never take a later message."""
+    return 16 + ((seq % (1 << 22)) << 2) + kind
 OP_HELLO, OP_READ, OP_WRITE, OP_ACCUMULATE, OP_BYE = 1, 2, 3, 4, 5
 OK, REFUSED, BAD_REQUEST = 0, 1, 2
 _STATUS = {REFUSED: "refused: this client has not proven the shared secret",
@@ -137,6 +146,7 @@ class MemoryServer:
         # per client: its payload in flight (kind, work, tensor, buffer id, finished, failure)
         self._inflight: dict[int, tuple] = {}
         self._state = threading.RLock()  # requests vs reap(): clients, transfers in flight
+        self._copies: dict[int, torch.Tensor] = {}
         self._pg: dist.ProcessGroup | None = None
         self.store.set("smb/clients", str(clients))
         self.store.set("smb/nonce", self.nonce)
@@ -232,6 +242,14 @@ class MemoryServer:
         with self._state:
             self._settle(block=False)
 
+    def _copy(self, client: int, like: torch.Tensor) -> torch.Tensor:
+        """This client's transfer buffer for tensors like ``like`` (kept: a new 4 MiB
+        tensor per request costs its page faults every time)."""
+        copy = self._copies.get(client)
+        if copy is None or copy.numel() != like.numel() or copy.dtype != like.dtype:
+            copy = self._copies[client] = torch.empty_like(like)
+        return copy
+
     def _track(self, client: int, kind: str, work: dist.Work, tensor: torch.Tensor, buffer_id: int) -> None:
         """Watch a payload in flight: gloo reports a transfer's end (or its peer's death)
         only to a waiter, so one short-lived thread waits for it."""
@@ -278,9 +296,10 @@ class MemoryServer:
             with self._lock:
                 self.buffers[buffer_id].copy_(staging)
 
-    def _reply(self, client: int, status: int, seq: int, value: int = 0) -> None:
+    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = _REPLY) -> None:
         assert self._pg is not None
-        self._pg.send([torch.tensor([status, seq, value, 0], dtype=torch.int64)], client, TAG_REPLY).wait(self._bound)
+        self._pg.send([torch.tensor([status, seq, value, 0], dtype=torch.int64)], client,
+                      _tag(seq, kind)).wait(self._bound)
 
     def _handle(self, client: int, header: torch.Tensor) -> None:
         op, seq, a, b, c = (int(x) for x in header[:5])
@@ -293,11 +312,11 @@ class MemoryServer:
             expected = _proof(self.secret, self.nonce) if self.secret else proof
             if hmac.compare_digest(bytes(proof.tolist()), bytes(expected.tolist())):
                 self._trusted.add(client)
-                self._reply(client, OK, seq)
+                self._reply(client, OK, seq, kind=_VERDICT)
             else:
                 self.refused += 1
                 self.log(f"shmtrain smb-server: client {client - 1} refused: its proof of the shared secret is wrong")
-                self._reply(client, REFUSED, seq)
+                self._reply(client, REFUSED, seq, kind=_VERDICT)
             return
         if op == OP_BYE:
             self._left.add(client)
@@ -315,13 +334,13 @@ class MemoryServer:
             self._reply(client, OK, seq)
             # the payload moves while the server serves the others (a stalled client blocks
             # no one): a read sends a copy taken now, a write lands in a staging copy
+            copy = self._copy(client, tensor)  # reused: its last transfer was settled above
             if op == OP_READ:
                 with self._lock:
-                    payload = tensor.clone()
-                self._track(client, "read", pg.send([payload], client, TAG_TO_CLIENT), payload, a)
+                    copy.copy_(tensor)
+                self._track(client, "read", pg.send([copy], client, _tag(seq, _TO_CLIENT)), copy, a)
             else:
-                staging = torch.empty_like(tensor)
-                self._track(client, "write", pg.recv([staging], client, TAG_TO_SERVER), staging, a)
+                self._track(client, "write", pg.recv([copy], client, _tag(seq, _PAYLOAD_IN)), copy, a)
             return
         if op == OP_ACCUMULATE:
             src, dst = self._buffer(a), self._buffer(b)
@@ -459,16 +478,25 @@ class RemoteBufferService(BufferService):
                                f"{self.timeout:.0f} s while {what}")
         return PeerFailure(f"the memory server at {self.address} failed while {what}: {_first_line(exc)}")
 
-    def _request(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> int:
-        """Send one header and return its sequence number (the caller holds the lock)."""
+    def _request(self, op: int, a: int = 0, b: int = 0, c: int = 0,
+                 landing: torch.Tensor | None = None) -> tuple[int, tuple[dist.Work, torch.Tensor], dist.Work | None]:
+        """Post the receive of the reply (and of a read's payload into ``landing``), then
+        send one header; returns the sequence number, the reply's (work, tensor) and the
+        payload's work (the caller holds the lock)."""
         self._seq += 1
-        header = torch.tensor([op, self._seq, a, b, c, 0, 0, 0], dtype=torch.int64)
-        self._call(lambda: self.pg.send([header], 0, TAG_REQUEST).wait(), f"sending request #{self._seq}")
-        return self._seq
-
-    def _status(self, seq: int, what: str) -> torch.Tensor:
+        seq = self._seq
         reply = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-        self._call(lambda: self.pg.recv([reply], 0, TAG_REPLY).wait(), f"waiting for the answer to {what}")
+        posted = (self._call(lambda: self.pg.recv([reply], 0, _tag(seq, _REPLY)), "posting a receive"), reply)
+        payload = None
+        if landing is not None:
+            payload = self._call(lambda: self.pg.recv([landing], 0, _tag(seq, _TO_CLIENT)), "posting a receive")
+        header = torch.tensor([op, seq, a, b, c, 0, 0, 0], dtype=torch.int64)
+        self._call(lambda: self.pg.send([header], 0, TAG_REQUEST).wait(), f"sending request #{seq}")
+        return seq, posted, payload
+
+    def _status(self, seq: int, posted: tuple[dist.Work, torch.Tensor], what: str) -> torch.Tensor:
+        work, reply = posted
+        self._call(work.wait, f"waiting for the answer to {what}")
         self._check(reply, seq, what)
         return reply
 
@@ -493,11 +521,14 @@ class RemoteBufferService(BufferService):
 
     def _hello(self, secret: bytes, nonce: str) -> None:
         with self._lock:
-            seq = self._request(OP_HELLO)
-            self._status(seq, "the greeting")
+            seq, posted, _ = self._request(OP_HELLO)
+            self._status(seq, posted, "the greeting")
+            second = torch.zeros(REPLY_WORDS, dtype=torch.int64)
+            verdict = (self._call(lambda: self.pg.recv([second], 0, _tag(seq, _VERDICT)),
+                                  "posting a receive"), second)
             proof = _proof(secret, nonce)
             self._call(lambda: self.pg.send([proof], 0, TAG_TO_SERVER).wait(), "proving the secret")
-            self._status(seq, "the proof of the shared secret")
+            self._status(seq, verdict, "the proof of the shared secret")
 
     # -- the SMB API -----------------------------------------------------------------
     def create(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> BufferKey:
@@ -539,9 +570,9 @@ class RemoteBufferService(BufferService):
         landing = target if target is not None else torch.empty(buffer.numel, dtype=getattr(torch, buffer.key.dtype))
         with self._lock:
             self._drain()
-            seq = self._request(OP_READ, buffer.key.id, buffer.numel)
-            self._status(seq, f"read of {buffer.key.name!r}")
-            self._call(lambda: self.pg.recv([landing.view(-1)], 0, TAG_TO_CLIENT).wait(), f"reading {buffer.key.name!r}")
+            seq, posted, payload = self._request(OP_READ, buffer.key.id, buffer.numel, landing=landing.view(-1))
+            self._status(seq, posted, f"read of {buffer.key.name!r}")
+            self._call(payload.wait, f"reading {buffer.key.name!r}")
         if target is None:
             out.copy_(landing.view_as(out))
         return out
@@ -550,17 +581,15 @@ class RemoteBufferService(BufferService):
         payload = src.detach().reshape(-1).to(getattr(torch, buffer.key.dtype)).contiguous()
         with self._lock:
             self._drain()
-            seq = self._request(OP_WRITE, buffer.key.id, buffer.numel)
-            self._status(seq, f"write of {buffer.key.name!r}")
-            self._call(lambda: self.pg.send([payload], 0, TAG_TO_SERVER).wait(), f"writing {buffer.key.name!r}")
+            seq, posted, _ = self._request(OP_WRITE, buffer.key.id, buffer.numel)
+            self._status(seq, posted, f"write of {buffer.key.name!r}")
+            self._call(lambda: self.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)).wait(), f"writing {buffer.key.name!r}")
 
     def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:
         if src.numel != dst.numel or src.key.dtype != dst.key.dtype:
             raise ValueError(f"cannot accumulate {src} into {dst}: sizes or dtypes differ")
         with self._lock:
-            seq = self._request(OP_ACCUMULATE, src.key.id, dst.key.id)
-            reply = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-            work = self._call(lambda: self.pg.recv([reply], 0, TAG_REPLY), "posting an answer")
+            seq, (work, reply), _ = self._request(OP_ACCUMULATE, src.key.id, dst.key.id)
             ticket = Ticket(self.rank, seq)
             self._pending.append((ticket, work, reply))
         return ticket
@@ -587,8 +616,8 @@ class RemoteBufferService(BufferService):
         with self._lock:
             try:
                 self._drain()
-                seq = self._request(OP_BYE)
-                self._status(seq, "goodbye")
+                seq, posted, _ = self._request(OP_BYE)
+                self._status(seq, posted, "goodbye")
             except (PeerFailure, PermissionError, ValueError):
                 pass
 
