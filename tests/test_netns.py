@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,9 +99,17 @@ def test_ssgd_across_two_namespaced_hosts_picks_the_routed_interface(hosts, tmp_
 @pytest.mark.parametrize("hosts", ["1gbit"], indirect=True)
 def test_seasgd_across_two_hosts_on_a_shaped_link_starts_its_memory_server(hosts, tmp_path: Path) -> None:
     # no --smb-server: rank 0 starts one on 10.77.x.1 with a generated secret
+    import glob
+    import tempfile
+
+    logs = set(glob.glob(os.path.join(tempfile.gettempdir(), "shmtrain-smb-*.log")))
     _two_hosts(hosts, tmp_path, ["--strategy", "seasgd", "--iterations", "12", "--batch-size", "16"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["workers"] == 4 and summary["iterations"] >= 10
+    deadline = time.monotonic() + 15  # the server ends with the job, its log with it
+    while set(glob.glob(os.path.join(tempfile.gettempdir(), "shmtrain-smb-*.log"))) - logs:
+        assert time.monotonic() < deadline, "the memory server's log outlived a clean run"
+        time.sleep(0.2)
 
 
 @pytest.mark.slow  # torchrun's own rendezvous timeout, not shmtrain's code

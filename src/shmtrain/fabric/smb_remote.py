@@ -637,7 +637,8 @@ def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: fl
 
     The server runs in its own session, so it outlives the loss of rank 0; it ends when
     every client has said goodbye, or after ``timeout`` seconds without any request (a
-    job whose workers are all gone), writing its log to ``log``.
+    job whose workers are all gone), writing its log to ``log`` (removed when it ended
+    cleanly).
     """
     import json
     import subprocess
@@ -651,7 +652,8 @@ def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: fl
         with open(log, "ab") as sink:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "shmtrain", "smb-server", "--clients", str(world), "--bind", bind,
-                 "--port", "0", "--timeout", str(timeout), "--idle-exit", str(timeout), "--address-file", log + ".addr"],
+                 "--port", "0", "--timeout", str(timeout), "--idle-exit", str(timeout), "--address-file", log + ".addr",
+                 "--log-file", log],
                 env={**os.environ, SECRET_ENV: secret}, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
                 start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -76,6 +76,9 @@ def _handler(args: argparse.Namespace) -> int:
         print(f"shmtrain smb-server: buffers written to {snapshot}", flush=True)
     print(f"shmtrain smb-server: {server.applied} accumulations applied, {server.refused} requests refused, "
           f"{server.errors} errors", flush=True)
+    clean = server.finished and not (stopping or idle or failure or server.errors or server.refused)
+    if clean and args.log_file:
+        Path(args.log_file).unlink(missing_ok=True)  # nothing to tell: leave no file behind
     if stopping or idle or thread.is_alive():  # the serving thread may be blocked in gloo
         sys.stdout.flush()
         sys.stderr.flush()
@@ -104,4 +107,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="stop after this many seconds without any request (default 0: never; the server "
                         "that `shmtrain train` starts for a multi-host job uses its --timeout)")
     p.add_argument("--address-file", help=argparse.SUPPRESS)  # where a starter reads HOST:PORT
+    p.add_argument("--log-file", help=argparse.SUPPRESS)  # the starter's log of this server: removed on a clean end
     p.set_defaults(handler=_handler)
