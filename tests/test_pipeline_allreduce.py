@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shmtrain.fabric.control import _reached
-from shmtrain.fabric.pipeline_allreduce import PAGE, PipelinedAllreduce, _part
+from shmtrain.fabric.pipeline_allreduce import PAGE, PipelinedAllreduce, split
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
 from shmtrain.runtime.launcher import launch
 
@@ -93,7 +93,7 @@ def refusing_worker(ctx, payload: dict[str, Any]) -> list[str]:
 def test_parts_cover_a_block_once() -> None:
     for m in (1, 16, 17, 1000, 65_536):
         for parts in (1, 2, 3, 4):
-            ranges = [_part(m, parts, i) for i in range(parts)]
+            ranges = split(m, parts)
             assert ranges[0][0] == 0 and ranges[-1][1] == m
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
 

@@ -89,6 +89,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         self.host.barrier("the shm backend's set-up")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._failure: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="shmtrain-pg", daemon=True)
         self._thread.start()
 
@@ -128,11 +129,13 @@ class ShmProcessGroup(dist.ProcessGroup):
                 future.set_exception(exc)
 
     def _reduce(self, tensor: torch.Tensor, mean: bool) -> None:
-        self.pipeline(tensor, op="sum")
-        if self.hosts > 1:  # the host sums among the hosts' leaders, then back inside the host
-            if self.leaders is not None:
-                self.leaders.allreduce([tensor]).wait()
-            self._host_broadcast(tensor)
+        if self.hosts == 1:  # the mean is taken block by block while each is in cache
+            self.pipeline(tensor, op="mean" if mean else "sum")
+            return
+        self.pipeline(tensor, op="sum")  # the host sums among the hosts' leaders, then back inside the host
+        if self.leaders is not None:
+            self.leaders.allreduce([tensor]).wait()
+        self._host_broadcast(tensor)
         if mean:
             tensor.div_(self.size())
 
@@ -182,13 +185,15 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self.gloo.recv_anysource(tensors, tag)
 
     def shutdown(self) -> None:
-        """Stop the reduction thread and release the shared memory (``destroy_process_group``)."""
+        """Stop the reduction thread and release the shared memory (``destroy_process_group``;
+        a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=10)
         self.pipeline.close()
-        for segment in self.host.keep:
-            segment.close()
         self.host.control.segment.close()
 
     def __del__(self) -> None:

@@ -37,7 +37,7 @@ MAX_CHANNELS = 48
 _SLICE_S = 0.05  # how often a sleeping waiter re-checks abort and peer liveness (at most)
 _FIRST_SLICE_S = 0.001  # the first sleep: bounds the cost of a lost wake-up
 _ANY = -1  # a sleeper line's value when threads sleep on several words
-_YIELDS = int(os.environ.get("SHMTRAIN_YIELDS", "20"))
+_YIELDS = 20  # yields of the core before sleeping, when ranks outnumber cores
 _SPIN_S = 150e-6  # how long a waiter spins before sleeping, when every rank has a core
 DIED = 255  # abort code a peer records for a rank it found dead (its exit code is unknown)
 

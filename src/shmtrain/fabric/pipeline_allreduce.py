@@ -161,7 +161,7 @@ class PipelinedAllreduce:
             slot[me, :m].copy_(out)
             control.post(self._channel, me, k)
             control.wait(self._channel, ranks, k, timeout=timeout, what="a block of the allreduce", spin=self.spin)
-            lo, hi = _part(m, L, me)
+            lo, hi = split(m, L)[me]
             if hi > lo:
                 mine = result[lo:hi]
                 if out.is_floating_point():
@@ -183,8 +183,8 @@ class PipelinedAllreduce:
         self.segment.close()
 
 
-def _part(m: int, parts: int, index: int, granule: int = 16) -> tuple[int, int]:
-    """Rank ``index``'s range of a block of ``m`` elements split ``parts`` ways."""
-    per = -(-m // parts)  # ceil
+def split(numel: int, parts: int, granule: int = 16) -> list[tuple[int, int]]:
+    """Split ``[0, numel)`` into ``parts`` contiguous ranges, boundaries on ``granule``."""
+    per = -(-numel // parts) if parts else numel
     per = -(-per // granule) * granule
-    return min(index * per, m), min((index + 1) * per, m)
+    return [(min(i * per, numel), min((i + 1) * per, numel)) for i in range(parts)]

@@ -30,18 +30,12 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.host import HostGroup
-from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
+from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce, split
 from shmtrain.fabric.segment import align
 from shmtrain.fabric.stitch import PAGE, StitchedView
 
 BLOCK_ELEMENTS = 1 << 20  # apply every peer to one block while it is in cache
-
-
-def split(numel: int, parts: int, granule: int = 16) -> list[tuple[int, int]]:
-    """Split ``[0, numel)`` into ``parts`` contiguous ranges, boundaries on ``granule``."""
-    per = -(-numel // parts) if parts else numel
-    per = -(-per // granule) * granule
-    return [(min(i * per, numel), min((i + 1) * per, numel)) for i in range(parts)]
+__all__ = ["BLOCK_ELEMENTS", "ShmAllreduce", "split"]
 
 
 class ShmAllreduce:

@@ -159,6 +159,11 @@ class MemoryServer:
         return f"{self.bind}:{self.port}"
 
     @property
+    def remaining(self) -> int:
+        """Clients that have neither said goodbye nor been lost."""
+        return self.clients - len(self._left)
+
+    @property
     def finished(self) -> bool:
         """Every client has said goodbye or been lost."""
         return len(self._left) >= self.clients
@@ -514,10 +519,7 @@ class RemoteBufferService(BufferService):
     def _drain(self) -> None:
         """Collect the answers of accumulates in flight (before any other answer)."""
         while self._pending:
-            ticket, work, reply = self._pending.pop(0)
-            self._call(lambda w=work: w.wait(), f"waiting for accumulate #{ticket.seq}")
-            self._check(reply, ticket.seq, f"accumulate #{ticket.seq}")
-            self._done = ticket.seq
+            self._drain_one()
 
     def _hello(self, secret: bytes, nonce: str) -> None:
         with self._lock:

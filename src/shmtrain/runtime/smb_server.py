@@ -66,7 +66,7 @@ def _handler(args: argparse.Namespace) -> int:
         if args.idle_exit and time.monotonic() - server.last_request > args.idle_exit:
             idle = True
             print(f"shmtrain smb-server: no request for {args.idle_exit:.0f} s "
-                  f"({server.clients - len(server._left)} clients never said goodbye); stopping", flush=True)
+                  f"({server.remaining} clients never said goodbye); stopping", flush=True)
             break
         if args.snapshot_every and time.monotonic() - last >= args.snapshot_every:
             server.snapshot(snapshot)
