@@ -50,12 +50,12 @@ def test_own_loop_example_under_torchrun_matches_single_process(tmp_path: Path) 
     assert not leftover()
 
 
-def _two_hosts(out: Path, common: list[str]) -> None:
-    """Two torchrun launches on this machine, each one host of 2 workers."""
+def _two_hosts(out: Path, common: list[str], nodes: int = 2, per_node: int = 2) -> None:
+    """``nodes`` torchrun launches on this machine, each one host of ``per_node`` workers."""
     port = free_port()
     procs = []
-    for node in (0, 1):
-        cmd = TORCHRUN + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+    for node in range(nodes):
+        cmd = TORCHRUN + ["--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", str(per_node),
                           "--master-addr", "127.0.0.1", "--master-port", str(port),
                           "-m", "shmtrain", "train", *common, "--out", str(out)]
         procs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -80,4 +80,32 @@ def test_two_hosts_equal_one_host_of_four(tmp_path: Path) -> None:
             assert float((two[key] - one[key]).norm() / one[key].norm()) < 1e-5, (name, key)
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["workers"] == 4 and summary["iterations"] == 15
+    assert not leftover()
+
+
+def _same_weights(one: Path, other: Path) -> None:
+    a, b = torch.load(one / "model.pt"), torch.load(other / "model.pt")
+    for key in a:
+        assert float((b[key] - a[key]).norm() / a[key].norm()) < 1e-5, (other.name, key)
+
+
+def test_gpi_and_cpu_acc_across_hosts_equal_one_host(tmp_path: Path) -> None:
+    """gpi's tree and cpu_acc's accumulation inside each host, the layers summed between the
+    hosts' leaders (HostCombiner): two hosts of two against one host of four, and cpu_acc on
+    three hosts of one against one host of three."""
+    common = ["--iterations", "12", "--batch-size", "8", "--seed", "5", "--no-progress"]
+    for strategy in ("gpi", "cpu_acc"):
+        args = ["--strategy", strategy, *common]
+        _two_hosts(tmp_path / f"{strategy}-2x2", args)
+        subprocess.run([sys.executable, "-m", "shmtrain", "train", *args, "--workers", "4",
+                        "--out", str(tmp_path / f"{strategy}-1x4")], check=True, timeout=150, env=env(),
+                       capture_output=True)
+        _same_weights(tmp_path / f"{strategy}-1x4", tmp_path / f"{strategy}-2x2")
+        summary = json.loads((tmp_path / f"{strategy}-2x2" / "summary.json").read_text())
+        assert summary["workers"] == 4 and summary["iterations"] == 12
+    args = ["--strategy", "cpu_acc", *common]
+    _two_hosts(tmp_path / "cpu_acc-3x1", args, nodes=3, per_node=1)
+    subprocess.run([sys.executable, "-m", "shmtrain", "train", *args, "--workers", "3",
+                    "--out", str(tmp_path / "cpu_acc-1x3")], check=True, timeout=150, env=env(), capture_output=True)
+    _same_weights(tmp_path / "cpu_acc-1x3", tmp_path / "cpu_acc-3x1")
     assert not leftover()

@@ -87,6 +87,7 @@ class OneSidedWindow:
         ).reshape(world, self._stride // 4)[:, :notifications]
         self._doorbell_addr = [self.segment.address(r * LINE) for r in range(world)]
         self._rings = 0
+        self._self_rings = 0
 
     # -- data -----------------------------------------------------------------------
     def area(self, rank: int, dtype: torch.dtype, offset: int = 0, numel: int | None = None) -> torch.Tensor:
@@ -123,6 +124,17 @@ class OneSidedWindow:
         self._doorbells[target * LINE // 4] = token
         futex_wake(self._doorbell_addr[target])
 
+    def notify_self(self, notification: int, value: int) -> None:
+        """Raise one of this rank's own notifications from another thread of this process
+        (one that receives from another host) and ring this rank's doorbell.
+
+        Its tokens are negative, so they never repeat one a local sender stored.
+        """
+        self._words[self.rank, notification] = value
+        self._self_rings += 1
+        self._doorbells[self.rank * LINE // 4] = -(self._self_rings % (2**31 - 1)) - 1
+        futex_wake(self._doorbell_addr[self.rank])
+
     # -- receiving --------------------------------------------------------------------
     def notifications(self) -> np.ndarray:
         """This rank's notification words (a live view: read, never write)."""
@@ -146,7 +158,9 @@ class OneSidedWindow:
         self.check(senders, what)
         now = time.monotonic()
         if now >= deadline:
-            peer = senders[0] if senders else -1
+            if not senders:
+                raise PeerTimeout(f"{what} did not arrive within {self.host.timeout:.0f} s")
+            peer = senders[0]
             control = self.host.control
             raise PeerTimeout(
                 f"local rank {peer} (pid {control.pid(peer) if peer >= 0 else '?'}) did not "

@@ -15,9 +15,11 @@ configuration chooses.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.smb import BufferService, LocalBufferService
@@ -124,6 +126,22 @@ class Transports:
         from shmtrain.fabric.smb_remote import start_memory_server
 
         return start_memory_server(self.ctx.store, self.ctx.rank, self.ctx.world_size, timeout=self.ctx.timeout)
+
+    def host_combiner(self, order: Sequence[int], tensor, done, *, ready=None, name: str = "combiner"):
+        """The cross-host edge of a per-layer reduction (:class:`HostCombiner`): on each
+        host's leader, a thread that sums ``tensor(layer, round)`` with the other hosts'
+        leaders in ``order`` on a gloo group of its own; None on the other ranks and on
+        one host (collective: every rank of the job calls it)."""
+        from shmtrain.fabric.host_combiner import HostCombiner
+
+        ctx = self.ctx
+        if ctx.num_nodes <= 1:
+            return None
+        group = dist.new_group([node * ctx.local_world for node in range(ctx.num_nodes)], backend="gloo",
+                               timeout=timedelta(seconds=ctx.timeout))
+        if not ctx.is_leader:
+            return None
+        return HostCombiner(group, order, tensor, done, ready=ready, name=f"shmtrain-{name}")
 
     def star(self, name: Literal["shm", "gloo"], tag: str, numel: int, dtype: torch.dtype,
              init: torch.Tensor):

@@ -70,11 +70,6 @@ class CPUAccumulation(Strategy):
     #: host accumulation serves parameters in host memory or on a GPU (HostStaging)
     devices = frozenset({"cpu", "cuda"})
 
-    @classmethod
-    def hosts_reason(cls, config: StrategyConfig) -> str | None:
-        return ("the gradients are accumulated in one host's memory; use "
-                "--strategy ssgd --overlap across hosts")
-
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
         """``cpu_acc`` has no options: one accumulator thread per worker, as in the paper."""
@@ -114,7 +109,14 @@ class CPUAccumulation(Strategy):
         self._lock_wait_s = np.zeros(n)
         self._accumulate_s = np.zeros(n)
         self._done_total = 0
-        self._scale = 1.0 / self.world
+        # the mean over the whole job: each host's sum is already scaled by 1/N
+        self._scale = 1.0 / ctx.world_size
+        # A layer's counter moves once per local accumulation and, across hosts, once
+        # more when the leader has summed it with the other hosts (HostCombiner).
+        self._per_round = self.world + (1 if ctx.num_nodes > 1 else 0)
+        self._combiner = self.transports.host_combiner(
+            range(n - 1, -1, -1), lambda layer, k: self.global_grads[k % 2][layer], self._combined,
+            ready=self._host_sum_ready, name="cpu-acc-hosts")
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._batch: list[tuple] = []  # hand-offs not yet queued
@@ -149,7 +151,7 @@ class CPUAccumulation(Strategy):
 
     def _return_finished(self) -> None:
         """Lines 7-10: bring back every handed-off layer whose sum is complete."""
-        target = self.world * (self.steps + 1)
+        target = self._per_round * (self.steps + 1)
         ready = self._handed & ~self._returned & (self.critical.counters >= target)
         for layer in np.flatnonzero(ready):
             self._copy_back(int(layer))
@@ -191,7 +193,7 @@ class CPUAccumulation(Strategy):
         target = self.global_grads[seq % 2][layer]
         # The mean, as a sum of partials scaled by 1/N (no pass after the last one);
         # the first arrival of the iteration writes instead of adding.
-        if count % self.world == 0:
+        if count % self._per_round == 0:
             torch.mul(partial, self._scale, out=target)
         else:
             target.add_(partial, alpha=self._scale)
@@ -200,6 +202,19 @@ class CPUAccumulation(Strategy):
         self.critical.release(layer, count + 1)
         self._done_total += 1
         self.ctx.host.control.post(self._accumulated, self.me, self._done_total)
+
+    # -- across hosts: the leader's combiner thread (HostCombiner) -------------------
+    def _host_sum_ready(self, layer: int, k: int, check) -> None:
+        """This host's workers have all added their partials of ``layer`` in round ``k``."""
+        self.critical.wait_count(layer, self._per_round * (k - 1) + self.world, deadline=float("inf"),
+                                 check=check, what=f"this host's sum of layer {layer}",
+                                 name_peer=self._laggards)
+
+    def _combined(self, layer: int, k: int) -> None:
+        """The job's sum of ``layer`` is in place: one more count wakes the host's workers."""
+        self.critical.acquire(layer, deadline=time.monotonic() + self.ctx.timeout, check=self._check,
+                              what=f"the global gradient of layer {layer}")
+        self.critical.release(layer, int(self.critical.counters[layer]) + 1)
 
     # -- collectRemainingGradsFromCPU ------------------------------------------------------
     def after_backward(self) -> None:
@@ -210,7 +225,7 @@ class CPUAccumulation(Strategy):
                 p.grad = torch.zeros_like(p)
             self._hand_off(int(layer), p.grad)
         self._flush()
-        target = self.world * (self.steps + 1)
+        target = self._per_round * (self.steps + 1)
         deadline = time.monotonic() + self.ctx.timeout
         for layer in self._order:
             if self._returned[layer]:
@@ -230,6 +245,8 @@ class CPUAccumulation(Strategy):
         """Raise if the accumulator thread failed, the host aborted, or a peer died."""
         if self._error is not None and threading.current_thread() is not self._thread:
             raise self._error
+        if self._combiner is not None:
+            self._combiner.check()
         control = self.ctx.host.control
         failed = control.aborted()
         if failed is not None:
@@ -246,6 +263,8 @@ class CPUAccumulation(Strategy):
         control = self.ctx.host.control
         expected = self.num_layers * (self.steps + 1)
         late = [r for r in range(self.world) if control.get(self._accumulated, r) < expected]
+        if not late and self._per_round > self.world:
+            return "the other hosts (their leaders' sum)"
         return "local rank(s) " + ", ".join(map(str, late or range(self.world)))
 
     def _report(self) -> None:
@@ -270,6 +289,8 @@ class CPUAccumulation(Strategy):
         super().after_update()
 
     def finish(self) -> None:
+        if self._combiner is not None:
+            self._combiner.close()
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=self.ctx.timeout)

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.fabric.onesided import OneSidedWindow
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 
@@ -90,11 +90,6 @@ class GPI(Strategy):
 
     name = "gpi"
 
-    @classmethod
-    def hosts_reason(cls, config: StrategyConfig) -> str | None:
-        return ("its one-sided writes go through one host's shared memory; use "
-                "--strategy ssgd --overlap across hosts")
-
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
         """``gpi`` has no options: the tree and the layer order follow from the job."""
@@ -115,8 +110,13 @@ class GPI(Strategy):
         self.num_layers = n = len(self.params)
         # Area of rank r: its parameters, then one gradient slot per child.
         areas = [self.layer_bytes * (1 + len(tree_children(r, world))) for r in range(world)]
-        self.window = OneSidedWindow(host, areas, n * (self.fanin + 1), tag="gpi")
+        # notification ids: gradients per (layer, child slot), new weights per layer and,
+        # across hosts, "the job's sum is in place" per layer (raised by the combiner)
+        hosts = ctx.num_nodes > 1
+        self.window = OneSidedWindow(host, areas, n * (self.fanin + 1 + hosts), tag="gpi")
         self._weights = layout.bind_data(self.window.area(me, dtype, 0, numel))
+        if ctx.num_nodes > 1:  # every host's tree starts from global rank 0's weights
+            broadcast_parameters(layout)
         host.barrier("gpi set-up")
         if me != 0:  # one broadcast of the initial weights, from the root's area
             self.window.area(me, dtype, 0, numel).copy_(self.window.area(0, dtype, 0, numel))
@@ -142,6 +142,14 @@ class GPI(Strategy):
         self._have = np.zeros(n, dtype=bool)  # new weights in place and sent down
         self._ready: list[int] = []  # root: averaged, awaiting the optimizer
         self._ready_numel = 0
+        # Across hosts each host's root (its leader) sums its tree's gradient of a layer
+        # with the other hosts' leaders on a thread (HostCombiner), then averages and
+        # updates that layer itself: every leader applies the same update.
+        self.total = ctx.world_size
+        self._summed = np.zeros(n, dtype=bool)  # leader: the job's sum is in place
+        self._combiner = self.transports.host_combiner(
+            range(n - 1, -1, -1), lambda layer, k: self.params[layer].grad,
+            lambda layer, k: self.window.notify_self(self._combined_id(layer), k), name="gpi-hosts")
 
     # -- notification ids (per receiver) -------------------------------------------
     def _grad_id(self, layer: int, child_slot: int) -> int:
@@ -149,6 +157,9 @@ class GPI(Strategy):
 
     def _weights_id(self, layer: int) -> int:
         return self.num_layers * self.fanin + layer
+
+    def _combined_id(self, layer: int) -> int:
+        return self.num_layers * (self.fanin + 1) + layer
 
     # -- one turn of Fig. 3 ------------------------------------------------------------
     def on_gradient_ready(self, param: torch.Tensor) -> None:
@@ -168,8 +179,15 @@ class GPI(Strategy):
             for layer in np.flatnonzero(pending):
                 self._reduce(int(layer), seq)
                 moved = True
+        if self._combiner is not None:
+            summed = (words[self._combined_id(0):] >= seq) & self._sent & ~self._summed
+            for layer in np.flatnonzero(summed):
+                self._summed[layer] = True
+                self.params[layer].grad.mul_(1.0 / self.total)
+                self._queue_update(int(layer), seq)
+                moved = True
         if self.parent >= 0:
-            arrived = (words[self.num_layers * self.fanin :] >= seq) & ~self._have
+            arrived = (words[self._weights_id(0) : self._combined_id(0)] >= seq) & ~self._have
             for layer in np.flatnonzero(arrived):
                 self._weights[layer].copy_(self._parent_weights[layer])  # the one-sided read
                 self._send_down(int(layer), seq)
@@ -188,12 +206,22 @@ class GPI(Strategy):
                 self._grad_id(layer, self._parent_slot_id), seq,
             )
             return
+        if self._combiner is not None:  # this host's sum, then the other hosts'
+            for slot in self._slots:
+                grad.add_(slot[layer])
+            self._combiner.submit(layer, seq)
+            return
         if self.world == 2:  # the mean of two in one pass
             grad.lerp_(self._slots[0][layer], 0.5)
         elif self.world > 2:
             for slot in self._slots:
                 grad.add_(slot[layer])
             grad.mul_(1.0 / self.world)
+        self._queue_update(layer, seq)
+
+    def _queue_update(self, layer: int, seq: int) -> None:
+        """Root: the layer's mean gradient is in ``grad``; update it with the next batch."""
+        p = self.params[layer]
         self._ready.append(layer)
         self._ready_numel += p.numel()
         if self._ready_numel >= UPDATE_BATCH:
@@ -238,6 +266,8 @@ class GPI(Strategy):
         deadline = time.monotonic() + self.ctx.timeout
         while True:
             token = self.window.doorbell()
+            if self._combiner is not None:
+                self._combiner.check()
             self._turn()
             self._update_ready(self.steps + 1)
             if self._have.all():
@@ -262,6 +292,8 @@ class GPI(Strategy):
             ]
             return missing or self.children, f"the gradient of layer {layer} ({at})"
         layer = int(np.flatnonzero(~self._have)[0])
+        if self.parent < 0:  # a leader across hosts: its combiner waits for the others
+            return [], f"the other hosts' sum of layer {layer} ({at})"
         return [self.parent], f"the new weights of layer {layer} ({at})"
 
     def apply_update(self) -> None:
@@ -271,4 +303,10 @@ class GPI(Strategy):
         self._own[:] = False
         self._sent[:] = False
         self._have[:] = False
+        self._summed[:] = False
         super().after_update()
+
+    def finish(self) -> None:
+        if self._combiner is not None:
+            self._combiner.close()
+        super().finish()
