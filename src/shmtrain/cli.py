@@ -178,11 +178,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from shmtrain.bench import allreduce, checkpoint, collectives, overlap, ps, smb, step, subbatch
+    from shmtrain.bench.hosts import add_parser as add_bench_hosts_parser
 
     p = sub.add_parser("bench", help="benchmarks (table + JSON)", description="Benchmarks: each prints a table and writes --json.")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     allreduce.add_parser(bench)
     step.add_parser(bench)
+    add_bench_hosts_parser(bench)
     collectives.add_bench_collectives_parser(bench)
     smb.add_bench_smb_parser(bench)
     smb.add_bench_seasgd_parser(bench)

@@ -54,6 +54,9 @@ from shmtrain.fabric.smb import (
 
 HEADER, REPLY_WORDS = 8, 4
 TAG_REQUEST, TAG_TO_SERVER = 1, 3
+#: the tag of the receive the server keeps posted on each client's link and that no client
+#: ever sends to: it ends only when the link closes, which is how a lost client is seen
+TAG_LIVENESS = 5
 _REPLY, _TO_CLIENT, _PAYLOAD_IN, _VERDICT = 0, 1, 2, 3
 
 
@@ -139,6 +142,9 @@ class MemoryServer:
         self.applied = 0
         self.refused = 0
         self.errors = 0
+        #: clients whose link closed before they said goodbye (rank -> when), also
+        #: recorded as ``smb/dead/<rank>`` in the store for the other workers' boards
+        self.lost: dict[int, float] = {}
         self._trusted: set[int] = set() if secret else set(range(1, clients + 1))
         self._left: set[int] = set()
         self._lock = threading.Lock()  # buffers: the serving loop vs snapshots
@@ -239,7 +245,33 @@ class MemoryServer:
             raise PeerTimeout(f"only {joined} of {self.clients} clients connected to the memory server at "
                               f"{self.address} within {self.timeout:.0f} s")
         self._pg = made[0]
+        for client in range(1, self.clients + 1):
+            self._watch_link(client)
         return self._pg
+
+    def _watch_link(self, client: int) -> None:
+        """Notice ``client``'s death while it is idle: a receive that no message ever
+        completes stays posted on its link; gloo fails it as soon as the link closes
+        (measured: at once after SIGKILL), while a client that said goodbye first is only
+        leaving. A lost client is marked ``smb/dead/<rank>`` so the survivors' boards
+        (TERM) stop counting on it."""
+        assert self._pg is not None
+        work = self._pg.recv([torch.zeros(1, dtype=torch.uint8)], client, TAG_LIVENESS)
+
+        def watch() -> None:
+            try:
+                work.wait(_FOREVER)
+            except RuntimeError as exc:
+                with self._state:
+                    if client in self._left:
+                        return
+                    self._left.add(client)
+                    self._inflight.pop(client, None)
+                self._record_lost(client)
+                self.log(f"shmtrain smb-server: client {client - 1} lost (its link closed: {_first_line(exc)}); "
+                         "what it applied stays; serving the others")
+
+        threading.Thread(target=watch, name=f"smb-alive-{client}", daemon=True).start()
 
     def reap(self) -> None:
         """Apply the payloads that have arrived and drop the clients lost mid-transfer
@@ -276,8 +308,16 @@ class MemoryServer:
         self.errors += 1
         self._left.add(client)
         self._inflight.pop(client, None)
+        self._record_lost(client)
         self.log(f"shmtrain smb-server: client {client - 1} lost in the middle of a request "
                  f"({_first_line(exc)}); nothing of it was applied; serving the others")
+
+    def _record_lost(self, client: int) -> None:
+        self.lost[client - 1] = time.time()
+        try:
+            self.store.set(f"smb/dead/{client - 1}", "1")
+        except RuntimeError:  # the store is this process's own: only at shutdown
+            pass
 
     def _settle(self, block: bool) -> None:
         for client in list(self._inflight):

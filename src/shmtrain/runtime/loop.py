@@ -129,6 +129,8 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         "stopped": stop.signum if stop.stopped else 0,
         "checkpoint": str(saved) if saved is not None else None,
         "skipped_files": data.skipped,
+        # asynchronous strategies: workers lost during the run (rank -> iterations done)
+        "lost": dict(dp.strategy.lost_peers),
     }
     if ctx.rank == 0 and not stop.stopped:
         result["accuracy"] = accuracy(model, data.test_x, data.test_y)

@@ -133,6 +133,13 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     checks = strategies.get(config["strategy"]).check_metrics(rows)
     if checks:
         summary.update(checks)
+    # workers lost during an asynchronous run, with the iterations each had done (from the
+    # progress board; from its metrics rows when the board never heard of it)
+    lost = {int(r): int(n) for r, n in (rank0.get("lost") or {}).items()}
+    lost.update({r: -1 for r in range(summary["workers"]) if r not in lost and r not in summary["iterations_per_rank"]})
+    summary["lost_workers"] = {
+        str(r): n if n >= 0 else (rows[r][-1]["iteration"] if rows.get(r) else 0) for r, n in sorted(lost.items())
+    }
     skipped = sorted({f for r in results for f in r.get("skipped_files", [])})
     summary["skipped_files"] = len(skipped)  # --skip-bad-files: each is named in the logs
     write_output(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -24,15 +25,11 @@ from shmtrain.runtime import checkpoint, report
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launcher import WorkerFailed, launch
 from shmtrain.runtime.preflight import preflight
+from shmtrain.runtime.zygote import under_torchrun
 
 TARGET = "shmtrain.runtime.loop:train_worker"
 
 
-def under_torchrun() -> bool:
-    """True when torchrun (or another launcher with its environment) started us."""
-    return "SHMTRAIN_STORE_PORT" not in os.environ and (
-        "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-    )
 
 
 def default_out(config: TrainConfig) -> Path:
@@ -180,6 +177,9 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     acc = summary["accuracy"]
     echo(f"\nheld-out accuracy {acc * 100:.2f}%  |  {summary['iterations']} iterations  |  "
          f"wall {wall:.1f} s  |  {out}/summary.json, {out}/plot.png")
+    if summary.get("lost_workers"):
+        echo("lost during the run (the others trained to the end): " + ", ".join(
+            f"rank {r} after iteration {n}" for r, n in summary["lost_workers"].items()))
     if summary.get("skipped_files"):
         echo(f"skipped {summary['skipped_files']} unreadable image(s) (--skip-bad-files); each is "
              f"named in {out}/logs/rank-0.log")
@@ -209,9 +209,13 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
             raise ValueError(info["error"])
         out = Path(info["out"])
         result = train_worker(ctx, {"config": config, "out": str(out), "resume": info["resume"]})
-        results: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(results, result)
-        ctx.shutdown()  # every peer done before any gloo pair is torn down (no exit abort)
+        if ctx.num_nodes > 1 and strategies.get(config.strategy).tolerates_host_loss:
+            results = _gather_survivors(ctx, result)  # a lost host must not hang the others
+            ctx.close()
+        else:
+            results = [None] * ctx.world_size
+            dist.all_gather_object(results, result)
+            ctx.shutdown()  # every peer done before any gloo pair is torn down (no exit abort)
     except BaseException:
         ctx.fail()
         raise
@@ -224,6 +228,70 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     if ctx.rank != 0:
         return None
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def _gather_survivors(ctx: Any, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workers' results through the job's store, without waiting for the lost ones.
+
+    Every rank posts its result; rank 0 waits for those of every rank it does not know
+    lost (its buffer service's board: ``result["lost"]``), within ``--timeout``, names
+    the ranks that never answered as lost too, then posts ``results/done``, which the
+    others wait for before tearing down their gloo pairs (the barrier of
+    ``ProcessContext.shutdown``, which a dead peer would fail). Returns rank 0's list of
+    results (the other ranks get theirs alone).
+    """
+    store = ctx.store
+    store.set(f"result/{ctx.rank}", pickle.dumps(result))
+    deadline = time.monotonic() + ctx.timeout
+    if ctx.rank != 0:
+        while not store.check(["results/done"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [result]
+    lost = {int(r): n for r, n in result.get("lost", {}).items()}
+    results = [result]
+    for rank in range(1, ctx.world_size):
+        key = f"result/{rank}"
+        while rank not in lost and not store.check([key]):
+            if time.monotonic() > deadline:
+                lost[rank] = -1  # never answered: its last iteration comes from its metrics
+                break
+            time.sleep(0.05)
+        if rank not in lost:
+            results.append(pickle.loads(store.get(key)))
+    result["lost"] = lost
+    store.set("results/done", "1")
+    _check_in_for_lost_hosts(ctx, lost)
+    return results
+
+
+#: torchrun's agents meet at an exit barrier under this key (its prefix in the agent's store)
+_AGENT_EXIT_BARRIER = "torchelastic/agent/terminal_state"
+
+
+def _check_in_for_lost_hosts(ctx: Any, lost: dict[int, int]) -> None:
+    """Let this host's torchrun agent leave: torchrun's agents wait for one another at an
+    exit barrier (300 s, which the command line cannot change) that a lost host's agent
+    never reaches (it failed, or died). Once every worker of a host is known lost, rank 0
+    checks in for that host's agent, as the agent itself would have on finishing."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    hosts = [n for n in range(ctx.num_nodes)
+             if all(r in lost for r in range(n * ctx.local_world, (n + 1) * ctx.local_world))]
+    if not run_id or not hosts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=10))
+        agents = dist.PrefixStore(run_id, base)
+        for _ in hosts:
+            if agents.add(f"{_AGENT_EXIT_BARRIER}/num_members", 1) == ctx.num_nodes:
+                agents.set(f"{_AGENT_EXIT_BARRIER}/last_member", "<val_ignored>")
+    except (RuntimeError, KeyError, ValueError) as exc:
+        _warn(f"shmtrain: could not let torchrun's agent leave early ({exc}); it waits for the lost "
+              "host(s) at its exit barrier (300 s), then exits")
 
 
 def _torchrun_folder(config: TrainConfig, echo) -> dict[str, Any]:

@@ -75,8 +75,10 @@ def _handler(args: argparse.Namespace) -> int:
         server.snapshot(snapshot)
         print(f"shmtrain smb-server: buffers written to {snapshot}", flush=True)
     print(f"shmtrain smb-server: {server.applied} accumulations applied, {server.refused} requests refused, "
-          f"{server.errors} errors", flush=True)
-    clean = server.finished and not (stopping or idle or failure or server.errors or server.refused)
+          f"{server.errors} errors, {len(server.lost)} clients lost"
+          + (f" (ranks {', '.join(map(str, sorted(server.lost)))})" if server.lost else ""), flush=True)
+    clean = server.finished and not (stopping or idle or failure or server.errors or server.refused
+                                     or server.lost)
     if clean and args.log_file:
         Path(args.log_file).unlink(missing_ok=True)  # nothing to tell: leave no file behind
     if stopping or idle or thread.is_alive():  # the serving thread may be blocked in gloo

@@ -81,14 +81,25 @@ class StopRequest:
         now = time.monotonic()
         if os.getppid() != self._parent or (
             self._received is not None and now - self._received > DUPLICATE_S
-        ):
-            # A second request, or the launcher is gone (its store with it): stop at once.
+        ) or self._host_torn_down():
+            # A second request, or the launcher is gone (its store with it), or torchrun's
+            # agent ending this host after a worker died: stop at once (no stop request to
+            # the other hosts, which train on when the strategy tolerates a lost host).
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
         if self._received is None:
             self._received = now
             self.control.request_stop(signum)
+
+    def _host_torn_down(self) -> bool:
+        """Under torchrun, a signal while a worker of this host is dead comes from the
+        agent, which ends every worker of a host once one has died."""
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            return False
+        me, control = self.ctx.host.local_rank, self.control
+        return any(control.pid(r) > 0 and not alive(control.pid(r))
+                   for r in range(self.ctx.host.local_world) if r != me)
 
     # -- per iteration ----------------------------------------------------------------------
     def requested(self) -> int:

@@ -56,6 +56,10 @@ class Strategy:
     world: ClassVar[str] = "any"
     #: asynchronous strategies: a worker killed during training does not end the others
     tolerates_peer_loss: ClassVar[bool] = False
+    #: across hosts: the loss of a whole host (its workers) does not end the others (the
+    #: strategies whose hosts meet only at a memory server); torchrun's agent ends every
+    #: worker of a host once one of them dies, so one worker lost is its host lost
+    tolerates_host_loss: ClassVar[bool] = False
     #: parameter devices the strategy supports (its buffers' staging, ``fabric/staging.py``)
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
 
@@ -127,6 +131,9 @@ class Strategy:
         self.check_device(self.params)
         #: iterations of the run (restored by load_state_dict)
         self.iteration = 0
+        #: peers known lost at the end (rank -> iterations they had published), filled by
+        #: the strategies that tolerate peer loss (``tolerates_peer_loss``)
+        self.lost_peers: dict[int, int] = {}
         #: exchanges of this process (fresh fabric: sequence numbers start here)
         self.steps = 0
         #: iterations this worker is asked to run (set by the training loop; None = no limit)

@@ -125,6 +125,7 @@ class SharedWeightsStrategy(Strategy):
 
     #: the launcher records a worker's death without ending the survivors
     tolerates_peer_loss: ClassVar[bool] = True
+    tolerates_host_loss: ClassVar[bool] = True
 
     @classmethod
     def hosts_reason(cls, config: StrategyConfig) -> str | None:
@@ -186,6 +187,8 @@ class SharedWeightsStrategy(Strategy):
 
     def finish(self) -> None:
         self.termination.mark_done(self.iteration)
+        board = self.service.board  # who was lost, and where, before the service closes
+        self.lost_peers = {r: board.progress(r) for r in range(board.world) if not board.alive(r)}
         try:
             self.close_exchange()
         finally:

@@ -1,0 +1,100 @@
+"""Losing a worker or a whole host in an asynchronous job across hosts (issue 12, item 3).
+
+Two torchrun launches on this machine, each one host of two workers, train through the
+memory server global rank 0 starts. While they train, the test kills (SIGKILL) host 1's
+local rank 0 (its leader, and for hsgd its group's root), or every process of host 1,
+its torchrun agent included. Host 0's workers must train to the end, exit 0, and the
+summary must name the lost workers with the iterations they had done; no segment or
+process may be left behind.
+
+torchrun's agent ends every worker of its host once one of them died, so losing one
+worker loses its host; the survivors are the other hosts' workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shmtrain.fabric.segment import leftover
+from test_smb_remote import _smb_servers
+from test_torchrun import TORCHRUN, env, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _rows(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip() and '"eval"' not in line)
+    except FileNotFoundError:
+        return 0
+
+
+def _workers(agent: psutil.Process) -> dict[int, psutil.Process]:
+    """The agent's workers by local rank."""
+    found = {}
+    for child in agent.children():  # not their own children (a memory server)
+        try:
+            rank = child.environ().get("LOCAL_RANK")
+        except psutil.Error:
+            continue
+        if rank is not None:
+            found[int(rank)] = child
+    return found
+
+
+def _lose_host_one(tmp_path: Path, strategy: str, whole_host: bool) -> tuple[list[str], list[int], Path]:
+    port = free_port()
+    out = tmp_path / "run"
+    nodes = []
+    try:
+        for node in (0, 1):
+            cmd = TORCHRUN + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "shmtrain", "train",
+                              "--strategy", strategy, "--iterations", "120", "--batch-size", "16",
+                              "--timeout", "30", "--no-progress", "--out", str(out)]
+            nodes.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 120
+        while _rows(out / "metrics" / "rank-2.jsonl") < 10:  # host 1 is training
+            assert time.monotonic() < deadline and nodes[1].poll() is None, "host 1 never trained"
+            time.sleep(0.1)
+        agent = psutil.Process(nodes[1].pid)
+        workers = _workers(agent)
+        assert set(workers) == {0, 1}, workers
+        victims = [agent, *workers.values()] if whole_host else [workers[0]]
+        for victim in victims:
+            os.kill(victim.pid, signal.SIGKILL)
+        outputs = [p.communicate(timeout=180)[0].decode() for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    return outputs, [p.returncode for p in nodes], out
+
+
+@pytest.mark.parametrize("strategy,whole_host", [("seasgd", False), ("hsgd", True)])
+def test_the_other_host_trains_on_and_names_the_lost_workers(tmp_path: Path, strategy: str,
+                                                             whole_host: bool) -> None:
+    before = set(_smb_servers())
+    outputs, codes, out = _lose_host_one(tmp_path, strategy, whole_host)
+    assert codes[0] == 0, outputs[0]
+    assert codes[1] != 0, outputs[1]  # host 1 was lost (its agent reports the failure, or was killed)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["workers_finished"] == 2
+    lost = summary["lost_workers"]
+    assert sorted(lost) == ["2", "3"], lost
+    assert all(n >= 10 for n in lost.values()), lost  # each had trained when it was lost
+    assert summary["iterations"] >= 120  # rank 0 reached its target
+    assert "lost during the run" in outputs[0] and "rank 2 after iteration" in outputs[0], outputs[0]
+    deadline = time.monotonic() + 15  # the memory server ends once every client left or was lost
+    while set(_smb_servers()) - before:
+        assert time.monotonic() < deadline, "the memory server outlived the job"
+        time.sleep(0.2)
+    assert not leftover()
