@@ -94,6 +94,43 @@ def test_every_accumulation_applied_exactly_once(tmp_path: Path) -> None:
     assert snapshot["applied"] == 15 and len(snapshot["buffers"]) == 4
 
 
+def stress_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    service = RemoteBufferService(payload["address"], ctx.rank, ctx.world_size, timeout=60)
+    world = ctx.world_size
+    if ctx.rank == 0:
+        total = service.attach(service.create("counts", world))
+        service.write(total, torch.zeros(world))
+    mine = service.attach(service.create(f"one.{ctx.rank}", world))
+    service.write(mine, torch.nn.functional.one_hot(torch.tensor(ctx.rank), world).float())
+    if ctx.rank != 0:
+        total = service.attach(service.lookup("counts"))
+    service.ready()
+    tickets = []
+    for step in range(payload["steps"]):
+        tickets.append(service.accumulate(mine, total))  # several in flight
+        if step % 16 == 15:
+            service.wait(tickets[-1])
+    service.wait(tickets[-1])
+    assert all(service.done(t) for t in tickets)
+    dist.barrier()
+    counts = service.read(total, torch.empty(world))
+    service.close()
+    return {"counts": counts.tolist()}
+
+
+@pytest.mark.timeout(240)
+def test_eight_remote_clients_accumulating_lose_and_double_nothing() -> None:
+    """Issue 12's stress: 8 clients, 2,000 accumulations each, concurrently. Client r adds
+    the one-hot vector e_r, so a lost or doubled increment shows in its own count."""
+    proc, address = _server(8)
+    try:
+        results = launch("test_smb_remote:stress_worker", 8, {"address": address, "steps": 2000}, timeout=200)
+    finally:
+        code, out, err = _finish(proc)
+    assert all(r["counts"] == [2000.0] * 8 for r in results), results[0]
+    assert code == 0 and "16000 accumulations applied, 0 requests refused, 0 errors" in out, out + err
+
+
 def test_resume_from_a_snapshot_keeps_the_buffers(tmp_path: Path) -> None:
     proc, address = _server(2, "--snapshot-every", "30", "--out", str(tmp_path))
     try:

@@ -54,8 +54,9 @@ from shmtrain.fabric.smb import (
 
 HEADER, REPLY_WORDS = 8, 4
 TAG_REQUEST, TAG_TO_SERVER = 1, 3
-#: the tag of the receive the server keeps posted on each client's link and that no client
-#: ever sends to: it ends only when the link closes, which is how a lost client is seen
+#: the tag of the receive the server keeps posted on each client's link: a client sends
+#: one byte there just before its goodbye; the receive failing first means the link closed,
+#: which is how a lost client is seen
 TAG_LIVENESS = 5
 _REPLY, _TO_CLIENT, _PAYLOAD_IN, _VERDICT = 0, 1, 2, 3
 
@@ -154,6 +155,7 @@ class MemoryServer:
         self._state = threading.RLock()  # requests vs reap(): clients, transfers in flight
         self._copies: dict[int, torch.Tensor] = {}
         self._pg: dist.ProcessGroup | None = None
+        self._watchers: dict[int, threading.Thread] = {}
         self.store.set("smb/clients", str(clients))
         self.store.set("smb/nonce", self.nonce)
         self.store.set("smb/secret", "1" if secret else "0")
@@ -260,18 +262,28 @@ class MemoryServer:
 
         def watch() -> None:
             try:
-                work.wait(_FOREVER)
+                work.wait(_FOREVER)  # the byte before a goodbye: this client is leaving
             except RuntimeError as exc:
                 with self._state:
                     if client in self._left:
                         return
+                    if client in self._inflight:  # the same loss the transfer's watcher sees
+                        self._lose(client, exc)
+                        return
                     self._left.add(client)
-                    self._inflight.pop(client, None)
                 self._record_lost(client)
                 self.log(f"shmtrain smb-server: client {client - 1} lost (its link closed: {_first_line(exc)}); "
                          "what it applied stays; serving the others")
 
-        threading.Thread(target=watch, name=f"smb-alive-{client}", daemon=True).start()
+        self._watchers[client] = thread = threading.Thread(target=watch, name=f"smb-alive-{client}", daemon=True)
+        thread.start()
+
+    @property
+    def watching(self) -> int:
+        """Link watchers still waiting (clients that neither said goodbye properly nor
+        were lost): gloo aborts a process that exits while one waits, so the caller
+        leaves with ``os._exit`` then."""
+        return sum(t.is_alive() for t in self._watchers.values())
 
     def reap(self) -> None:
         """Apply the payloads that have arrived and drop the clients lost mid-transfer
@@ -365,6 +377,9 @@ class MemoryServer:
             return
         if op == OP_BYE:
             self._left.add(client)
+            watcher = self._watchers.get(client)
+            if watcher is not None:  # its byte came before the goodbye on the same link
+                watcher.join(5.0)
             self._reply(client, OK, seq)
             return
         if client not in self._trusted:
@@ -658,6 +673,7 @@ class RemoteBufferService(BufferService):
         with self._lock:
             try:
                 self._drain()
+                self.pg.send([torch.ones(1, dtype=torch.uint8)], 0, TAG_LIVENESS).wait()  # leaving, not lost
                 seq, posted, _ = self._request(OP_BYE)
                 self._status(seq, posted, "goodbye")
             except (PeerFailure, PermissionError, ValueError):

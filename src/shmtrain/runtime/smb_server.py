@@ -81,7 +81,7 @@ def _handler(args: argparse.Namespace) -> int:
                                      or server.lost)
     if clean and args.log_file:
         Path(args.log_file).unlink(missing_ok=True)  # nothing to tell: leave no file behind
-    if stopping or idle or thread.is_alive():  # the serving thread may be blocked in gloo
+    if stopping or idle or thread.is_alive() or server.watching:  # a thread may be blocked in gloo
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(128 + stopping[0] if stopping else 3 if idle else 0)
