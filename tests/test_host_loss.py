@@ -98,3 +98,14 @@ def test_the_other_host_trains_on_and_names_the_lost_workers(tmp_path: Path, str
         assert time.monotonic() < deadline, "the memory server outlived the job"
         time.sleep(0.2)
     assert not leftover()
+
+
+def test_a_synchronous_job_that_loses_a_host_ends_naming_it(tmp_path: Path) -> None:
+    """gpi across hosts: the leaders' per-layer sum fails at once when host 1's leader dies,
+    and host 0's workers end with one line saying so, not after a timeout."""
+    start = time.monotonic()
+    outputs, codes, _ = _lose_host_one(tmp_path, "gpi", whole_host=False)
+    assert codes[0] != 0 and codes[1] != 0
+    assert "with the other hosts' leaders failed" in outputs[0], outputs[0][-3000:]
+    assert time.monotonic() - start < 100
+    assert not leftover()

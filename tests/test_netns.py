@@ -137,3 +137,15 @@ def test_shmtrains_own_rendezvous_names_the_address_and_the_fix() -> None:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert f"cannot join the job's rendezvous at 127.0.0.1:{port}" in proc.stdout, proc.stdout + proc.stderr
     assert "is node 0 started" in proc.stdout
+
+
+@pytest.mark.parametrize("strategy", ["gpi", "cpu_acc", pytest.param("hsgd", marks=pytest.mark.slow),
+                                      pytest.param("easgd", marks=pytest.mark.slow),
+                                      pytest.param("downpour", marks=pytest.mark.slow),
+                                      pytest.param("ps_grad", marks=pytest.mark.slow),
+                                      pytest.param("ps_weight", marks=pytest.mark.slow)])
+def test_every_strategy_across_two_namespaced_hosts(hosts, tmp_path: Path, strategy: str) -> None:
+    # gpi and cpu_acc: the hosts' leaders sum each layer over the veth link (HostCombiner)
+    _two_hosts(hosts, tmp_path, ["--strategy", strategy, "--iterations", "8", "--batch-size", "16"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["iterations"] >= 8
