@@ -307,6 +307,9 @@ class MemoryServer:
         def watch() -> None:
             try:
                 work.wait()
+                if kind == "write":  # every byte has arrived: apply it whole, off the request path
+                    with self._lock:
+                        self.buffers[buffer_id].copy_(tensor)
             except RuntimeError as exc:
                 failure.append(exc)
             finally:
@@ -345,13 +348,10 @@ class MemoryServer:
         if entry is None or (not block and not entry[4].is_set()):
             return
         del self._inflight[client]
-        kind, work, staging, buffer_id, finished, failure = entry
+        finished = entry[4]
         finished.wait()
-        if failure:
-            raise failure[0]
-        if kind == "write":
-            with self._lock:
-                self.buffers[buffer_id].copy_(staging)
+        if entry[5]:
+            raise entry[5][0]
 
     def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = _REPLY) -> None:
         assert self._pg is not None
@@ -391,16 +391,18 @@ class MemoryServer:
             tensor = self._buffer(a)
             if tensor is None or b != tensor.numel():
                 return self._bad(client, seq, f"op {op} on buffer {a} with {b} elements: no such buffer")
-            self._reply(client, OK, seq)
             # the payload moves while the server serves the others (a stalled client blocks
-            # no one): a read sends a copy taken now, a write lands in a staging copy
-            copy = self._copy(client, tensor)  # reused: its last transfer was settled above
+            # no one): a read is sent from the buffer itself, like the paper's RDMA read
+            # (not atomic against an accumulate applied meanwhile, as with the local
+            # service); a write lands in a staging copy applied whole once it has arrived,
+            # whose receive is posted before the status, so the payload follows at once
             if op == OP_READ:
-                with self._lock:
-                    copy.copy_(tensor)
-                self._track(client, "read", pg.send([copy], client, _tag(seq, _TO_CLIENT)), copy, a)
+                self._reply(client, OK, seq)
+                self._track(client, "read", pg.send([tensor], client, _tag(seq, _TO_CLIENT)), tensor, a)
             else:
+                copy = self._copy(client, tensor)  # reused: its last transfer was settled above
                 self._track(client, "write", pg.recv([copy], client, _tag(seq, _PAYLOAD_IN)), copy, a)
+                self._reply(client, OK, seq)
             return
         if op == OP_ACCUMULATE:
             src, dst = self._buffer(a), self._buffer(b)
