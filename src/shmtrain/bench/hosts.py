@@ -159,6 +159,7 @@ def run_method(method: str, hosts: tuple[str, str, str], port: int, settings: di
     name = name or method
     logs.mkdir(parents=True, exist_ok=True)
     procs, files = [], []
+    load = os.getloadavg()[0]  # the machine's load as the job starts (a shared machine's noise)
     start = time.time()
     try:
         for node, ns in enumerate((a, b)):
@@ -189,7 +190,7 @@ def run_method(method: str, hosts: tuple[str, str, str], port: int, settings: di
         tail = (logs / f"{name}-node0.log").read_text(errors="replace").strip().splitlines()[-5:]
         raise RuntimeError(f"bench hosts: {name} failed (exit status {codes}, limit {limit:.0f} s); "
                            f"see {logs}/{name}-node*.log; node 0's last lines:\n  " + "\n  ".join(tail))
-    return summarize(method, out, start, wall, settings["target"])
+    return dict(summarize(method, out, start, wall, settings["target"]), loadavg_1m=round(load, 2))
 
 
 def summarize(method: str, out: Path, start: float, wall: float, target: float) -> dict[str, Any]:
@@ -222,7 +223,7 @@ def summarize(method: str, out: Path, start: float, wall: float, target: float) 
 
 #: the per-run numbers a method's row gives as the median over its rounds
 MEDIAN_KEYS = ("time_to_target_s", "train_time_to_target_s", "iterations_to_target", "final_accuracy",
-               "iterations", "comm_ms", "compute_ms", "iteration_ms", "startup_s", "wall_s")
+               "iterations", "comm_ms", "compute_ms", "iteration_ms", "startup_s", "wall_s", "loadavg_1m")
 
 
 def combine(method: str, runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,5 +1,8 @@
 """The PyTorch DDP baseline of ``shmtrain bench hosts``: one torchrun worker, flat DDP over gloo.
 
+The baseline of the time-to-accuracy comparison (ShmCaffe Table II, Figs. 8-12, where
+the baseline is Caffe-MPI's flat allreduce) across two hosts.
+
 Run under torchrun, one process per worker, with the flags of ``shmtrain train`` that
 matter here (``--model``, ``--data``, ``--batch-size``, ``--lr``, ``--momentum``,
 ``--weight-decay``, ``--iterations``, ``--seed``, ``--eval-every``, ``--timeout``,
