@@ -7,7 +7,8 @@ the same bytes between the same endpoints, on the server's own process group (se
 to every client at once: ``gloo-read``; every client to the server: ``gloo-write``);
 then the service's ``read``, ``write``, ``readwrite`` and ``accumulate`` through the
 protocol. Aggregate bandwidth is every client's bytes over the slowest client's time;
-``vs gloo`` is read against gloo-read and write against gloo-write.
+``vs gloo`` is read against gloo-read, write against gloo-write, and readwrite (half
+each, Fig. 7's workload) against the same mix of the two.
 """
 
 from __future__ import annotations
@@ -97,8 +98,12 @@ def run(procs: list[int], nbytes: int, reps: int, samples: int, ops: list[str]) 
             raise RuntimeError("the benchmark's workers failed; see the messages above")
         rows += result[0][0]
     for row in rows:
-        base = {"read": "gloo-read", "write": "gloo-write"}.get(row["op"])
-        link = next((r for r in rows if r["procs"] == row["procs"] and r["op"] == base), None)
-        if link is not None:
-            row["vs_gloo"] = row["aggregate_GBps"] / link["aggregate_GBps"]
+        same = {r["op"]: r["aggregate_GBps"] for r in rows if r["procs"] == row["procs"]}
+        if row["op"] in ("read", "write") and f"gloo-{row['op']}" in same:
+            row["vs_gloo"] = row["aggregate_GBps"] / same[f"gloo-{row['op']}"]
+        elif row["op"] == "readwrite" and {"gloo-read", "gloo-write"} <= set(same):
+            # half reads, half writes (ShmCaffe Fig. 7's workload): the link's time for the
+            # same mix is the mean of its read and write times (a harmonic mean of rates)
+            link = 2 / (1 / same["gloo-read"] + 1 / same["gloo-write"])
+            row["vs_gloo"] = row["aggregate_GBps"] / link
     return rows

@@ -76,6 +76,8 @@ SECRET_ENV = "SHMTRAIN_SECRET"
 #: out (gloo loses the messages of a link after a timed-out receive: measured), so it is
 #: effectively unbounded; connecting and every payload have their own bound
 _FOREVER = datetime.timedelta(days=365)
+#: the largest refused or malformed write payload the server receives only to drop it
+_DROP_MAX = 1 << 30
 
 
 def is_loopback(address: str) -> bool:
@@ -150,8 +152,10 @@ class MemoryServer:
         self._left: set[int] = set()
         self._lock = threading.Lock()  # buffers: the serving loop vs snapshots
         self.last_request = time.monotonic()
-        # per client: its payload in flight (kind, work, tensor, buffer id, finished, failure)
-        self._inflight: dict[int, tuple] = {}
+        # per client: its payloads in flight, oldest first (kind, work, tensor, buffer id,
+        # finished, failure): one, or two writes (the older one still being applied)
+        self._inflight: dict[int, list[tuple]] = {}
+        self._writes: dict[int, int] = {}  # per client: writes so far (their staging slot)
         self._state = threading.RLock()  # requests vs reap(): clients, transfers in flight
         self._copies: dict[int, torch.Tensor] = {}
         self._pg: dist.ProcessGroup | None = None
@@ -229,7 +233,9 @@ class MemoryServer:
                 if source in self._left:
                     continue
                 try:
-                    self._settle_client(source, block=True)  # its own last transfer comes first
+                    # its own earlier transfers come first; a write may follow a write still
+                    # being applied (its watcher applies them in order)
+                    self._settle_client(source, block=True, keep_write=int(header[0]) == OP_WRITE)
                     self._handle(source, header)
                 except RuntimeError as exc:
                     self._lose(source, exc)
@@ -267,7 +273,7 @@ class MemoryServer:
                 with self._state:
                     if client in self._left:
                         return
-                    if client in self._inflight:  # the same loss the transfer's watcher sees
+                    if self._inflight.get(client):  # the same loss the transfer's watcher sees
                         self._lose(client, exc)
                         return
                     self._left.add(client)
@@ -291,31 +297,43 @@ class MemoryServer:
         with self._state:
             self._settle(block=False)
 
-    def _copy(self, client: int, like: torch.Tensor) -> torch.Tensor:
-        """This client's transfer buffer for tensors like ``like`` (kept: a new 4 MiB
-        tensor per request costs its page faults every time)."""
-        copy = self._copies.get(client)
+    def _copy(self, client: int, like: torch.Tensor) -> tuple[tuple[int, int], torch.Tensor]:
+        """This client's next staging slot and tensor for a write like ``like``: two per
+        client, used in turn, so a write lands while the one before it is still being
+        applied (kept: a new 4 MiB tensor per request costs its page faults every time)."""
+        slot = self._writes.get(client, 0)
+        self._writes[client] = slot + 1
+        key = (client, slot % 2)
+        copy = self._copies.get(key)
         if copy is None or copy.numel() != like.numel() or copy.dtype != like.dtype:
-            copy = self._copies[client] = torch.empty_like(like)
-        return copy
+            copy = self._copies[key] = torch.empty_like(like)
+        return key, copy
 
-    def _track(self, client: int, kind: str, work: dist.Work, tensor: torch.Tensor, buffer_id: int) -> None:
+    def _track(self, client: int, kind: str, work: dist.Work, tensor: torch.Tensor, buffer_id: int,
+               slot: tuple[int, int] | None = None) -> None:
         """Watch a payload in flight: gloo reports a transfer's end (or its peer's death)
-        only to a waiter, so one short-lived thread waits for it."""
+        only to a waiter, so one short-lived thread waits for it. A write that has arrived
+        whole becomes the buffer (its staging tensor and the old buffer trade places, no
+        copy); ``slot`` is the staging slot the old buffer takes."""
         finished, failure = threading.Event(), []
+        entries = self._inflight.setdefault(client, [])
+        before = entries[-1] if entries else None  # a write still being applied
 
         def watch() -> None:
             try:
                 work.wait()
                 if kind == "write":  # every byte has arrived: apply it whole, off the request path
-                    with self._lock:
-                        self.buffers[buffer_id].copy_(tensor)
+                    if before is not None:
+                        before[4].wait()  # in the client's order
+                    if before is None or not before[5]:
+                        with self._lock:
+                            self._copies[slot], self.buffers[buffer_id] = self.buffers[buffer_id], tensor
             except RuntimeError as exc:
                 failure.append(exc)
             finally:
                 finished.set()
 
-        self._inflight[client] = (kind, work, tensor, buffer_id, finished, failure)
+        entries.append((kind, work, tensor, buffer_id, finished, failure))
         threading.Thread(target=watch, name=f"smb-{kind}-{client}", daemon=True).start()
 
     def _lose(self, client: int, exc: BaseException) -> None:
@@ -341,17 +359,21 @@ class MemoryServer:
             except RuntimeError as exc:
                 self._lose(client, exc)
 
-    def _settle_client(self, client: int, block: bool) -> None:
-        """Finish ``client``'s payload in flight: a write is applied only once every byte
-        has arrived (into a staging copy), so a client lost mid-payload changes nothing."""
-        entry = self._inflight.get(client)
-        if entry is None or (not block and not entry[4].is_set()):
-            return
-        del self._inflight[client]
-        finished = entry[4]
-        finished.wait()
-        if entry[5]:
-            raise entry[5][0]
+    def _settle_client(self, client: int, block: bool, keep_write: bool = False) -> None:
+        """Finish ``client``'s payloads in flight (``keep_write``: all but a last write): a
+        write is applied only once every byte has arrived (into a staging copy), so a
+        client lost mid-payload changes nothing."""
+        entries = self._inflight.get(client)
+        while entries:
+            if keep_write and len(entries) == 1 and entries[0][0] == "write":
+                return
+            entry = entries[0]
+            if not block and not entry[4].is_set():
+                return
+            entry[4].wait()
+            entries.pop(0)
+            if entry[5]:
+                raise entry[5][0]
 
     def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = _REPLY) -> None:
         assert self._pg is not None
@@ -385,11 +407,15 @@ class MemoryServer:
         if client not in self._trusted:
             self.refused += 1
             self.log(f"shmtrain smb-server: client {client - 1} refused (op {op}): it has not proven the shared secret")
+            if op == OP_WRITE:
+                self._drop_payload(client, seq, a, b)
             self._reply(client, REFUSED, seq)
             return
         if op in (OP_READ, OP_WRITE):
             tensor = self._buffer(a)
             if tensor is None or b != tensor.numel():
+                if op == OP_WRITE:
+                    self._drop_payload(client, seq, a, b)
                 return self._bad(client, seq, f"op {op} on buffer {a} with {b} elements: no such buffer")
             # the payload moves while the server serves the others (a stalled client blocks
             # no one): a read is sent from the buffer itself, like the paper's RDMA read
@@ -400,20 +426,32 @@ class MemoryServer:
                 self._reply(client, OK, seq)
                 self._track(client, "read", pg.send([tensor], client, _tag(seq, _TO_CLIENT)), tensor, a)
             else:
-                copy = self._copy(client, tensor)  # reused: its last transfer was settled above
-                self._track(client, "write", pg.recv([copy], client, _tag(seq, _PAYLOAD_IN)), copy, a)
+                slot, copy = self._copy(client, tensor)  # a slot whose last transfer was settled
+                self._track(client, "write", pg.recv([copy], client, _tag(seq, _PAYLOAD_IN)), copy, a, slot)
                 self._reply(client, OK, seq)
             return
         if op == OP_ACCUMULATE:
             src, dst = self._buffer(a), self._buffer(b)
             if src is None or dst is None or src.numel() != dst.numel() or src.dtype != dst.dtype:
                 return self._bad(client, seq, f"accumulate {a} into {b}: unknown buffers or sizes differ")
-            with self._lock:
-                dst.add_(src)  # exclusive: the one serving thread applies it, once
+            with self._lock:  # the buffers as they are now (a write that arrived replaces one)
+                self.buffers[b].add_(self.buffers[a])  # exclusive: the one serving thread applies it, once
                 self.applied += 1
             self._reply(client, OK, seq, self.applied)
             return
         self._bad(client, seq, f"unknown op {op}")
+
+    def _drop_payload(self, client: int, seq: int, buffer_id: int, numel: int) -> None:
+        """A write's payload follows its header at once (the client does not wait for the
+        status): for a refused or malformed write it is received into scratch and dropped,
+        so the client's send ends and nothing changes. Claims past :data:`_DROP_MAX` bytes
+        get no receive (only a client that bypasses ``RemoteBufferService`` makes one)."""
+        known = self.buffers.get(buffer_id)
+        dtype = known.dtype if known is not None else torch.float32
+        if 0 < numel and numel * dtype.itemsize <= _DROP_MAX:
+            assert self._pg is not None
+            scratch = torch.empty(numel, dtype=dtype)
+            self._track(client, "drop", self._pg.recv([scratch], client, _tag(seq, _PAYLOAD_IN)), scratch, buffer_id)
 
     def _bad(self, client: int, seq: int, why: str) -> None:
         self.errors += 1
@@ -641,8 +679,13 @@ class RemoteBufferService(BufferService):
         with self._lock:
             self._drain()
             seq, posted, _ = self._request(OP_WRITE, buffer.key.id, buffer.numel)
-            self._status(seq, posted, f"write of {buffer.key.name!r}")
-            self._call(lambda: self.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)).wait(), f"writing {buffer.key.name!r}")
+            # the payload right behind the header: the server posts its receive before the
+            # status, and receives (then drops) the payload of a write it refuses
+            sent = self._call(lambda: self.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)), "sending a payload")
+            try:
+                self._status(seq, posted, f"write of {buffer.key.name!r}")
+            finally:
+                self._call(sent.wait, f"writing {buffer.key.name!r}")
 
     def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:
         if src.numel != dst.numel or src.key.dtype != dst.key.dtype:
