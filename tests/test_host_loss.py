@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 
 from shmtrain.fabric.segment import leftover
 from test_smb_remote import _smb_servers
-from test_torchrun import TORCHRUN, env, free_port
+from test_torchrun import start_hosts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,16 +50,10 @@ def _workers(agent: psutil.Process) -> dict[int, psutil.Process]:
 
 
 def _lose_host_one(tmp_path: Path, strategy: str, whole_host: bool) -> tuple[list[str], list[int], Path]:
-    port = free_port()
     out = tmp_path / "run"
-    nodes = []
+    nodes = start_hosts(out, ["--strategy", strategy, "--iterations", "120", "--batch-size", "16",
+                              "--timeout", "30", "--no-progress"])
     try:
-        for node in (0, 1):
-            cmd = TORCHRUN + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-                              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "shmtrain", "train",
-                              "--strategy", strategy, "--iterations", "120", "--batch-size", "16",
-                              "--timeout", "30", "--no-progress", "--out", str(out)]
-            nodes.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 120
         while _rows(out / "metrics" / "rank-2.jsonl") < 10:  # host 1 is training
             assert time.monotonic() < deadline and nodes[1].poll() is None, "host 1 never trained"

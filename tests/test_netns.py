@@ -23,44 +23,18 @@ pytestmark = pytest.mark.timeout(240)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "the `ip` tool (iproute2) is not installed"
-    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"`ip netns` does not work here: {probe.stderr.strip()}"
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 @pytest.fixture
 def hosts(request) -> Iterator[tuple[str, str, str]]:
     """Two namespaces and a veth pair between them: (namespace a, namespace b, address of a)."""
-    reason = _why_not()
+    from shmtrain.bench.hosts import two_hosts, why_not
+
+    reason = why_not("none")
     if reason:
         pytest.skip(reason)
-    tag = f"st{os.getpid() % 100000}"
-    a, b, subnet = f"{tag}a", f"{tag}b", f"10.77.{os.getpid() % 250}"
-    shaped = getattr(request, "param", None) == "1gbit"
-    try:
-        _ip("netns", "add", a)
-        _ip("netns", "add", b)
-        _ip("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
-        for ns, dev, last in ((a, f"{tag}va", 1), (b, f"{tag}vb", 2)):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{subnet}.{last}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            if shaped and shutil.which("tc"):
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                                "rate", "1gbit", "burst", "256kb", "latency", "50ms"], check=True)
-        yield a, b, f"{subnet}.1"
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    rate = "1gbit" if getattr(request, "param", None) == "1gbit" and shutil.which("tc") else "none"
+    with two_hosts(rate) as (a, b, master):
+        yield a, b, master
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert a not in listed and b not in listed, "a test namespace was left behind"
 

@@ -297,20 +297,14 @@ def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Pat
     the one global rank 0 starts when the job spans hosts (hsgd, one group per host by
     default, its root the only client that accumulates). The started server ends with
     the job."""
-    from test_torchrun import TORCHRUN, env, free_port
+    from test_torchrun import start_hosts
 
     before = set(_smb_servers())
     proc, address = _server(4) if standalone else (None, "")
-    port = free_port()
     nodes = []
     try:
-        for node in (0, 1):
-            cmd = TORCHRUN + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-                              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "shmtrain", "train",
-                              "--strategy", strategy, "--iterations", "12", "--batch-size", "16",
-                              *(["--smb-server", address] if standalone else []),
-                              "--no-progress", "--out", str(tmp_path)]
-            nodes.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        nodes = start_hosts(tmp_path, ["--strategy", strategy, "--iterations", "12", "--batch-size", "16",
+                                       *(["--smb-server", address] if standalone else []), "--no-progress"])
         outputs = [p.communicate(timeout=200)[0].decode() for p in nodes]
     finally:
         for p in nodes:

@@ -51,15 +51,20 @@ def test_own_loop_example_under_torchrun_matches_single_process(tmp_path: Path) 
     assert not leftover()
 
 
+def start_hosts(out: Path, args: list[str], nodes: int = 2, per_node: int = 2) -> list[subprocess.Popen]:
+    """Start ``nodes`` torchrun launches on this machine, each one host of ``per_node``
+    workers running ``shmtrain train ARGS --out OUT`` (output piped, not waited for)."""
+    port = free_port()
+    return [subprocess.Popen(TORCHRUN + ["--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node",
+                                         str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                         "-m", "shmtrain", "train", *args, "--out", str(out)],
+                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for node in range(nodes)]
+
+
 def _two_hosts(out: Path, common: list[str], nodes: int = 2, per_node: int = 2) -> None:
     """``nodes`` torchrun launches on this machine, each one host of ``per_node`` workers."""
-    port = free_port()
-    procs = []
-    for node in range(nodes):
-        cmd = TORCHRUN + ["--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", str(per_node),
-                          "--master-addr", "127.0.0.1", "--master-port", str(port),
-                          "-m", "shmtrain", "train", *common, "--out", str(out)]
-        procs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    procs = start_hosts(out, common, nodes, per_node)
     outputs = [p.communicate(timeout=170)[0].decode() for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
 
