@@ -160,6 +160,10 @@ class OptimOptions:
         "K threads of --threads torch threads each per worker; batch norm normalizes each part "
         "by its own statistics (docs/subbatch.md)", "optim", metavar="K")
     lr: float = option(0.05, "learning rate", "optim")
+    amp: Literal["none", "bf16", "fp16"] = option(
+        "none", "mixed precision: bf16 runs forward and loss under torch.autocast (bfloat16 "
+        "matmuls and convolutions), weights, gradients and the shared buffers stay float32; fp16 "
+        "needs GPU workers (its GradScaler)", "optim")
     momentum: float = option(0.9, "SGD momentum", "optim")
     weight_decay: float = option(1e-4, "L2 weight decay", "optim")
     lr_schedule: Literal["constant", "step", "cosine"] = option(
@@ -180,6 +184,8 @@ class OptimOptions:
     seed: int = option(0, "makes a run repeatable", "optim")
 
     def _check_optim(self) -> None:
+        _need(self.amp != "fp16", "amp", self.amp, "fp16 autocast needs a GPU (with a GradScaler against "
+              "underflowing gradients) and GPU workers are not supported yet", "use --amp bf16 on the CPU")
         _need(self.batch_size >= 1, "batch-size", self.batch_size, "the batch size per worker must be positive", "use e.g. --batch-size 32")
         _need(self.sub_batch >= 1, "sub-batch", self.sub_batch, "the batch is split over K threads, "
               "so K must be at least 1", "use --sub-batch 1 for one thread")

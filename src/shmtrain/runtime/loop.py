@@ -70,7 +70,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer)
     total = planned_iterations(config, data, ctx.world_size)
     trainer = Trainer(dp, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total),
-                      sub_batch=config.sub_batch)  # --sub-batch K: K threads per worker (SUB-BATCH)
+                      sub_batch=config.sub_batch, amp=config.amp)  # --sub-batch K: K threads per worker (SUB-BATCH)
     dp.strategy.target_iterations = total
     # checkpoints (runtime/checkpoint.py): a resumed run loads every rank's state here,
     # collectively, before the data position is used

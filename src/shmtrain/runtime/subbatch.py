@@ -87,7 +87,7 @@ class SubBatch:
     """
 
     def __init__(self, model: nn.Module, parts: int, loss_fn: Callable[..., torch.Tensor],
-                 timer: PhaseTimer | None = None) -> None:
+                 timer: PhaseTimer | None = None, *, bf16: bool = False) -> None:
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
             raise ValueError(f"--sub-batch {parts!r}: the mini-batch is split over K threads, so K "
                              "must be an integer of at least 1; use e.g. --sub-batch 2")
@@ -99,6 +99,7 @@ class SubBatch:
         self.model = model
         self.parts = parts
         self.loss_fn = loss_fn
+        self.bf16 = bf16  # autocast is per thread: each part enters its own
         self.mean = reduction == "mean"
         self.timer = timer or PhaseTimer()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -170,7 +171,8 @@ class SubBatch:
         ended = _FAILED
         try:
             with torch.enable_grad():
-                loss = self.loss_fn(self.replicas[k](x), y)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                    loss = self.loss_fn(self.replicas[k](x), y)
                 self._forward_end[k] = time.perf_counter()
                 weighted = loss * weight
                 weighted.backward(inputs=self._replica_params[k])

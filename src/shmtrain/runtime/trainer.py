@@ -83,10 +83,16 @@ class Trainer:
             :class:`shmtrain.runtime.subbatch.SubBatch`); 1 runs forward and backward on
             the calling thread. K > 1 needs an engine with ``module`` and
             ``before_forward`` (``DataParallel``); :meth:`close` ends the threads.
+        amp: ``"bf16"`` runs forward and the loss under ``torch.autocast`` with bfloat16
+            (``--amp bf16``); backward, the gradients, the strategies' buffers and the
+            optimizer stay float32 (master weights); ``"none"`` (default) is float32 only.
     """
 
     def __init__(self, engine: Steppable, loss_fn: nn.Module, timer: PhaseTimer,
-                 scheduler: LRScheduler | None = None, sub_batch: int = 1) -> None:
+                 scheduler: LRScheduler | None = None, sub_batch: int = 1, amp: str = "none") -> None:
+        if amp not in ("none", "bf16"):
+            raise ValueError(f"--amp {amp!r}: on the CPU the choices are none and bf16 (fp16 needs a GPU)")
+        self.bf16 = amp == "bf16"
         self.engine = engine
         self.loss_fn = loss_fn
         self.timer = timer
@@ -99,7 +105,7 @@ class Trainer:
                     f"--sub-batch {sub_batch}: the threads run copies of the engine's module, but a "
                     f"{type(engine).__name__} has no module and before_forward; wrap the model in "
                     "shmtrain.api.DataParallel, or use --sub-batch 1")
-            self.sub_batch = SubBatch(module, sub_batch, loss_fn, timer)
+            self.sub_batch = SubBatch(module, sub_batch, loss_fn, timer, bf16=self.bf16)
         self.state = TrainState()
         #: the learning rate the last :meth:`step` used (None before the first step, or
         #: when the engine has no ``optimizer`` and there is no scheduler)
@@ -112,7 +118,7 @@ class Trainer:
         if self.sub_batch is not None:  # both phases timed inside, the threads' compute overlapping
             loss = self.sub_batch.step(x, y, before_forward=engine.before_forward)  # type: ignore[attr-defined]
         else:
-            with timer.phase("forward"):
+            with timer.phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
                 loss = self.loss_fn(engine(x), y)
             with timer.phase("backward"):
                 loss.backward()
