@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
-from shmtrain.strategies.slots import SlotGradients
+from shmtrain.strategies.slots import CastSlotGradients, SlotGradients
 from shmtrain.strategies.ssgd_overlap import OverlapSSGD
 from shmtrain.strategies.ssgd_sharded import ShardedSSGD
 
@@ -33,6 +35,8 @@ class SSGD(SlotGradients, Strategy):
     """Synchronous SGD, gradient averaging through the shared-memory allreduce."""
 
     name = "ssgd"
+    #: the allreduce's dtype when it is not the parameters' (CastSSGD)
+    comm_dtype: torch.dtype | None = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
@@ -49,6 +53,11 @@ class SSGD(SlotGradients, Strategy):
         sharded_update: bool = field(default=False, metadata={
             "help": "ZeRO-1 inside a host: weights in shared memory, each local rank runs SGD "
                     "on its chunk with momentum for that chunk only (docs/overlap.md)"})
+        #: the dtype gradients are averaged in: fp32, or bf16 (half the bytes in the slots
+        #: and between hosts; weights, optimizer and gradients stay float32)
+        comm_dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={
+            "help": "dtype of the gradient allreduce: fp32, or bf16 (half the bytes moved, in the "
+                    "slots and between hosts; the weights and the optimizer stay float32; docs/overlap.md)"})
 
         def __post_init__(self) -> None:
             from shmtrain.fabric.collectives.reducers import check_name
@@ -72,10 +81,18 @@ class SSGD(SlotGradients, Strategy):
                     "--allreduce shm without --overlap, or drop --sharded-update"
                 )
 
+            if self.comm_dtype != "fp32" and (self.overlap or self.sharded_update):
+                chosen = "--overlap" if self.overlap else "--sharded-update"
+                raise ValueError(
+                    f"--comm-dtype {self.comm_dtype} with {chosen}: the narrower allreduce is built "
+                    f"for plain ssgd only; drop {chosen}, or use --comm-dtype fp32")
+
     @classmethod
     def implementation(cls, config: StrategyConfig) -> type[Strategy]:
         if getattr(config, "sharded_update", False):
             return ShardedSSGD
+        if getattr(config, "comm_dtype", "fp32") == "bf16":
+            return CastSSGD
         return OverlapSSGD if getattr(config, "overlap", False) else cls
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
@@ -83,6 +100,12 @@ class SSGD(SlotGradients, Strategy):
         self.layout = FlatLayout(self.params)
         broadcast_parameters(self.layout)
         self.allreduce = self.transports.allreduce(
-            config.allreduce, self.layout.numel, self.layout.dtype, op="mean", tag="grads"
+            config.allreduce, self.layout.numel, self.comm_dtype or self.layout.dtype, op="mean", tag="grads"
         )
         self.bind_slots()
+
+
+class CastSSGD(CastSlotGradients, SSGD):
+    """``ssgd --comm-dtype bf16``: the gradients averaged in bfloat16 (issue 14 item 4)."""
+
+    comm_dtype = torch.bfloat16
