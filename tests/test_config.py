@@ -176,11 +176,19 @@ def test_flags_are_typed_from_the_annotations() -> None:
 def test_device_auto_is_cpu_and_a_gpu_is_refused(capsys) -> None:
     assert TrainConfig().device == "cpu"
     assert TrainConfig(device="auto").device == "cpu"
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ValueError) as exc:
-        TrainConfig(device="cuda")
-    assert str(exc.value) == "--device 'cuda': GPU workers are not supported yet; use --device cpu"
+        TrainConfig(device="cuda:1")
+    # what was found, the rule, the fix
+    assert str(exc.value).startswith("--device 'cuda:1': " + ("this machine has no CUDA device" if not found
+                                                              else f"{found} CUDA device(s) found here"))
+    assert str(exc.value).endswith("runs its workers on the CPU only so far; use --device cpu (or auto)")
     assert main(["train", "--device", "cuda"]) == 2
-    assert "GPU workers are not supported yet; use --device cpu" in capsys.readouterr().err
+    assert "use --device cpu (or auto)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--device 'tpu' is not a device; choose cpu or auto"):
+        TrainConfig(device="tpu")
 
 
 # -- the typed strategy config ----------------------------------------------------------

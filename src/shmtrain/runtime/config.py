@@ -297,7 +297,14 @@ def resolve_device(value: str) -> str:
     """The device workers compute on: ``cpu``; ``auto`` is ``cpu`` until GPU workers exist."""
     if value in DEVICES:
         return "cpu"
-    raise ValueError(f"--device {value!r}: GPU workers are not supported yet; use --device cpu")
+    if value == "cuda" or value.startswith("cuda:"):
+        import torch  # only on this error path: the launcher does not import torch otherwise
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        what = "this machine has no CUDA device" if not found else f"{found} CUDA device(s) found here"
+        raise ValueError(f"--device {value!r}: {what}, and `shmtrain train` runs its workers on the CPU only "
+                         "so far; use --device cpu (or auto)")
+    raise ValueError(f"--device {value!r} is not a device; choose cpu or auto")
 
 
 def strategy_option_names() -> dict[str, list[str]]:
