@@ -226,6 +226,37 @@ def test_malformed_requests_get_errors_and_serving_goes_on() -> None:
     assert code == 0, out + err
 
 
+def silent_writer_worker(ctx, payload: dict[str, Any]) -> str:
+    from shmtrain.fabric.smb_remote import OP_WRITE
+
+    service = RemoteBufferService(payload["address"], ctx.rank, ctx.world_size, timeout=30)
+    key = service.create(f"w{ctx.rank}", 64)
+    buffer = service.attach(key)
+    dist.barrier()
+    if ctx.rank == 1:
+        with service._lock:  # a malformed write (wrong size) whose payload never comes
+            seq, posted, _ = service._request(OP_WRITE, key.id, 63)
+            try:
+                service._status(seq, posted, "the bad write")
+            except ValueError:
+                pass
+    for _ in range(3):  # every client, this one too, is still served
+        service.write(buffer, torch.full((64,), float(ctx.rank)))
+    value = service.read(buffer, torch.zeros(64)).sum().item()
+    service.close()
+    return str(value)
+
+
+def test_a_malformed_write_whose_payload_never_comes_stalls_no_one() -> None:
+    proc, address = _server(2)
+    try:
+        results = launch("test_smb_remote:silent_writer_worker", 2, {"address": address}, timeout=60)
+    finally:
+        code, out, err = _finish(proc)
+    assert results == ["0.0", "64.0"]
+    assert "with 63 elements: no such buffer" in err
+
+
 _TRUNCATING_CLIENT = """
 import os, sys, torch
 from shmtrain.fabric.smb_remote import OP_WRITE, RemoteBufferService

@@ -160,6 +160,8 @@ class MemoryServer:
         self._copies: dict[int, torch.Tensor] = {}
         self._pg: dist.ProcessGroup | None = None
         self._watchers: dict[int, threading.Thread] = {}
+        self._drops: list[threading.Thread] = []  # receives of refused writes' payloads
+        self._sending: dict[int, int] = {}  # id(tensor) -> reads in flight from it
         self.store.set("smb/clients", str(clients))
         self.store.set("smb/nonce", self.nonce)
         self.store.set("smb/secret", "1" if secret else "0")
@@ -289,7 +291,7 @@ class MemoryServer:
         """Link watchers still waiting (clients that neither said goodbye properly nor
         were lost): gloo aborts a process that exits while one waits, so the caller
         leaves with ``os._exit`` then."""
-        return sum(t.is_alive() for t in self._watchers.values())
+        return sum(t.is_alive() for t in [*self._watchers.values(), *self._drops])
 
     def reap(self) -> None:
         """Apply the payloads that have arrived and drop the clients lost mid-transfer
@@ -327,10 +329,17 @@ class MemoryServer:
                         before[4].wait()  # in the client's order
                     if before is None or not before[5]:
                         with self._lock:
-                            self._copies[slot], self.buffers[buffer_id] = self.buffers[buffer_id], tensor
+                            old, self.buffers[buffer_id] = self.buffers[buffer_id], tensor
+                            # a read still sending the old tensor keeps it out of the slots
+                            self._copies[slot] = None if self._sending.get(id(old)) else old
             except RuntimeError as exc:
                 failure.append(exc)
             finally:
+                if kind == "read":
+                    with self._lock:
+                        left = self._sending.pop(id(tensor), 1) - 1
+                        if left:
+                            self._sending[id(tensor)] = left
                 finished.set()
 
         entries.append((kind, work, tensor, buffer_id, finished, failure))
@@ -407,16 +416,17 @@ class MemoryServer:
         if client not in self._trusted:
             self.refused += 1
             self.log(f"shmtrain smb-server: client {client - 1} refused (op {op}): it has not proven the shared secret")
-            if op == OP_WRITE:
-                self._drop_payload(client, seq, a, b)
-            self._reply(client, REFUSED, seq)
+            drained = op == OP_WRITE and self._drop_payload(client, seq, a, b)
+            self._reply(client, REFUSED, seq, int(drained))
             return
         if op in (OP_READ, OP_WRITE):
-            tensor = self._buffer(a)
+            with self._lock:  # a read counts as in flight from the buffer it takes, at once
+                tensor = self._buffer(a)
+                if tensor is not None and b == tensor.numel() and op == OP_READ:
+                    self._sending[id(tensor)] = self._sending.get(id(tensor), 0) + 1
             if tensor is None or b != tensor.numel():
-                if op == OP_WRITE:
-                    self._drop_payload(client, seq, a, b)
-                return self._bad(client, seq, f"op {op} on buffer {a} with {b} elements: no such buffer")
+                drained = op == OP_WRITE and self._drop_payload(client, seq, a, b)
+                return self._bad(client, seq, f"op {op} on buffer {a} with {b} elements: no such buffer", drained)
             # the payload moves while the server serves the others (a stalled client blocks
             # no one): a read is sent from the buffer itself, like the paper's RDMA read
             # (not atomic against an accumulate applied meanwhile, as with the local
@@ -441,22 +451,37 @@ class MemoryServer:
             return
         self._bad(client, seq, f"unknown op {op}")
 
-    def _drop_payload(self, client: int, seq: int, buffer_id: int, numel: int) -> None:
+    def _drop_payload(self, client: int, seq: int, buffer_id: int, numel: int) -> bool:
         """A write's payload follows its header at once (the client does not wait for the
-        status): for a refused or malformed write it is received into scratch and dropped,
-        so the client's send ends and nothing changes. Claims past :data:`_DROP_MAX` bytes
-        get no receive (only a client that bypasses ``RemoteBufferService`` makes one)."""
+        status): for a refused or malformed write of a buffer the server holds it is
+        received into scratch and dropped, so the client's send ends and nothing changes;
+        True when such a receive was posted (the status says so: the client then waits for
+        its send, else it abandons it). The receive is watched apart from the client's
+        transfers: a client that never sends that payload stalls no one, and a claim
+        larger than the server's largest buffer gets no receive."""
         known = self.buffers.get(buffer_id)
-        dtype = known.dtype if known is not None else torch.float32
-        if 0 < numel and numel * dtype.itemsize <= _DROP_MAX:
-            assert self._pg is not None
-            scratch = torch.empty(numel, dtype=dtype)
-            self._track(client, "drop", self._pg.recv([scratch], client, _tag(seq, _PAYLOAD_IN)), scratch, buffer_id)
+        largest = max((t.numel() for t in self.buffers.values() if t.dtype == getattr(known, "dtype", None)),
+                      default=0)
+        if known is None or not 0 < numel <= largest:
+            return False
+        assert self._pg is not None
+        work = self._pg.recv([torch.empty(numel, dtype=known.dtype)], client, _tag(seq, _PAYLOAD_IN))
 
-    def _bad(self, client: int, seq: int, why: str) -> None:
+        def drop() -> None:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass  # the client's link broke: its watcher reports it
+
+        thread = threading.Thread(target=drop, name=f"smb-drop-{client}", daemon=True)
+        self._drops.append(thread)
+        thread.start()
+        return True
+
+    def _bad(self, client: int, seq: int, why: str, drained: bool = False) -> None:
         self.errors += 1
         self.log(f"shmtrain smb-server: client {client - 1}: {why}; answered with an error")
-        self._reply(client, BAD_REQUEST, seq)
+        self._reply(client, BAD_REQUEST, seq, int(drained))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -684,8 +709,11 @@ class RemoteBufferService(BufferService):
             sent = self._call(lambda: self.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)), "sending a payload")
             try:
                 self._status(seq, posted, f"write of {buffer.key.name!r}")
-            finally:
-                self._call(sent.wait, f"writing {buffer.key.name!r}")
+            except (PermissionError, ValueError):
+                if int(posted[1][2]):  # the server received (and dropped) the payload
+                    self._call(sent.wait, f"writing {buffer.key.name!r}")
+                raise
+            self._call(sent.wait, f"writing {buffer.key.name!r}")
 
     def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:
         if src.numel != dst.numel or src.key.dtype != dst.key.dtype:
@@ -718,7 +746,8 @@ class RemoteBufferService(BufferService):
         with self._lock:
             try:
                 self._drain()
-                self.pg.send([torch.ones(1, dtype=torch.uint8)], 0, TAG_LIVENESS).wait()  # leaving, not lost
+                self._call(lambda: self.pg.send([torch.ones(1, dtype=torch.uint8)], 0, TAG_LIVENESS).wait(),
+                           "saying goodbye")  # leaving, not lost
                 seq, posted, _ = self._request(OP_BYE)
                 self._status(seq, posted, "goodbye")
             except (PeerFailure, PermissionError, ValueError):

@@ -186,11 +186,13 @@ class SharedWeightsStrategy(Strategy):
         """Finish any communication still in flight (before the service closes)."""
 
     def finish(self) -> None:
-        self.termination.mark_done(self.iteration)
-        board = self.service.board  # who was lost, and where, before the service closes
-        self.lost_peers = {r: board.progress(r) for r in range(board.world) if not board.alive(r)}
         try:
-            self.close_exchange()
+            try:
+                self.termination.mark_done(self.iteration)
+                board = self.service.board  # who was lost, and where, before the service closes
+                self.lost_peers = {r: board.progress(r) for r in range(board.world) if not board.alive(r)}
+            finally:
+                self.close_exchange()  # the update thread is joined even when the server is gone
         finally:
             self.service.close()
             super().finish()
