@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from shmtrain.bench.hosts import host_env, two_hosts, why_not
+
 pytestmark = pytest.mark.timeout(240)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -26,22 +28,14 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 @pytest.fixture
 def hosts(request) -> Iterator[tuple[str, str, str]]:
     """Two namespaces and a veth pair between them: (namespace a, namespace b, address of a)."""
-    from shmtrain.bench.hosts import two_hosts, why_not
-
     reason = why_not("none")
     if reason:
         pytest.skip(reason)
-
     rate = "1gbit" if getattr(request, "param", None) == "1gbit" and shutil.which("tc") else "none"
     with two_hosts(rate) as (a, b, master):
         yield a, b, master
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert a not in listed and b not in listed, "a test namespace was left behind"
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}  # as a new user has it
-    return dict(env, OMP_NUM_THREADS="1", SHMTRAIN_NO_PROGRESS="1")
 
 
 def _two_hosts(hosts: tuple[str, str, str], out: Path, args: list[str]) -> list[str]:
@@ -52,7 +46,7 @@ def _two_hosts(hosts: tuple[str, str, str], out: Path, args: list[str]) -> list[
                "--nproc-per-node", "2", "--master-addr", master, "--master-port", "29500",
                "--rdzv-conf", "timeout=60", "-m", "shmtrain", "train", *args, "--timeout", "60",
                "--no-progress", "--out", str(out)]
-        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(cmd, env=host_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outputs = [p.communicate(timeout=200)[0] for p in procs]
     finally:
@@ -92,7 +86,7 @@ def test_a_host_whose_peer_never_comes_fails_within_the_timeout(hosts, tmp_path:
     proc = subprocess.run(["ip", "netns", "exec", b, *TORCHRUN, "--nnodes", "2", "--node-rank", "1",
                            "--nproc-per-node", "1", "--master-addr", master, "--master-port", "29500",
                            "--rdzv-conf", "timeout=5", "-m", "shmtrain", "train", "--timeout", "5",
-                           "--out", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=120)
+                           "--out", str(tmp_path)], env=host_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert f"({master}, 29500)" in proc.stderr + proc.stdout  # torchrun names the address it waited for
 
@@ -106,7 +100,7 @@ def test_shmtrains_own_rendezvous_names_the_address_and_the_fix() -> None:
         port = s.getsockname()[1]
     code = ("from shmtrain.fabric.context import from_env\n"
             "try:\n    from_env(timeout=3)\nexcept ValueError as e:\n    print(e)\n")
-    env = dict(_env(), RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+    env = dict(host_env(), RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert f"cannot join the job's rendezvous at 127.0.0.1:{port}" in proc.stdout, proc.stdout + proc.stderr

@@ -138,7 +138,9 @@ def two_hosts(rate: str) -> Iterator[tuple[str, str, str]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # the veth pair goes with it
 
 
-def _env() -> dict[str, str]:
+def host_env() -> dict[str, str]:
+    """A namespaced host's environment: as a new user has it (no GLOO_SOCKET_IFNAME), one
+    torch thread per worker, no progress line."""
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     return dict(env, OMP_NUM_THREADS="1", SHMTRAIN_NO_PROGRESS="1")
 
@@ -173,7 +175,7 @@ def run_method(method: str, hosts: tuple[str, str, str], port: int, settings: di
                    *_worker_command(method, settings, out)]
             sink = open(logs / f"{name}-node{node}.log", "w")  # noqa: SIM115 - closed below
             files.append(sink)
-            procs.append(subprocess.Popen(cmd, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+            procs.append(subprocess.Popen(cmd, env=host_env(), stdout=sink, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = time.monotonic() + limit
         for p in procs:

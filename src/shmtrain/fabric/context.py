@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shmtrain.fabric.control import ControlBlock, PeerFailure, _alive
+from shmtrain.fabric.control import ControlBlock, PeerFailure, _alive, first_line
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.netif import choose_interface, rendezvous_error
 from shmtrain.fabric.segment import PREFIX, SharedSegment
@@ -163,7 +163,7 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         ifname = os.environ.get("GLOO_SOCKET_IFNAME", "(unset)")
         raise PeerFailure(
             f"rank {rank} could not connect to the other workers' gloo sockets within {timeout:.0f} s "
-            f"({str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__}); "
+            f"({first_line(exc, 160)}); "
             f"GLOO_SOCKET_IFNAME={ifname}: every host must reach the others on that interface (set it to "
             "the interface on the hosts' shared network)") from None
     host.barrier("set-up")

@@ -63,6 +63,13 @@ class PeerTimeout(TimeoutError):
         self.peer = peer
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's first line (gloo's messages run on for lines), at most ``limit``
+    characters; its type's name when it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
 def _alive(pid: int) -> bool:
     if pid <= 0:
         return True  # not yet registered

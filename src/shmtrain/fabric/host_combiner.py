@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import PeerFailure
+from shmtrain.fabric.control import PeerFailure, first_line
 
 
 class Stopped(Exception):
@@ -128,8 +128,7 @@ class HostCombiner:
         except Stopped:
             return
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by check()
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             self.error = PeerFailure(
                 f"summing layer {self.at[1]} (exchange {self.at[0]}) with the other hosts' leaders "
-                f"failed: {first}; a host was lost or stalled (see its log)")
+                f"failed: {first_line(exc)}; a host was lost or stalled (see its log)")
             self.error.__cause__ = exc

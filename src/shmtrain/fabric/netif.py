@@ -19,6 +19,8 @@ import os
 import socket
 import struct
 
+from shmtrain.fabric.control import first_line
+
 _SIOCGIFADDR = 0x8915
 
 
@@ -60,11 +62,11 @@ def choose_interface(master_addr: str) -> tuple[str, str] | None:
 
 def rendezvous_error(exc: BaseException, addr: str, port: int, timeout: float, rank: int) -> ValueError:
     """One line for a rendezvous that failed: the address, what happened and the fix."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc, 160)
     if rank == 0:
         fix = (f"rank 0 listens there: is {addr} an address of this host, and port {port} free? "
                "(set MASTER_ADDR/--master-addr to this host's address and MASTER_PORT to a free port)")
     else:
         fix = (f"is node 0 started, is {addr} reachable from this host and port {port} open? "
                f"(MASTER_ADDR must be node 0's address as this host sees it; --timeout {timeout:.0f} s)")
-    return ValueError(f"cannot join the job's rendezvous at {addr}:{port}: {text[:160]}; {fix}")
+    return ValueError(f"cannot join the job's rendezvous at {addr}:{port}: {text}; {fix}")

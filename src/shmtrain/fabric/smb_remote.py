@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import PeerFailure, PeerTimeout
+from shmtrain.fabric.control import PeerFailure, PeerTimeout, first_line
 from shmtrain.fabric.netif import route_source
 from shmtrain.fabric.smb import (
     STATE_SETUP,
@@ -157,7 +157,7 @@ class MemoryServer:
         self._inflight: dict[int, list[tuple]] = {}
         self._writes: dict[int, int] = {}  # per client: writes so far (their staging slot)
         self._state = threading.RLock()  # requests vs reap(): clients, transfers in flight
-        self._copies: dict[int, torch.Tensor] = {}
+        self._copies: dict[tuple[int, int], torch.Tensor | None] = {}  # (client, slot) -> staging tensor
         self._pg: dist.ProcessGroup | None = None
         self._watchers: dict[int, threading.Thread] = {}
         self._drops: list[threading.Thread] = []  # receives of refused writes' payloads
@@ -227,7 +227,7 @@ class MemoryServer:
                 source = work._source_rank()
             except RuntimeError as exc:  # a truncated header, or a client gone mid-message
                 self.errors += 1
-                self.log(f"shmtrain smb-server: a request could not be received ({_first_line(exc)}); serving on")
+                self.log(f"shmtrain smb-server: a request could not be received ({first_line(exc)}); serving on")
                 continue
             self.last_request = time.monotonic()
             with self._state:
@@ -280,7 +280,7 @@ class MemoryServer:
                         return
                     self._left.add(client)
                 self._record_lost(client)
-                self.log(f"shmtrain smb-server: client {client - 1} lost (its link closed: {_first_line(exc)}); "
+                self.log(f"shmtrain smb-server: client {client - 1} lost (its link closed: {first_line(exc)}); "
                          "what it applied stays; serving the others")
 
         self._watchers[client] = thread = threading.Thread(target=watch, name=f"smb-alive-{client}", daemon=True)
@@ -288,9 +288,9 @@ class MemoryServer:
 
     @property
     def watching(self) -> int:
-        """Link watchers still waiting (clients that neither said goodbye properly nor
-        were lost): gloo aborts a process that exits while one waits, so the caller
-        leaves with ``os._exit`` then."""
+        """Threads still waiting in gloo (link watchers of clients that neither said
+        goodbye properly nor were lost, receives of dropped payloads): gloo aborts a
+        process that exits while one waits, so the caller leaves with ``os._exit`` then."""
         return sum(t.is_alive() for t in [*self._watchers.values(), *self._drops])
 
     def reap(self) -> None:
@@ -352,7 +352,7 @@ class MemoryServer:
         self._inflight.pop(client, None)
         self._record_lost(client)
         self.log(f"shmtrain smb-server: client {client - 1} lost in the middle of a request "
-                 f"({_first_line(exc)}); nothing of it was applied; serving the others")
+                 f"({first_line(exc)}); nothing of it was applied; serving the others")
 
     def _record_lost(self, client: int) -> None:
         self.lost[client - 1] = time.time()
@@ -460,9 +460,7 @@ class MemoryServer:
         transfers: a client that never sends that payload stalls no one, and a claim
         larger than the server's largest buffer gets no receive."""
         known = self.buffers.get(buffer_id)
-        largest = max((t.numel() for t in self.buffers.values() if t.dtype == getattr(known, "dtype", None)),
-                      default=0)
-        if known is None or not 0 < numel <= largest:
+        if known is None or not 0 < numel <= max(t.numel() for t in self.buffers.values() if t.dtype == known.dtype):
             return False
         assert self._pg is not None
         work = self._pg.recv([torch.empty(numel, dtype=known.dtype)], client, _tag(seq, _PAYLOAD_IN))
@@ -482,10 +480,6 @@ class MemoryServer:
         self.errors += 1
         self.log(f"shmtrain smb-server: client {client - 1}: {why}; answered with an error")
         self._reply(client, BAD_REQUEST, seq, int(drained))
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
 
 
 class StoreProgressBoard(ProgressBoard):
@@ -560,7 +554,7 @@ class RemoteBufferService(BufferService):
         try:
             self.store = dist.TCPStore(host, int(port), None, False, delta)
         except (RuntimeError, dist.DistError) as exc:
-            raise PeerFailure(f"cannot reach the memory server at {address} ({_first_line(exc)}); start it with "
+            raise PeerFailure(f"cannot reach the memory server at {address} ({first_line(exc)}); start it with "
                               f"`shmtrain smb-server --port {port} --clients {world}` or fix --smb-server") from None
         clients = int(self.store.get("smb/clients"))
         if clients != world:
@@ -601,7 +595,7 @@ class RemoteBufferService(BufferService):
         if "Timed out" in text or "timed out" in text:
             return PeerTimeout(f"the memory server at {self.address} did not answer within "
                                f"{self.timeout:.0f} s while {what}")
-        return PeerFailure(f"the memory server at {self.address} failed while {what}: {_first_line(exc)}")
+        return PeerFailure(f"the memory server at {self.address} failed while {what}: {first_line(exc)}")
 
     def _request(self, op: int, a: int = 0, b: int = 0, c: int = 0,
                  landing: torch.Tensor | None = None) -> tuple[int, tuple[dist.Work, torch.Tensor], dist.Work | None]:

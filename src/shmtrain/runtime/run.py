@@ -30,8 +30,6 @@ from shmtrain.runtime.zygote import under_torchrun
 TARGET = "shmtrain.runtime.loop:train_worker"
 
 
-
-
 def default_out(config: TrainConfig) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{config.strategy}"
 

@@ -115,7 +115,7 @@ class GPI(Strategy):
         hosts = ctx.num_nodes > 1
         self.window = OneSidedWindow(host, areas, n * (self.fanin + 1 + hosts), tag="gpi")
         self._weights = layout.bind_data(self.window.area(me, dtype, 0, numel))
-        if ctx.num_nodes > 1:  # every host's tree starts from global rank 0's weights
+        if hosts:  # every host's tree starts from global rank 0's weights
             broadcast_parameters(layout)
         host.barrier("gpi set-up")
         if me != 0:  # one broadcast of the initial weights, from the root's area

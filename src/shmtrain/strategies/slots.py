@@ -45,28 +45,23 @@ class SlotGradients:
 
 class CastSlotGradients(SlotGradients):
     """The same, through an allreduce of a narrower dtype (``--comm-dtype bf16``, issue 14
-    item 4): the gradients stay private float32 tensors (autograd needs the parameters'
-    dtype), are cast into this worker's slot after backward and the mean is cast back, so
-    the slots and the bytes between hosts are halved for two passes of copies; the
+    item 4): ``param.grad`` cannot be views of a bfloat16 slot (autograd writes the
+    parameters' dtype), so they are views of one private float32 flat buffer instead; after
+    backward that buffer is cast into this worker's slot in one pass, and the mean is cast
+    back into it in one more. The slots and the bytes between hosts are halved; the
     optimizer and the weights stay float32."""
 
-    params: list[torch.Tensor]
-    optimizer: Any
+    def bind_slots(self) -> None:
+        self._flat = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+        self._flat_views = self.layout.views(self._flat)
+        self.zero_grad()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._flat.zero_()
+        self.layout.bind_grads(self._flat_views)
 
     def after_backward(self) -> None:
         with self.timer.phase("comm"):
-            step = self.allreduce.count + 1
-            for view, p in zip(self._input_views[step % 2], self.params, strict=True):
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad)
+            self.allreduce.input(self.allreduce.count + 1).copy_(self._flat)
             self.allreduce()
-            for view, p in zip(self._result_views[self.allreduce.count % 2], self.params, strict=True):
-                if p.grad is None:
-                    p.grad = view.to(p.dtype)
-                else:
-                    p.grad.copy_(view)
+            self._flat.copy_(self.allreduce.result(self.allreduce.count))

@@ -57,7 +57,7 @@ class SSGD(SlotGradients, Strategy):
         #: and between hosts; weights, optimizer and gradients stay float32)
         comm_dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={
             "help": "dtype of the gradient allreduce: fp32, or bf16 (half the bytes moved, in the "
-                    "slots and between hosts; the weights and the optimizer stay float32; docs/overlap.md)"})
+                    "slots and between hosts; the weights and the optimizer stay float32; docs/collectives.md)"})
 
         def __post_init__(self) -> None:
             from shmtrain.fabric.collectives.reducers import check_name
