@@ -4,12 +4,14 @@ the control block's wake-ups (spin, announce, conditional wake, wrap-around)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 import torch
 
-from shmtrain.fabric.control import _reached
+from shmtrain.fabric import native
+from shmtrain.fabric.control import PeerTimeout, _reached
 from shmtrain.fabric.pipeline_allreduce import PAGE, PipelinedAllreduce, split
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
 from shmtrain.runtime.launcher import launch
@@ -19,7 +21,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 def pipeline_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     dtype = DTYPES[payload["dtype"]]
-    pipe = PipelinedAllreduce(ctx.host, block_bytes=payload["block"], split=payload["split"])
+    pipe = PipelinedAllreduce(ctx.host, block_bytes=payload["block"], split=payload["split"],
+                              native=payload.get("native"))
     errors, digests = [], []
     for numel in payload["lengths"]:
         base = torch.arange(numel) % 31  # small integers: every sum is exact in every dtype
@@ -36,11 +39,19 @@ def pipeline_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     return {"errors": errors, "digests": digests, "blocks": blocks}
 
 
-@pytest.mark.parametrize("procs,split", [(2, False), (2, True), (3, False), (4, True), (4, False)])
-def test_exact_sums_any_length_both_paths(procs: int, split: bool) -> None:
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"no compiled path: {native.why_not}")
+
+
+@pytest.mark.parametrize("procs,split,compiled", [
+    (2, False, False), (2, True, False), (3, False, False), (4, True, False), (4, False, False),
+    pytest.param(2, False, True, marks=needs_native), pytest.param(2, True, True, marks=needs_native),
+    pytest.param(3, False, True, marks=needs_native), pytest.param(4, True, True, marks=needs_native),
+])
+def test_exact_sums_any_length_both_paths(procs: int, split: bool, compiled: bool) -> None:
     lengths = [0, 1, 17, PAGE // 4 - 1, 3 * PAGE + 5, 100_003]
     results = launch("test_pipeline_allreduce:pipeline_worker", procs,
-                     {"dtype": "float32", "block": PAGE * 4, "split": split, "lengths": lengths})
+                     {"dtype": "float32", "block": PAGE * 4, "split": split, "lengths": lengths,
+                      "native": compiled})
     assert all(err == 0.0 for r in results for err in r["errors"])
     # the mean of different random inputs: every rank holds the very same bits
     assert all(r["digests"] == results[0]["digests"] for r in results)
@@ -103,3 +114,53 @@ def test_sequence_numbers_compare_across_the_wrap() -> None:
     top = 2**31 - 1
     assert _reached(-(2**31), top)  # top + 1 wrapped to the smallest int32
     assert not _reached(top, -(2**31))
+
+
+def paths_worker(ctx, payload: dict[str, Any]) -> list[list[float]]:
+    """The compiled and the Python path on the same inputs, one after the other."""
+    out = []
+    for compiled in (True, False):
+        pipe = PipelinedAllreduce(ctx.host, block_bytes=PAGE, split=payload["split"], native=compiled,
+                                  tag=f"paths{compiled}")
+        x = torch.randn(3000, generator=torch.Generator().manual_seed(ctx.rank))
+        pipe(x, op="mean")
+        out.append(x.tolist())
+        pipe.close()
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("procs,split", [(2, False), (2, True), (4, False)])
+def test_compiled_and_python_paths_agree(procs: int, split: bool) -> None:
+    results = launch("test_pipeline_allreduce:paths_worker", procs, {"split": split})
+    compiled, python = torch.tensor(results[0][0]), torch.tensor(results[0][1])
+    if procs == 2:  # one addition per element: the very same bits
+        assert torch.equal(compiled, python)
+    else:  # torch.sum may add in another order than rank order
+        assert torch.allclose(compiled, python, rtol=1e-6, atol=1e-7)
+
+
+def late_worker(ctx, payload: dict[str, Any]) -> str:
+    pipe = PipelinedAllreduce(ctx.host, block_bytes=PAGE, native=True)
+    x = torch.full((5000,), float(ctx.rank + 1))
+    message = "ok"
+    if ctx.rank == 1:
+        time.sleep(payload["delay"])  # rank 0 waits in C through many slices
+        if payload["never"]:
+            pipe.close()
+            return message
+    try:
+        pipe(x)
+        assert x.eq(3.0).all()
+    except PeerTimeout as e:
+        message = f"timeout: {e} (peer {e.peer})"
+    pipe.close()
+    return message
+
+
+@needs_native
+def test_compiled_waits_resume_across_slices_and_time_out_naming_the_peer() -> None:
+    assert launch("test_pipeline_allreduce:late_worker", 2, {"delay": 0.4, "never": False}) == ["ok", "ok"]
+    first = launch("test_pipeline_allreduce:late_worker", 2, {"delay": 2.5, "never": True}, timeout=1.0)[0]
+    assert first.startswith("timeout: local rank 1") and "a block of the allreduce" in first, first
+    assert first.endswith("(peer 1)")
