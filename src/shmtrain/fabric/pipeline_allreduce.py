@@ -225,7 +225,7 @@ class PipelinedAllreduce:
                 int(split), int(op == "mean"))
         deadline, where = None, None
         try:
-            while (rc := run(*args, _SLICE)) != 0:
+            while run(*args, _SLICE) != 0:
                 peer = progress.waiting
                 what = "a reduced block of the allreduce" if progress.phase == 2 else "a block of the allreduce"
                 control._check(peer, what)  # raises PeerFailure on an abort or a dead peer
