@@ -135,20 +135,20 @@ class PipelinedAllreduce:
         """Reduce ``tensor`` (contiguous, CPU) in place over the host; returns it."""
         if op not in ("sum", "mean"):
             raise ValueError(f"op {op!r} must be 'sum' or 'mean'")
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if not tensor.is_cpu or not tensor.is_contiguous():
             raise ValueError(f"PipelinedAllreduce reduces contiguous CPU tensors; got one on {tensor.device} "
                              f"(contiguous: {tensor.is_contiguous()})")
         if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise ValueError(f"op 'mean' needs a floating-point tensor, got {tensor.dtype}; sum it and divide")
         host, control = self.host, self.host.control
         L, me = host.local_world, host.local_rank
+        numel = tensor.numel()
+        if L == 1 or numel == 0:
+            return tensor
+        if self._lib is not None and tensor.dtype == torch.float32:  # the hot path: few Python steps
+            self._compiled(tensor, numel, op, self.split and not (self._auto_split and numel * 4 <= SMALL_BYTES))
+            return tensor
         flat = tensor.view(-1)
-        if L == 1 or flat.numel() == 0:
-            return tensor
-        if flat.dtype == torch.float32 and self._lib is not None:
-            split = self.split and not (self._auto_split and flat.numel() * 4 <= SMALL_BYTES)
-            self._compiled(flat, op, split)
-            return tensor
         ring, results = self._ring(flat.dtype)
         per = ring.shape[2]
         if self.split:
@@ -213,30 +213,37 @@ class PipelinedAllreduce:
                          spin=self.spin)
             out.copy_(result[:m])
 
-    def _compiled(self, flat: torch.Tensor, op: str, split: bool) -> None:
+    def _compiled(self, tensor: torch.Tensor, numel: int, op: str, split: bool) -> None:
         """The same blocks through the compiled path (:mod:`shmtrain.fabric.native`): C does
         the copies, posts, waits and sums; every ``_SLICE`` of waiting it returns here so
         that aborts, dead peers and the timeout are judged as on the Python path."""
-        plan = self._plan or self._make_plan()
-        progress = _native.Progress(0, self.blocks, 0, 0)
-        control, timeout = self.host.control, self.host.timeout
-        run = self._lib.shm_pipeline_f32
-        args = (ctypes.byref(plan), ctypes.byref(progress), flat.data_ptr(), flat.numel(),
-                int(split), int(op == "mean"))
-        deadline, where = None, None
+        if self._plan is None:
+            self._make_plan()
+        progress = self._progress
+        progress.pos, progress.seq, progress.phase = 0, self.blocks, 0
+        args = (self._plan_ref, self._progress_ref, tensor.data_ptr(), numel, split, op == "mean", _SLICE)
         try:
-            while run(*args, _SLICE) != 0:
-                peer = progress.waiting
-                what = "a reduced block of the allreduce" if progress.phase == 2 else "a block of the allreduce"
-                control._check(peer, what)  # raises PeerFailure on an abort or a dead peer
-                now = time.monotonic()
-                if (progress.seq, progress.phase, peer) != where:  # progress: the timeout starts again
-                    deadline, where = now + timeout, (progress.seq, progress.phase, peer)
-                elif now >= deadline:
-                    raise PeerTimeout(f"local rank {peer} (pid {control.pid(peer)}) did not reach {what} "
-                                      f"#{progress.seq} within {timeout:.0f} s", peer=peer)
+            if self._run(*args) != 0:
+                self._wait_on(args)
         finally:
             self.blocks = progress.seq
+
+    def _wait_on(self, args: tuple) -> None:
+        """A compiled call that has waited ``_SLICE``: check the peer, then resume, until done."""
+        progress, control, timeout = self._progress, self.host.control, self.host.timeout
+        deadline, where = 0.0, None
+        while True:
+            peer = progress.waiting
+            what = "a reduced block of the allreduce" if progress.phase == 2 else "a block of the allreduce"
+            control._check(peer, what)  # raises PeerFailure on an abort or a dead peer
+            now = time.monotonic()
+            if (progress.seq, progress.phase, peer) != where:  # progress: the timeout starts again
+                deadline, where = now + timeout, (progress.seq, progress.phase, peer)
+            elif now >= deadline:
+                raise PeerTimeout(f"local rank {peer} (pid {control.pid(peer)}) did not reach {what} "
+                                  f"#{progress.seq} within {timeout:.0f} s", peer=peer)
+            if self._run(*args) == 0:
+                return
 
     def _make_plan(self) -> _native.Plan:
         host, control = self.host, self.host.control
@@ -256,7 +263,10 @@ class PipelinedAllreduce:
         # as ControlBlock.wait: spin when asked, yield when ranks outnumber cores, else sleep
         plan.mode = 0 if spin else (1 if not control.spin else 2)
         plan.spin_ns, plan.yields = int(_SPIN_S * 1e9), _YIELDS
-        self._plan = plan
+        self._plan, self._plan_ref = plan, ctypes.byref(plan)
+        self._progress = _native.Progress()
+        self._progress_ref = ctypes.byref(self._progress)
+        self._run = self._lib.shm_pipeline_f32
         return plan
 
     def close(self) -> None:
