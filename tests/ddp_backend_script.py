@@ -9,16 +9,28 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shmtrain  # noqa: F401 - registers the "shm" backend
+from shmtrain.backend import ShmProcessGroup
 
 backend, out = sys.argv[1], sys.argv[2]
+shm = backend in ("shm", "cpu:shm")
+
+
+def through_shm(before: int, count: int) -> None:
+    """The last collectives went through shared memory ``count`` times (none on gloo)."""
+    assert ShmProcessGroup.reductions - before == (count if shm else 0), (backend, ShmProcessGroup.reductions, before)
+
+
 dist.init_process_group(backend)
 r, w = dist.get_rank(), dist.get_world_size()
 t = torch.full((100_003,), float(r + 1))
+before = ShmProcessGroup.reductions
 dist.all_reduce(t)
 assert float(t[0]) == w * (w + 1) / 2 and float(t[-1]) == w * (w + 1) / 2, float(t[0])
 t = torch.full((1000,), float(r + 1))
 dist.all_reduce(t, op=dist.ReduceOp.AVG)
 assert float(t[0]) == (w + 1) / 2
+through_shm(before, 2)  # SUM and AVG of floats: shared memory
+before = ShmProcessGroup.reductions
 t = torch.full((10,), float(r))
 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # gloo's
 assert float(t[0]) == w - 1
@@ -32,6 +44,7 @@ gathered = [torch.zeros(3) for _ in range(w)]
 dist.all_gather(gathered, torch.full((3,), float(r)))
 assert [float(g[0]) for g in gathered] == [float(k) for k in range(w)]
 dist.barrier()
+through_shm(before, 0)  # MAX, integers, broadcast, all_gather: gloo's
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets, reduced while backward goes on
@@ -42,6 +55,7 @@ for _ in range(5):
     opt.zero_grad()
     nn.functional.cross_entropy(ddp(x), y).backward()
     opt.step()
+assert not shm or ShmProcessGroup.reductions - before >= 5, ShmProcessGroup.reductions  # a bucket a step at least
 if r == 0:
     torch.save(model.state_dict(), out)
 dist.barrier()  # every rank done before any tears its groups down (gloo aborted once without it)

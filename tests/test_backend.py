@@ -16,12 +16,12 @@ pytestmark = pytest.mark.timeout(180)
 SCRIPT = str(Path(__file__).with_name("ddp_backend_script.py"))
 
 
-def _run(backend: str, out: Path, nodes: int = 1, per_node: int = 2) -> None:
+def _run(backend: str, out: Path, nodes: int = 1, per_node: int = 2, **extra: str) -> None:
     port = free_port()
     procs = [subprocess.Popen(TORCHRUN + ["--nnodes", str(nodes), "--node-rank", str(n), "--nproc-per-node",
                                           str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                           SCRIPT, backend, str(out)],
-                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n in range(nodes)]
     outputs = [p.communicate(timeout=150)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
@@ -37,6 +37,11 @@ def test_ddp_on_the_shm_backend_equals_ddp_on_gloo(tmp_path: Path, per_node: int
     _run("gloo", tmp_path / "gloo.pt", per_node=per_node)
     _run("cpu:shm", tmp_path / "shm.pt", per_node=per_node)
     assert _close(tmp_path / "gloo.pt", tmp_path / "shm.pt") < 1e-5
+    # the reduction thread (where a host has cores to spare) and the caller's thread alike
+    _run("cpu:shm", tmp_path / "thread.pt", per_node=per_node, SHMTRAIN_PG_THREAD="1")
+    _run("cpu:shm", tmp_path / "inline.pt", per_node=per_node, SHMTRAIN_PG_THREAD="0")
+    assert _close(tmp_path / "gloo.pt", tmp_path / "thread.pt") < 1e-5
+    assert _close(tmp_path / "gloo.pt", tmp_path / "inline.pt") < 1e-5
 
 
 def test_two_hosts_reduce_hierarchically(tmp_path: Path) -> None:

@@ -25,23 +25,28 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
 
 
-def test_quick_bench_gives_every_method_a_time_to_accuracy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("methods", [
+    ["ssgd", "seasgd"],  # a synchronous method and one through the memory server
+    pytest.param(None, marks=pytest.mark.slow),  # every default method, ddp included (~50 s)
+])
+def test_quick_bench_gives_every_method_a_time_to_accuracy(tmp_path: Path, methods: list[str] | None) -> None:
     reason = hosts.why_not("1gbit")
     if reason:
         pytest.skip(reason)
     out, doc_file, png = tmp_path / "runs", tmp_path / "hosts.json", tmp_path / "hosts.png"
+    chosen = ["--methods", *methods] if methods else []
     proc = subprocess.run([sys.executable, "-m", "shmtrain", "bench", "hosts", "--quick", "--out", str(out),
-                           "--json", str(doc_file), "--plot", str(png)],
+                           "--json", str(doc_file), "--plot", str(png), *chosen],
                           capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(doc_file.read_text())
-    assert [row["method"] for row in doc["rows"]] == hosts.DEFAULT_METHODS
+    assert [row["method"] for row in doc["rows"]] == (methods or hosts.DEFAULT_METHODS)
     for row in doc["rows"]:
         for key in ("time_to_target_s", "train_time_to_target_s", "final_accuracy", "comm_ms", "startup_s"):
             assert isinstance(row[key], int | float) and row[key] >= 0, (row["method"], key, row[key])
         assert row["final_accuracy"] >= doc["settings"]["target"], row
         assert row["iterations"] >= 1 and row["comm_ms"] > 0 and row["runs"][0]["curve"], row
-    assert "s to target" in proc.stdout and "ddp" in proc.stdout
+    assert "s to target" in proc.stdout and all(m in proc.stdout for m in methods or hosts.DEFAULT_METHODS)
     assert png.stat().st_size > 0
     assert len(doc["namespaces"]) == 2 and not set(doc["namespaces"]) & _namespaces(), "a namespace was left behind"
 

@@ -12,10 +12,12 @@ speed-up by naming it::
 private byte through DRAM once in and once out, split reduction of swCaffe's PAR-SUM,
 Section V-A, when ranks outnumber cores); across hosts it is hierarchical (the host
 sum, then gloo among the hosts' local rank 0s, then the result back inside each host).
-Like gloo's, it is asynchronous: the call queues the reduction on one thread per
-group (FIFO, so every rank runs them in the order it issued them) and returns a
-``Work`` at once, so DDP's backward keeps computing while earlier buckets are reduced
-(torch's kernels release the GIL). Every other collective, and allreduce of anything
+Like gloo's, it is asynchronous where the host has a core to spare: the call queues the
+reduction on one thread per group (FIFO, so every rank runs them in the order it issued
+them) and returns a ``Work`` at once, so DDP's backward keeps computing while earlier
+buckets are reduced (the compiled path releases the GIL). Where every core already runs
+a rank's torch threads, the reduction runs on the caller's thread and the ``Work`` is
+complete when returned: a thread could only time-share the backward pass's core. Every other collective, and allreduce of anything
 else, is gloo's, on a gloo group built over the same store.
 
 Hosts: ranks are grouped host after host by ``LOCAL_WORLD_SIZE`` (torchrun sets it);
@@ -41,7 +43,6 @@ from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
 from shmtrain.fabric.segment import PREFIX
 
 NAME = "shm"
-_REDUCED = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -60,6 +61,21 @@ def _layout(store: dist.Store, rank: int, size: int) -> tuple[int, int, int]:
     return node, local_rank, local_world
 
 
+def _inline(local_world: int) -> bool:
+    """Whether allreduce runs on the caller's thread: when the host has no core to spare
+    for a reduction thread beside every rank's torch threads (2 workers on 2 cores: the
+    thread only time-shares the backward pass's core, and its hand-offs add wake-ups;
+    measured in docs/collectives.md). ``SHMTRAIN_PG_THREAD=1`` or ``0`` decides instead."""
+    forced = os.environ.get("SHMTRAIN_PG_THREAD", "")
+    if forced in ("0", "1"):
+        return forced == "0"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores < local_world * (torch.get_num_threads() + 1)
+
+
 class ShmProcessGroup(dist.ProcessGroup):
     """The ``shm`` backend's process group (module docstring).
 
@@ -68,6 +84,10 @@ class ShmProcessGroup(dist.ProcessGroup):
         rank: this rank in the group; size: the group's ranks.
         timeout: how long any wait for a peer lasts.
     """
+
+    #: tensors this process has reduced through shared memory (all groups; for tests and
+    #: for users who want to see that their allreduce did not fall back to gloo)
+    reductions = 0
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
@@ -83,15 +103,17 @@ class ShmProcessGroup(dist.ProcessGroup):
         self.leaders = None
         if self.hosts > 1 and local_rank == 0:
             self.leaders = dist.ProcessGroupGloo(dist.PrefixStore("leaders/", store), node, self.hosts, timeout)
-        # its waits sleep at once: a spinning reduction thread would take the core from the
-        # backward pass running beside it (measured either way, the difference was noise)
-        self.pipeline = PipelinedAllreduce(self.host, spin=False, tag="pg")
+        self.inline = _inline(local_world)
+        # on a thread its waits sleep at once: spinning would take the core from the backward
+        # pass running beside it (measured either way, the difference was noise)
+        self.pipeline = PipelinedAllreduce(self.host, spin=None if self.inline else False, tag="pg")
         self.host.barrier("the shm backend's set-up")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._failure: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="shmtrain-pg", daemon=True)
-        self._thread.start()
+        if not self.inline:
+            self._thread.start()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return NAME
@@ -101,10 +123,16 @@ class ShmProcessGroup(dist.ProcessGroup):
         op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
         if opts is None:
             opts = dist.AllreduceOptions()
-        if op not in _REDUCED or not all(_ours(t) for t in tensors):
+        # ``op == SUM``, not ``op in (SUM, AVG)``: the options hold a ReduceOp, which equals a
+        # RedOpType only when it is on the left (``in`` compares the other way round)
+        mean = op == dist.ReduceOp.AVG
+        if not (mean or op == dist.ReduceOp.SUM) or not all(_ours(t) for t in tensors):
             return self.gloo.allreduce(tensors, opts)  # other ops and tensors: gloo's
         future: torch.futures.Future = torch.futures.Future()
-        self._queue.put((tensors, op == dist.ReduceOp.AVG, future))
+        if self.inline:  # no spare core for a thread: reduce now, on the caller's thread
+            self._reduce_all(tensors, mean, future)
+        else:
+            self._queue.put((tensors, mean, future))
         return _create_work_from_future(future)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -117,16 +145,19 @@ class ShmProcessGroup(dist.ProcessGroup):
             item = self._queue.get()
             if item is None:
                 return
-            tensors, mean, future = item
-            try:
-                if self._failure is not None:
-                    raise self._failure
-                for tensor in tensors:
-                    self._reduce(tensor, mean)
-                future.set_result(tensors)
-            except BaseException as exc:  # noqa: BLE001 - the waiter re-raises it
-                self._failure = self._failure or exc
-                future.set_exception(exc)
+            self._reduce_all(*item)
+
+    def _reduce_all(self, tensors: list[torch.Tensor], mean: bool, future: torch.futures.Future) -> None:
+        try:
+            if self._failure is not None:
+                raise self._failure
+            for tensor in tensors:
+                self._reduce(tensor, mean)
+                ShmProcessGroup.reductions += 1
+            future.set_result(tensors)
+        except BaseException as exc:  # noqa: BLE001 - the waiter re-raises it
+            self._failure = self._failure or exc
+            future.set_exception(exc)
 
     def _reduce(self, tensor: torch.Tensor, mean: bool) -> None:
         if self.hosts == 1:  # the mean is taken block by block while each is in cache

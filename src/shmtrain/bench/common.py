@@ -117,9 +117,24 @@ def parse_size(text: str) -> int:
 
 
 #: benchmark modes that are torch DistributedDataParallel: over gloo, with
-#: :func:`shmtrain.ddp_comm_hook` (buckets averaged through the host's shared memory), and
-#: on the ``shm`` torch.distributed backend (:mod:`shmtrain.backend`, unchanged DDP)
-DDP_MODES = ("ddp", "ddp-shm", "ddp-backend")
+#: :func:`shmtrain.ddp_comm_hook` (buckets averaged through the host's shared memory), on
+#: the ``shm`` torch.distributed backend (:mod:`shmtrain.backend`, unchanged DDP), and with
+#: a hook that communicates nothing (``ddp-noop``: DDP's own bucketing, the floor of any
+#: DDP backend; its replicas drift apart, so it is for timing only)
+DDP_MODES = ("ddp", "ddp-shm", "ddp-backend", "ddp-noop")
+
+
+def _noop_hook(state: Any, bucket: Any) -> torch.futures.Future:
+    """A DDP comm hook that returns the bucket as it is (no communication)."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+# DDP's register_comm_hook compares the annotations with the real types, not strings
+# (this module has ``from __future__ import annotations``)
+_noop_hook.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
+                              "return": torch.futures.Future[torch.Tensor]}
 
 
 class DDPEngine:
@@ -131,7 +146,7 @@ class DDPEngine:
     of the ``shm`` backend."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer, ctx=None,
-                 *, backend: bool = False) -> None:
+                 *, backend: bool = False, noop: bool = False) -> None:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
@@ -147,6 +162,8 @@ class DDPEngine:
 
             self.state = ShmHookState(ctx)
             self.net.register_comm_hook(self.state, ddp_comm_hook)
+        elif noop:
+            self.net.register_comm_hook(None, _noop_hook)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -175,7 +192,7 @@ def build_engine(mode: str, ctx, model: torch.nn.Module, optimizer: torch.optim.
     one of these)."""
     if mode in DDP_MODES:
         return DDPEngine(model, optimizer, timer, ctx if mode == "ddp-shm" else None,
-                         backend=mode == "ddp-backend")
+                         backend=mode == "ddp-backend", noop=mode == "ddp-noop")
     from shmtrain.api import DataParallel
 
     return DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **(options or {}))
