@@ -35,9 +35,7 @@ def _close(a: Path, b: Path) -> float:
 @pytest.mark.parametrize("per_node", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_on_the_shm_backend_equals_ddp_on_gloo(tmp_path: Path, per_node: int) -> None:
     _run("gloo", tmp_path / "gloo.pt", per_node=per_node)
-    _run("cpu:shm", tmp_path / "shm.pt", per_node=per_node)
-    assert _close(tmp_path / "gloo.pt", tmp_path / "shm.pt") < 1e-5
-    # the reduction thread (where a host has cores to spare) and the caller's thread alike
+    # on the reduction thread (where a host has cores to spare) and on the caller's thread
     _run("cpu:shm", tmp_path / "thread.pt", per_node=per_node, SHMTRAIN_PG_THREAD="1")
     _run("cpu:shm", tmp_path / "inline.pt", per_node=per_node, SHMTRAIN_PG_THREAD="0")
     assert _close(tmp_path / "gloo.pt", tmp_path / "thread.pt") < 1e-5

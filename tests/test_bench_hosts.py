@@ -26,7 +26,7 @@ def _namespaces() -> set[str]:
 
 
 @pytest.mark.parametrize("methods", [
-    ["ssgd", "seasgd"],  # a synchronous method and one through the memory server
+    ["ssgd"],  # the memory server across namespaced hosts: tests/test_netns.py
     pytest.param(None, marks=pytest.mark.slow),  # every default method, ddp included (~50 s)
 ])
 def test_quick_bench_gives_every_method_a_time_to_accuracy(tmp_path: Path, methods: list[str] | None) -> None:

@@ -107,7 +107,11 @@ def test_shmtrains_own_rendezvous_names_the_address_and_the_fix() -> None:
     assert "is node 0 started" in proc.stdout
 
 
-@pytest.mark.parametrize("strategy", ["gpi", "cpu_acc", pytest.param("hsgd", marks=pytest.mark.slow),
+# gpi and cpu_acc across hosts are in the default suite through tests/test_torchrun.py
+# (same weights as one host of four), and the interface choice through the ssgd test above
+@pytest.mark.parametrize("strategy", [pytest.param("gpi", marks=pytest.mark.slow),
+                                      pytest.param("cpu_acc", marks=pytest.mark.slow),
+                                      pytest.param("hsgd", marks=pytest.mark.slow),
                                       pytest.param("easgd", marks=pytest.mark.slow),
                                       pytest.param("downpour", marks=pytest.mark.slow),
                                       pytest.param("ps_grad", marks=pytest.mark.slow),

@@ -235,15 +235,25 @@ def _start(target: str, env: dict[str, str], fds: tuple[int, ...], log: Path | N
             stderr.close()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc), so it cannot exit."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
 def _end(children: list[Any], grace: float, kill: bool = False) -> list[int]:
-    """Let children exit within ``grace`` seconds, then SIGTERM (``kill``: SIGKILL), then
-    SIGKILL; the ranks that had to be ended."""
+    """Let children exit within ``grace`` seconds, then SIGTERM (``kill`` or a stopped child:
+    SIGKILL), then SIGKILL; the ranks that had to be ended."""
     deadline = time.monotonic() + grace
-    while grace and time.monotonic() < deadline and any(c.poll() is None for c in children):
+    # a stopped child (SIGSTOP, a debugger) cannot exit on its own: no grace for it
+    while grace and time.monotonic() < deadline and any(c.poll() is None and not _stopped(c.pid) for c in children):
         time.sleep(0.05)
     ended = [rank for rank, child in enumerate(children) if child.poll() is None]
     for rank in ended:
-        if kill:
+        if kill or _stopped(children[rank].pid):  # a SIGTERM would wait for a SIGCONT
             children[rank].kill()
         else:
             children[rank].terminate()
