@@ -42,6 +42,7 @@ from shmtrain.bench.common import (
 )
 from shmtrain.bench.peers import EXTERNAL, PEERS, reps_for, run_peer, summarize
 from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
 from shmtrain.runtime.launcher import launch
 
@@ -49,17 +50,21 @@ from shmtrain.runtime.launcher import launch
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]]:
     bandwidth = copy_bandwidth()
     rows = []
+    # the samples start after a one-float allreduce: the fastest barrier shmtrain has (the
+    # Python barrier's wake-ups left 4 ranks on 2 cores out of step by tens of microseconds,
+    # which the next sample timed; MPICH's samples start after its compiled MPI_Barrier)
+    token, gate = torch.zeros(1), PipelinedAllreduce(ctx.host, tag="bench.barrier")
     for nbytes in payload["sizes"]:
         n = nbytes // 4
         reps = reps_for(nbytes, payload["reps"])
         ar = ShmAllreduce(ctx.host, n, op="sum", tag=f"bench{nbytes}")
         shm = timed_collective(ar, reps, 2, before=lambda a=ar: a.input().fill_(1.0),
-                               barrier=lambda: ctx.host.barrier("bench"))
+                               barrier=lambda: gate(token))
         expected = float(ctx.world_size)
         ok = bool(torch.all(ar.result() == expected))
         mine = torch.ones(n)
         private = timed_collective(lambda a=ar, t=mine: a.reduce_private(t), reps, 2,
-                                   before=lambda t=mine: t.fill_(1.0), barrier=lambda: ctx.host.barrier("bench"))
+                                   before=lambda t=mine: t.fill_(1.0), barrier=lambda: gate(token))
         ok_private = bool(torch.all(mine == expected))
         ar.close()
         del ar
@@ -88,6 +93,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
                 "result_floor_s": result_floor,
                 "copy_GBps": bandwidth / 1e9, "correct": correct,
             })
+    gate.close()
     return rows
 
 
