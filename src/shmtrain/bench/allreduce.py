@@ -41,6 +41,7 @@ from shmtrain.bench.common import (
     write_json,
 )
 from shmtrain.bench.peers import EXTERNAL, PEERS, reps_for, run_peer, summarize
+from shmtrain.fabric.affinity import bind
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
@@ -48,6 +49,8 @@ from shmtrain.runtime.launcher import launch
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    if payload.get("bind"):
+        bind(ctx.local_rank, ctx.local_world)
     bandwidth = copy_bandwidth()
     rows = []
     # the samples start after a one-float allreduce: the fastest barrier shmtrain has (the
@@ -105,17 +108,20 @@ def _sum_rows(rows: torch.Tensor) -> None:
         rows[0].add_(row)
 
 
-def run(procs: list[int], sizes: list[int], reps: int, peers: list[str] | None = None) -> list[dict[str, Any]]:
+def run(procs: list[int], sizes: list[int], reps: int, peers: list[str] | None = None,
+        bind_cores: bool = True) -> list[dict[str, Any]]:
     """shmtrain's allreduce (zero-copy and private) and every peer in ``peers``, at each
-    process count; a peer that cannot run gets a row with its ``reason``."""
+    process count, every rank of every implementation pinned to its share of the cores
+    when ``bind_cores``; a peer that cannot run gets a row with its ``reason``."""
     peers = list(PEERS) if peers is None else peers
     rows: list[dict[str, Any]] = []
     for p in procs:
         print(f"... {p} processes: shmtrain{' and gloo' if 'gloo' in peers else ''}", flush=True)
-        rows += launch("shmtrain.bench.allreduce:_worker", p, {"sizes": sizes, "reps": reps, "peers": peers})[0]
+        rows += launch("shmtrain.bench.allreduce:_worker", p,
+                       {"sizes": sizes, "reps": reps, "peers": peers, "bind": bind_cores})[0]
         for peer in (q for q in peers if q in EXTERNAL):
             print(f"... {p} processes: {peer}", flush=True)
-            result = run_peer(peer, p, sizes, reps)
+            result = run_peer(peer, p, sizes, reps, bind=bind_cores)
             if "reason" in result:
                 print(f"    {peer}: {result['reason']}", flush=True)
                 rows.append({"impl": peer, "procs": p, "reason": result["reason"]})
@@ -172,7 +178,7 @@ def _handler(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--peers {' '.join(unknown)}: unknown; choose from {' '.join(PEERS)} "
                          "(mpich and deepspeed need `pip install 'shmtrain[peers]'`)")
-    rows = run(procs, sizes, args.reps, peers)
+    rows = run(procs, sizes, args.reps, peers, bind_cores=args.bind == "core")
     print(table(comparison(rows), [
         ("procs", "procs", "d"), ("size", "size", "s"), ("shm_ms", "shm ms", ".3f"),
         ("private_ms", "private ms", ".3f"), ("gloo_ms", "gloo ms", ".3f"), ("mpich_ms", "mpich ms", ".3f"),
@@ -198,5 +204,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per size (default 10; half above 64MiB)")
     p.add_argument("--peers", nargs="*", help=f"peers to run beside shmtrain, of {' '.join(PEERS)} (default all; "
                                               "mpich and deepspeed: pip install 'shmtrain[peers]')")
+    p.add_argument("--bind", choices=["core", "none"], default="core",
+                   help="core (default): every rank of every implementation pinned to core rank mod cores, "
+                        "as MPI's -bind-to core; none: where the scheduler likes (with more ranks than "
+                        "cores the latency then changes from launch to launch)")
     p.add_argument("--json", help="write the rows here")
     p.set_defaults(handler=_handler)

@@ -102,6 +102,10 @@ def _deepspeed(sizes: list[int], reps: int, out: str) -> None:
                     slowest, lambda b: bool(torch.all(b == dist.get_world_size())))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
+    # every rank done before any tears gloo down (an exit without it aborted a rank at times:
+    # "terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # -- from the benchmark's process -----------------------------------------------------------------
@@ -123,15 +127,17 @@ def _mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
-def run_peer(peer: str, procs: int, sizes: list[int], reps: int, timeout: float = TIMEOUT_S) -> dict[str, Any]:
-    """Run one external peer; ``{"rows": [...]}`` or ``{"reason": "..."}``."""
+def run_peer(peer: str, procs: int, sizes: list[int], reps: int, timeout: float = TIMEOUT_S,
+             bind: bool = False) -> dict[str, Any]:
+    """Run one external peer; ``{"rows": [...]}`` or ``{"reason": "..."}``. ``bind``: each
+    rank pinned to its share of the cores, as shmtrain's ranks (:mod:`shmtrain.fabric.affinity`)."""
     reason = _why_not(peer)
     if reason:
         return {"reason": reason}
     with tempfile.TemporaryDirectory(prefix="shmtrain-peer-") as tmp:
         out = os.path.join(tmp, "rows.json")
         args = ["-m", "shmtrain.bench.peers", peer, out, str(reps), *map(str, sizes)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", SHMTRAIN_BIND="core" if bind else "none")
         if peer == "mpich":
             cmd = [_mpiexec(), "-n", str(procs), sys.executable, *args]
         else:
@@ -174,6 +180,14 @@ def _free_port() -> int:
 def main(argv: list[str]) -> int:
     """``python -m shmtrain.bench.peers PEER OUT REPS SIZE...`` (inside a peer's launch)."""
     peer, out, reps, *sizes = argv
+    if os.environ.get("SHMTRAIN_BIND") == "core":  # as shmtrain's own ranks (bench allreduce --bind)
+        from shmtrain.fabric.affinity import bind
+
+        if peer == "mpich":  # hydra's rank variables; torchrun's for deepspeed
+            rank, size = int(os.environ.get("PMI_RANK", 0)), int(os.environ.get("PMI_SIZE", 1))
+        else:
+            rank, size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        bind(rank, size)
     {"mpich": _mpich, "deepspeed": _deepspeed}[peer]([int(s) for s in sizes], int(reps), out)
     return 0
 
