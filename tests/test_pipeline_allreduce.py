@@ -164,3 +164,11 @@ def test_compiled_waits_resume_across_slices_and_time_out_naming_the_peer() -> N
     first = launch("test_pipeline_allreduce:late_worker", 2, {"delay": 2.5, "never": True}, timeout=1.0)[0]
     assert first.startswith("timeout: local rank 1") and "a block of the allreduce" in first, first
     assert first.endswith("(peer 1)")
+
+
+def test_binding_shares_the_allowed_cores() -> None:
+    from shmtrain.fabric.affinity import share
+
+    assert [share(r, 4, [0, 1]) for r in range(4)] == [[0], [1], [0], [1]]  # more ranks than cores
+    assert [share(r, 2, [2, 3, 5, 7]) for r in range(2)] == [[2, 3], [5, 7]]  # a block each
+    assert [share(r, 3, [0, 1, 2, 3]) for r in range(3)] == [[0], [1], [2]]
