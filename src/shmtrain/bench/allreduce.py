@@ -21,7 +21,12 @@ with ratios against the best peer, beside two floors:
   rank reading its ``bytes`` and writing its ``1/procs`` of the result (``procs`` rows
   added into the first in place, all ranks at once; one pass for 2 processes, a pass
   per further row above): the zero-copy split reduction's own kernel and traffic
-  without its synchronisation, so ``shm/result floor`` is what the hand-offs cost.
+  without its synchronisation, so ``shm/result floor`` is what the hand-offs cost;
+* the fresh-read floor: every rank reads its chunk of every rank's shared slot right
+  after the owners wrote it (the zero-copy reduction's own reads, with the cache lines
+  still where the writers left them), no arithmetic, then one one-float barrier (so the
+  sample ends when the last rank has read, as a result that needs every chunk does):
+  inputs that other cores just produced cannot be gathered faster than this.
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
                                barrier=lambda: gate(token))
         expected = float(ctx.world_size)
         ok = bool(torch.all(ar.result() == expected))
+        gate(token)  # every rank has checked the result before its slot is written again
+        fresh = median(timed_collective(lambda a=ar: (_read_share(a, ctx.local_rank), gate(token)), reps, 1,
+                                        before=lambda a=ar: a.input(a.count).fill_(1.0),
+                                        barrier=lambda: gate(token)))
         mine = torch.ones(n)
         private = timed_collective(lambda a=ar, t=mine: a.reduce_private(t), reps, 2,
                                    before=lambda t=mine: t.fill_(1.0), barrier=lambda: gate(token))
@@ -93,11 +102,20 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
             rows.append({
                 "impl": impl, "procs": ctx.world_size, "bytes": nbytes, **summarize(samples),
                 "min_s": min(samples), "reps": len(samples), "floor_s": floor, "read_floor_s": read_floor,
-                "result_floor_s": result_floor,
+                "result_floor_s": result_floor, "fresh_read_floor_s": fresh,
                 "copy_GBps": bandwidth / 1e9, "correct": correct,
             })
     gate.close()
     return rows
+
+
+def _read_share(ar: ShmAllreduce, rank: int) -> None:
+    """Read this rank's chunk of every rank's slot (the set just written by their owners):
+    the zero-copy reduction's reads, no arithmetic and no hand-off after them."""
+    lo, hi = ar.chunks[rank]
+    half = (hi - lo) // 2
+    for slot in ar.slots[ar.count % 2]:
+        torch.dot(slot[lo:lo + half], slot[lo + half:lo + 2 * half])
 
 
 def _sum_rows(rows: torch.Tensor) -> None:
@@ -143,7 +161,9 @@ def comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "shm_ms": shm["median_s"] * 1e3, "private_ms": same["shm-private"]["median_s"] * 1e3,
                "read_floor_ms": shm["read_floor_s"] * 1e3, "vs_read_floor": shm["median_s"] / shm["read_floor_s"],
                "result_floor_ms": shm["result_floor_s"] * 1e3,
-               "vs_result_floor": shm["median_s"] / shm["result_floor_s"]}
+               "vs_result_floor": shm["median_s"] / shm["result_floor_s"],
+               "fresh_read_floor_ms": shm["fresh_read_floor_s"] * 1e3,
+               "vs_fresh_read_floor": shm["median_s"] / shm["fresh_read_floor_s"]}
         for peer in PEERS:
             row[f"{peer}_ms"] = peers[peer]["median_s"] * 1e3 if peer in peers else None
         if best is not None:
@@ -185,6 +205,7 @@ def _handler(args: argparse.Namespace) -> int:
         ("deepspeed_ms", "deepspeed ms", ".3f"), ("best_peer", "best peer", "s"),
         ("private_vs_best", "private/best", ".2f"), ("shm_vs_best", "shm/best", ".2f"),
         ("vs_read_floor", "shm/read floor", ".2f"), ("vs_result_floor", "shm/result floor", ".2f"),
+        ("vs_fresh_read_floor", "shm/fresh read", ".2f"),
     ]))
     for row in (r for r in rows if "reason" in r):
         print(f"{row['impl']} at {row['procs']} processes: {row['reason']}")
