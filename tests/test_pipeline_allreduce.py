@@ -4,6 +4,9 @@ the control block's wake-ups (spin, announce, conditional wake, wrap-around)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -11,6 +14,7 @@ import pytest
 import torch
 
 from shmtrain.fabric import native
+from shmtrain.fabric.affinity import share
 from shmtrain.fabric.control import PeerTimeout, _reached
 from shmtrain.fabric.pipeline_allreduce import PAGE, PipelinedAllreduce, split
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
@@ -167,8 +171,17 @@ def test_compiled_waits_resume_across_slices_and_time_out_naming_the_peer() -> N
 
 
 def test_binding_shares_the_allowed_cores() -> None:
-    from shmtrain.fabric.affinity import share
-
     assert [share(r, 4, [0, 1]) for r in range(4)] == [[0], [1], [0], [1]]  # more ranks than cores
     assert [share(r, 2, [2, 3, 5, 7]) for r in range(2)] == [[2, 3], [5, 7]]  # a block each
     assert [share(r, 3, [0, 1, 2, 3]) for r in range(3)] == [[0], [1], [2]]
+
+
+def test_without_a_compiler_the_python_path_is_taken_and_says_why(tmp_path) -> None:
+    code = "from shmtrain.fabric import native; print(native.library() is None, '|', native.why_not)"
+    env = dict(os.environ, SHMTRAIN_CACHE=str(tmp_path), CC="/bin/false")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("True | /bin/false failed"), out.stdout + out.stderr
+    assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))  # nothing half-built left
+    env = dict(os.environ, SHMTRAIN_CACHE=str(tmp_path), SHMTRAIN_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True | SHMTRAIN_NATIVE=0", out.stdout + out.stderr
