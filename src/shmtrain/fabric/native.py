@@ -138,5 +138,7 @@ def library() -> ctypes.CDLL | None:
     lib.shm_pipeline_f32.argtypes = [ctypes.POINTER(Plan), ctypes.POINTER(Progress), ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_double]
     lib.shm_pipeline_f32.restype = ctypes.c_int
+    lib.shm_sum_into_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float]
+    lib.shm_sum_into_f32.restype = None
     _library = lib
     return lib

@@ -232,3 +232,22 @@ int shm_pipeline_f32(const struct plan *p, struct progress *s, float *data, int6
     }
     return 0;
 }
+
+/* The zero-copy split reduction's kernel (shm_allreduce.py): own[i] += peers[0][i] + ...
+ * in blocks small enough that `own`'s block stays in the L1 cache across the peers, so
+ * each byte crosses memory once (torch's add_ per peer passes over the chunk once per
+ * peer); then `own *= factor` unless factor is 1. Same order of additions on any rank. */
+void shm_sum_into_f32(float *own, const float *const *peers, int npeers, int64_t n, float factor) {
+    const int64_t block = 4096; /* 16 KiB of own */
+    for (int64_t lo = 0; lo < n; lo += block) {
+        int64_t hi = lo + block < n ? lo + block : n;
+        for (int j = 0; j < npeers; j++) {
+            const float *p = peers[j];
+            for (int64_t i = lo; i < hi; i++)
+                own[i] += p[i];
+        }
+        if (factor != 1.0f)
+            for (int64_t i = lo; i < hi; i++)
+                own[i] *= factor;
+    }
+}

@@ -8,6 +8,13 @@ own slot. Zero copy out: every worker reads the whole result through a stitched 
 element, memory traffic is ``L`` reads and one in-place write for ``L`` workers, against
 ``2L`` for an allreduce that reads every input and writes every private output.
 
+For float32 the chunk is reduced by ``shm_sum_into_f32`` of ``pipeline_native.c`` where
+it could be built (:mod:`shmtrain.fabric.native`): every peer added to a 16 KiB block of
+the own chunk while that block is in the L1 cache, so the chunk crosses memory once
+instead of once per peer, then scaled by ``1/L`` for a mean. With 4 ranks on 2 cores
+a rank's 16 MiB reduction then takes about as long as merely reading its share of the
+freshly written slots (docs/collectives.md). Elsewhere: torch ``add_``/``lerp_`` per peer.
+
 Two sets of slots alternate by step parity: while a slow worker still reads the
 result of step ``k`` (in set ``k % 2``), a fast one already zeroes and fills set
 ``(k + 1) % 2``. Set ``k % 2`` is reused at step ``k + 2`` only after everyone has
@@ -24,11 +31,13 @@ allreduce among leaders, result back inside the host).
 
 from __future__ import annotations
 
+import ctypes
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from shmtrain.fabric import native
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce, split
 from shmtrain.fabric.segment import align
@@ -95,6 +104,7 @@ class ShmAllreduce:
         self.count = 0
         self.tag = tag
         self._pipeline: PipelinedAllreduce | None = None
+        self._lib = native.library()
 
     def input(self, step: int | None = None) -> torch.Tensor:
         """This worker's slot for ``step`` (default: the next call): write the buffer here."""
@@ -167,6 +177,13 @@ class ShmAllreduce:
         me = self.host.local_rank
         peers = [slots[j] for j in range(len(slots)) if j != me]
         own = slots[me]
+        if hi <= lo or not peers:
+            return
+        if self._lib is not None and own.dtype == torch.float32:  # one pass over memory, in C
+            pointers = (ctypes.c_void_p * len(peers))(*(p.data_ptr() + 4 * lo for p in peers))
+            factor = 1.0 / (len(peers) + 1) if self.op == "mean" else 1.0
+            self._lib.shm_sum_into_f32(own.data_ptr() + 4 * lo, pointers, len(peers), hi - lo, factor)
+            return
         for start in range(lo, hi, BLOCK_ELEMENTS):
             stop = min(start + BLOCK_ELEMENTS, hi)
             block = own[start:stop]
