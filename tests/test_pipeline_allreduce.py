@@ -185,3 +185,17 @@ def test_without_a_compiler_the_python_path_is_taken_and_says_why(tmp_path) -> N
     env = dict(os.environ, SHMTRAIN_CACHE=str(tmp_path), SHMTRAIN_NATIVE="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True | SHMTRAIN_NATIVE=0", out.stdout + out.stderr
+
+
+def mixed_worker(ctx, payload: dict[str, Any]) -> tuple[bool, float]:
+    """Rank 1 refuses the compiled path: every rank must then take the Python one."""
+    pipe = PipelinedAllreduce(ctx.host, native=False if ctx.rank == 1 else None)
+    x = torch.full((70_000,), float(ctx.rank + 1))
+    pipe(x)
+    compiled = pipe._lib is not None
+    pipe.close()
+    return compiled, float((x - 3.0).abs().max())
+
+
+def test_every_rank_takes_the_same_path() -> None:
+    assert launch("test_pipeline_allreduce:mixed_worker", 2, {}) == [(False, 0.0), (False, 0.0)]

@@ -99,6 +99,15 @@ class PipelinedAllreduce:
             self._lib = _native.library()
         if native and self._lib is None:
             raise RuntimeError(f"the compiled allreduce path is not available: {_native.why_not}")
+        if host.local_world > 1:  # every rank takes the same path: it decides the ring and the waits
+            key = f"native/{tag}/{host._segments}"
+            host.store.add(key, 0 if self._lib is not None else 1)
+            host.barrier(f"the {tag} allreduce's choice of path")
+            if int(host.store.add(key, 0)) and self._lib is not None:
+                if native:
+                    raise RuntimeError("native=True, but a local rank of this host has no compiled path "
+                                       "(its reason: see its log); pass native=None to let every rank fall back")
+                self._lib = None
         self._auto_split = split is None
         split = split if split is not None else not host.control.spin
         if block_bytes is None:
@@ -146,7 +155,11 @@ class PipelinedAllreduce:
         if L == 1 or numel == 0:
             return tensor
         if self._lib is not None and tensor.dtype == torch.float32:  # the hot path: few Python steps
+            if tensor.requires_grad and torch.is_grad_enabled():
+                raise RuntimeError("PipelinedAllreduce reduces in place: a tensor that requires grad must be "
+                                   "reduced under torch.no_grad() (or pass its .detach())")
             self._compiled(tensor, numel, op, self.split and not (self._auto_split and numel * 4 <= SMALL_BYTES))
+            torch.autograd.graph.increment_version(tensor)  # written through a raw pointer
             return tensor
         flat = tensor.view(-1)
         ring, results = self._ring(flat.dtype)
@@ -237,8 +250,8 @@ class PipelinedAllreduce:
             what = "a reduced block of the allreduce" if progress.phase == 2 else "a block of the allreduce"
             control._check(peer, what)  # raises PeerFailure on an abort or a dead peer
             now = time.monotonic()
-            if (progress.seq, progress.phase, peer) != where:  # progress: the timeout starts again
-                deadline, where = now + timeout, (progress.seq, progress.phase, peer)
+            if (progress.seq, progress.phase) != where:  # a new hand-off: its own timeout, as in Python
+                deadline, where = now + timeout, (progress.seq, progress.phase)
             elif now >= deadline:
                 raise PeerTimeout(f"local rank {peer} (pid {control.pid(peer)}) did not reach {what} "
                                   f"#{progress.seq} within {timeout:.0f} s", peer=peer)
