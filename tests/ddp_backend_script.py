@@ -45,6 +45,8 @@ dist.all_gather(gathered, torch.full((3,), float(r)))
 assert [float(g[0]) for g in gathered] == [float(k) for k in range(w)]
 dist.barrier()
 through_shm(before, 0)  # MAX, integers, broadcast, all_gather: gloo's
+fallbacks = ShmProcessGroup.fallbacks
+assert not shm or fallbacks >= 2, fallbacks  # MAX and the integers were counted as gloo's
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets, reduced while backward goes on
@@ -56,6 +58,7 @@ for _ in range(5):
     nn.functional.cross_entropy(ddp(x), y).backward()
     opt.step()
 assert not shm or ShmProcessGroup.reductions - before >= 5, ShmProcessGroup.reductions  # a bucket a step at least
+assert ShmProcessGroup.fallbacks == fallbacks, "a DDP bucket went to gloo"
 if r == 0:
     torch.save(model.state_dict(), out)
 dist.barrier()  # every rank done before any tears its groups down (gloo aborted once without it)

@@ -88,6 +88,8 @@ class ShmProcessGroup(dist.ProcessGroup):
     #: tensors this process has reduced through shared memory (all groups; for tests and
     #: for users who want to see that their allreduce did not fall back to gloo)
     reductions = 0
+    #: allreduce calls handed to gloo (other ops, other tensors)
+    fallbacks = 0
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
@@ -110,6 +112,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         self.host.barrier("the shm backend's set-up")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._failure: BaseException | None = None
+        self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="shmtrain-pg", daemon=True)
         if not self.inline:
@@ -127,6 +130,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         # RedOpType only when it is on the left (``in`` compares the other way round)
         mean = op == dist.ReduceOp.AVG
         if not (mean or op == dist.ReduceOp.SUM) or not all(_ours(t) for t in tensors):
+            ShmProcessGroup.fallbacks += 1
             return self.gloo.allreduce(tensors, opts)  # other ops and tensors: gloo's
         future: torch.futures.Future = torch.futures.Future()
         if self.inline:  # no spare core for a thread: reduce now, on the caller's thread
@@ -148,16 +152,22 @@ class ShmProcessGroup(dist.ProcessGroup):
             self._reduce_all(*item)
 
     def _reduce_all(self, tensors: list[torch.Tensor], mean: bool, future: torch.futures.Future) -> None:
-        try:
-            if self._failure is not None:
-                raise self._failure
-            for tensor in tensors:
-                self._reduce(tensor, mean)
-                ShmProcessGroup.reductions += 1
-            future.set_result(tensors)
-        except BaseException as exc:  # noqa: BLE001 - the waiter re-raises it
-            self._failure = self._failure or exc
-            future.set_exception(exc)
+        with self._lock:  # one reduction at a time: callers on several threads share the ring
+            try:
+                if self._failure is not None:
+                    raise self._failure
+                for tensor in tensors:
+                    self._reduce(tensor, mean)
+                    ShmProcessGroup.reductions += 1
+                future.set_result(tensors)
+            except Exception as exc:  # the waiter re-raises it; the group is out of step from here on
+                self._failure = self._failure or exc
+                future.set_exception(exc)
+            except BaseException as exc:  # Ctrl-C inline (a torch Future takes Exceptions only)
+                self._failure = RuntimeError(f"an allreduce of this group was interrupted ({type(exc).__name__}); "
+                                             "the group cannot be used any more")
+                future.set_exception(self._failure)
+                raise
 
     def _reduce(self, tensor: torch.Tensor, mean: bool) -> None:
         if self.hosts == 1:  # the mean is taken block by block while each is in cache

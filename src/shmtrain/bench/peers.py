@@ -183,11 +183,11 @@ def main(argv: list[str]) -> int:
     if os.environ.get("SHMTRAIN_BIND") == "core":  # as shmtrain's own ranks (bench allreduce --bind)
         from shmtrain.fabric.affinity import bind
 
-        if peer == "mpich":  # hydra's rank variables; torchrun's for deepspeed
-            rank, size = int(os.environ.get("PMI_RANK", 0)), int(os.environ.get("PMI_SIZE", 1))
-        else:
-            rank, size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-        bind(rank, size)
+        # the local rank: MPICH's hydra sets MPI_LOCALRANKID / MPI_LOCALNRANKS, torchrun LOCAL_*
+        names = ("MPI_LOCALRANKID", "MPI_LOCALNRANKS") if peer == "mpich" else ("LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        if not all(n in os.environ for n in names):
+            raise RuntimeError(f"--bind core: the launcher set no {' / '.join(names)}; rerun with --bind none")
+        bind(int(os.environ[names[0]]), int(os.environ[names[1]]))
     {"mpich": _mpich, "deepspeed": _deepspeed}[peer]([int(s) for s in sizes], int(reps), out)
     return 0
 

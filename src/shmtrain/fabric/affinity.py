@@ -24,10 +24,19 @@ def share(local_rank: int, local_world: int, allowed: list[int]) -> list[int]:
 
 
 def bind(local_rank: int, local_world: int) -> list[int] | None:
-    """Pin this process to its share of the cores it may use; returns them (None where
-    the platform has no affinity calls)."""
+    """Pin this process, every thread it already has (gloo's, torch's) and those it will
+    start, to its share of the cores it may use; returns them (None where the platform
+    has no affinity calls)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
     cores = share(local_rank, local_world, sorted(os.sched_getaffinity(0)))
-    os.sched_setaffinity(0, cores)
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:  # sched_setaffinity(0) would pin the calling thread alone
+        try:
+            os.sched_setaffinity(tid, cores)
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            pass
     return cores

@@ -236,10 +236,11 @@ def _start(target: str, env: dict[str, str], fds: tuple[int, ...], log: Path | N
 
 
 def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (state T or t in /proc), so it cannot exit."""
+    """Whether process ``pid`` is stopped by a signal (state T in /proc), so it cannot exit
+    (not ``t``: a tracer such as py-spy or strace stops it for a moment)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
     except (OSError, IndexError):
         return False
 
