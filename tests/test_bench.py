@@ -47,6 +47,8 @@ def test_bad_bench_input_is_named() -> None:
     assert result.returncode == 2 and "0MiB" in result.stderr
     result = run("step", "--modes", "warp")
     assert result.returncode == 2 and "warp" in result.stderr
+    result = run("allreduce", "--sizes", *(f"{k}KiB" for k in range(1, 12)))
+    assert result.returncode == 2 and "at most 9 per run" in result.stderr
 
 
 @pytest.mark.parametrize("text,value", [("64MiB", 64 << 20), ("1MB", 10**6), ("4096", 4096), ("97.7MB", 97_700_000)])

@@ -17,11 +17,10 @@ with ratios against the best peer, beside two floors:
   found here: reading two streams beats reading one). The column
   ``gloo/read`` is the largest speedup over gloo that any allreduce could reach on this
   machine for that size;
-* the result floor: the read floor plus the one write an allreduce cannot avoid, every
-  rank reading its ``bytes`` and writing its ``1/procs`` of the result (``procs`` rows
-  added into the first in place, all ranks at once; one pass for 2 processes, a pass
-  per further row above): the zero-copy split reduction's own kernel and traffic
-  without its synchronisation, so ``shm/result floor`` is what the hand-offs cost;
+* the result floor: every rank reading its ``bytes`` and writing its ``1/procs`` of the
+  result (``procs`` private rows added into the first in place with the zero-copy
+  reduction's own kernel, all ranks at once after a barrier): that kernel on cache-warm
+  private rows, without synchronisation;
 * the fresh-read floor: every rank reads its chunk of every rank's shared slot right
   after the owners wrote it (the zero-copy reduction's own reads, with the cache lines
   still where the writers left them), no arithmetic, then one one-float barrier (so the
@@ -32,6 +31,7 @@ with ratios against the best peer, beside two floors:
 from __future__ import annotations
 
 import argparse
+import ctypes
 from typing import Any
 
 import torch
@@ -46,8 +46,10 @@ from shmtrain.bench.common import (
     write_json,
 )
 from shmtrain.bench.peers import EXTERNAL, PEERS, reps_for, run_peer, summarize
+from shmtrain.fabric import native
 from shmtrain.fabric.affinity import bind
 from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.control import MAX_CHANNELS
 from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
 from shmtrain.runtime.launcher import launch
@@ -90,12 +92,12 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
         # every rank reads its share of the inputs (n elements), all ranks at once, as two
         # streams (a dot product of two halves: the fastest read-only kernel found here)
         halves = torch.ones(n + n % 2).chunk(2)
-        read_floor = median(timed_collective(lambda h=halves: torch.dot(*h), reps, 1))
+        read_floor = median(timed_collective(lambda h=halves: torch.dot(*h), reps, 1, barrier=lambda: gate(token)))
         del halves
         # ... and writes its 1/procs of the result: the split reduction's own traffic
         L = ctx.world_size
         rows_in = torch.ones(L, -(-n // L))
-        result_floor = median(timed_collective(lambda r=rows_in: _sum_rows(r), reps, 1))
+        result_floor = median(timed_collective(lambda r=rows_in: _sum_rows(r), reps, 1, barrier=lambda: gate(token)))
         del rows_in
         for impl, samples, correct in (("shm", shm, ok), ("shm-private", private, ok_private),
                                        *((("gloo", gloo, ok_gloo),) if gloo else ())):
@@ -119,9 +121,13 @@ def _read_share(ar: ShmAllreduce, rank: int) -> None:
 
 
 def _sum_rows(rows: torch.Tensor) -> None:
-    """``rows[0] += rows[1] + ...`` in place: read every row, write one (in place the write
-    costs no read for ownership; for 2 x 8 MiB it took 0.7x the time of ``torch.add``
-    into a third row, and torch.sum over dim 0 is a slow strided kernel here)."""
+    """``rows[0] += rows[1] + ...`` in place with the zero-copy reduction's own kernel
+    (``shm_sum_into_f32`` where it is built, else one torch ``add_`` per row)."""
+    lib = native.library()
+    if lib is not None:
+        peers = (ctypes.c_void_p * (rows.shape[0] - 1))(*(r.data_ptr() for r in rows[1:]))
+        lib.shm_sum_into_f32(rows[0].data_ptr(), peers, rows.shape[0] - 1, rows.shape[1], 1.0)
+        return
     for row in rows[1:]:
         rows[0].add_(row)
 
@@ -181,6 +187,9 @@ def _size(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
+#: sizes one run can take: each uses 5 control channels (zero-copy 3, private 2) of the
+#: host's MAX_CHANNELS, beside the host barrier's and the sample gate's 3
+MAX_SIZES = (MAX_CHANNELS - 3) // 5
 DEFAULT_SIZES = ["4KiB", "16KiB", "64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB", "256MiB"]
 
 
@@ -189,6 +198,9 @@ def _handler(args: argparse.Namespace) -> int:
     if any(p < 1 for p in procs):
         raise ValueError(f"--procs {procs}: every process count must be at least 1")
     sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES)]
+    if len(sizes) > MAX_SIZES:
+        raise ValueError(f"--sizes: {len(sizes)} sizes, at most {MAX_SIZES} per run (each takes 5 of the host's "
+                         f"{MAX_CHANNELS} control channels); run the others in a second command")
     if any(s < 4 for s in sizes):
         raise ValueError(f"--sizes {args.sizes}: every size must hold at least one float32 (4 bytes)")
     if args.reps < 1:
