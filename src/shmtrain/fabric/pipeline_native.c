@@ -1,7 +1,8 @@
 /* The pipelined private-tensor allreduce of pipeline_allreduce.py, for float32, in C.
  *
- * Same ring, same channels, same sequence numbers, same sums in the same order as the
- * Python path (issue 16, item 2): each block is copied into this rank's ring slot,
+ * Same ring, same channels, same sequence numbers as the Python path, sums in rank order
+ * (the same bits as the Python path with 2 ranks; torch.sum may add in another order for
+ * more) (issue 16, item 2): each block is copied into this rank's ring slot,
  * posted, and once every rank has posted it summed in rank order straight into the
  * caller's tensor (all-read path), or summed split L ways into the result ring and
  * copied out after a second hand-off (split path). What C removes is the per-block
