@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from shmtrain.fabric.affinity import allowed_cores
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
 from shmtrain.fabric.segment import PREFIX
@@ -69,11 +70,7 @@ def _inline(local_world: int) -> bool:
     forced = os.environ.get("SHMTRAIN_PG_THREAD", "")
     if forced in ("0", "1"):
         return forced == "0"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return cores < local_world * (torch.get_num_threads() + 1)
+    return len(allowed_cores()) < local_world * (torch.get_num_threads() + 1)
 
 
 class ShmProcessGroup(dist.ProcessGroup):

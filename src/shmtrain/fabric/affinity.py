@@ -14,6 +14,14 @@ from __future__ import annotations
 import os
 
 
+def allowed_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask; all of them where the
+    platform has no affinity calls)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def share(local_rank: int, local_world: int, allowed: list[int]) -> list[int]:
     """The cores of ``allowed`` that local rank ``local_rank`` of ``local_world`` gets."""
     n = len(allowed)
@@ -29,7 +37,7 @@ def bind(local_rank: int, local_world: int) -> list[int] | None:
     has no affinity calls)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    cores = share(local_rank, local_world, sorted(os.sched_getaffinity(0)))
+    cores = share(local_rank, local_world, allowed_cores())
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:

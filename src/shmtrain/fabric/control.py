@@ -29,6 +29,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from shmtrain.fabric.affinity import allowed_cores
 from shmtrain.fabric.futex import futex_wait, futex_wake
 from shmtrain.fabric.segment import SharedSegment
 
@@ -101,10 +102,7 @@ class ControlBlock:
         self._i32 = np.frombuffer(segment.buffer, dtype=np.int32, count=n // 4)
         self._i64 = np.frombuffer(segment.buffer, dtype=np.int64, count=n // 8)
         self._base = segment.address(0)
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
+        cores = len(allowed_cores())
         self._me: int | None = None
         self._indices: dict[int, int] = {}
         self._sleep_lock = threading.Lock()
