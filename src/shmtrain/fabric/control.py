@@ -71,6 +71,16 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     return text.splitlines()[0][:limit] if text else type(exc).__name__
 
 
+def process_state(pid: int) -> bytes | None:
+    """The state letter of process ``pid`` in /proc (``b"R"``, ``b"S"``, ``b"T"``, ``b"Z"``...),
+    or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     if pid <= 0:
         return True  # not yet registered
@@ -80,12 +90,7 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
+    return process_state(pid) not in (b"Z", b"X")
 
 
 class ControlBlock:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shmtrain.fabric.control import ControlBlock
+from shmtrain.fabric.control import ControlBlock, process_state
 from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
 
 GRACE_S = 10.0
@@ -238,11 +238,7 @@ def _start(target: str, env: dict[str, str], fds: tuple[int, ...], log: Path | N
 def _stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped by a signal (state T in /proc), so it cannot exit
     (not ``t``: a tracer such as py-spy or strace stops it for a moment)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
-    except (OSError, IndexError):
-        return False
+    return process_state(pid) == b"T"
 
 
 def _end(children: list[Any], grace: float, kill: bool = False) -> list[int]:
