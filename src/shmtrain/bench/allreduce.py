@@ -31,7 +31,6 @@ with ratios against the best peer, beside two floors:
 from __future__ import annotations
 
 import argparse
-import ctypes
 from typing import Any
 
 import torch
@@ -123,10 +122,7 @@ def _read_share(ar: ShmAllreduce, rank: int) -> None:
 def _sum_rows(rows: torch.Tensor) -> None:
     """``rows[0] += rows[1] + ...`` in place with the zero-copy reduction's own kernel
     (``shm_sum_into_f32`` where it is built, else one torch ``add_`` per row)."""
-    lib = native.library()
-    if lib is not None:
-        peers = (ctypes.c_void_p * (rows.shape[0] - 1))(*(r.data_ptr() for r in rows[1:]))
-        lib.shm_sum_into_f32(rows[0].data_ptr(), peers, rows.shape[0] - 1, rows.shape[1], 1.0)
+    if native.sum_into(rows[0], list(rows[1:])):
         return
     for row in rows[1:]:
         rows[0].add_(row)

@@ -258,7 +258,8 @@ class PipelinedAllreduce:
             if self._run(*args) == 0:
                 return
 
-    def _make_plan(self) -> _native.Plan:
+    def _make_plan(self) -> None:
+        """The C side's view of this ring and the host's control block (built once)."""
         host, control = self.host, self.host.control
         L = host.local_world
         plan = _native.Plan()
@@ -280,7 +281,6 @@ class PipelinedAllreduce:
         self._progress = _native.Progress()
         self._progress_ref = ctypes.byref(self._progress)
         self._run = self._lib.shm_pipeline_f32
-        return plan
 
     def close(self) -> None:
         """Release the ring (no call may follow)."""

@@ -31,7 +31,6 @@ allreduce among leaders, result back inside the host).
 
 from __future__ import annotations
 
-import ctypes
 from typing import Literal
 
 import torch
@@ -104,7 +103,6 @@ class ShmAllreduce:
         self.count = 0
         self.tag = tag
         self._pipeline: PipelinedAllreduce | None = None
-        self._lib = native.library()
 
     def input(self, step: int | None = None) -> torch.Tensor:
         """This worker's slot for ``step`` (default: the next call): write the buffer here."""
@@ -179,10 +177,8 @@ class ShmAllreduce:
         own = slots[me]
         if hi <= lo or not peers:
             return
-        if self._lib is not None and own.dtype == torch.float32:  # one pass over memory, in C
-            pointers = (ctypes.c_void_p * len(peers))(*(p.data_ptr() + 4 * lo for p in peers))
-            factor = 1.0 / (len(peers) + 1) if self.op == "mean" else 1.0
-            self._lib.shm_sum_into_f32(own.data_ptr() + 4 * lo, pointers, len(peers), hi - lo, factor)
+        factor = 1.0 / (len(peers) + 1) if self.op == "mean" else 1.0
+        if native.sum_into(own[lo:hi], [p[lo:hi] for p in peers], factor):  # float32: one pass, in C
             return
         for start in range(lo, hi, BLOCK_ELEMENTS):
             stop = min(start + BLOCK_ELEMENTS, hi)
