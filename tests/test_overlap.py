@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shmtrain.api import DataParallel
+from shmtrain.fabric.staging import STAGING_ENV
 from shmtrain.runtime.launcher import WorkerFailed, launch
 from shmtrain.strategies.gpi import tree_children, tree_parent
 from shmtrain.timing import PhaseTimer
@@ -27,6 +28,10 @@ STRATEGIES = {
     # 0.1 MiB buckets: the 590 kB layer alone, the small ones grouped (several buckets)
     "ssgd_overlap": ("ssgd", {"overlap": True, "bucket_mb": 0.1}),
     "ssgd_overlap_gloo": ("ssgd", {"overlap": True, "bucket_mb": 0.1, "allreduce": "gloo"}),
+    "ssgd": ("ssgd", {}),
+    "ssgd_ring": ("ssgd", {"allreduce": "ring"}),
+    "ps_grad": ("ps_grad", {}),
+    "ps_weight": ("ps_weight", {}),
 }
 
 
@@ -69,6 +74,8 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     strategy, options = STRATEGIES[payload["mode"]]
     world, batch = ctx.world_size, payload["batch"]
     device = torch.device(payload.get("device", "cpu"))
+    if payload.get("staged"):  # the GPU data flow on the CPU: real copies to the host buffers
+        os.environ[STAGING_ENV] = "copy"
     if device.type == "cuda":  # float32 everywhere (no TF32), the same kernels every step
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
@@ -97,8 +104,22 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
             loss_fn(reference(x), y).backward()
             ref_opt.step()
             errors.append(relative_errors(model, reference))
+    staged = dp.strategy.staged
+    shared = [t.data_ptr() for p in model.parameters() for t in (p.data, p.grad)
+              if t is not None and t.device.type == "cpu" and in_shared_memory(t.data_ptr())]
     dp.close()
-    return {"errors": errors, "digests": digests, "last": rows[-1]}
+    return {"errors": errors, "digests": digests, "last": rows[-1], "staged": staged, "shared": len(shared)}
+
+
+def in_shared_memory(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a /dev/shm segment of this process."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            if lo <= address < hi:
+                return len(fields) > 5 and "/dev/shm/" in fields[5]
+    return False
 
 
 # One world size per strategy in the default suite (together they cover 2, 3 and 4

@@ -39,6 +39,9 @@ class DataParallel(nn.Module):
         ctx: the process context; joined from the environment (torchrun) when omitted.
         timer: where phase times go (one per worker).
         transports: where the strategy's transports come from (default: built from ``ctx``).
+        device: move ``module`` there first (``"cuda"``, ``"cuda:1"``, ``"cpu"``); by
+            default the device is the one its parameters are on. On a GPU the strategy's
+            buffers stay in host memory and its copies are staged (``fabric/staging.py``).
         **options: the strategy's Config fields (when ``config`` is not given).
     """
 
@@ -52,10 +55,13 @@ class DataParallel(nn.Module):
         ctx: ProcessContext | None = None,
         timer: PhaseTimer | None = None,
         transports: Transports | None = None,
+        device: torch.device | str | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         keep_freed_memory()  # no page-fault storm each iteration (shmtrain.memory)
+        if device is not None:
+            module.to(device)  # in place: the optimizer keeps the same Parameter objects
         self.module = module
         self.optimizer = optimizer
         cls = strategies.get(strategy)
@@ -87,6 +93,11 @@ class DataParallel(nn.Module):
         """The strategy's work before a forward pass; ``forward`` calls it, and so does a
         caller that runs ``module`` itself (``runtime/subbatch.py``: K threads, one call)."""
         self.strategy.before_forward()
+
+    def attach_scaler(self, scaler: Any) -> None:
+        """Step the optimizer through a ``torch.amp.GradScaler`` (``--amp fp16``); the
+        caller scales the loss and calls ``scaler.update()`` after :meth:`step`."""
+        self.strategy.attach_scaler(scaler)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - strategy decides
         self.strategy.zero_grad()

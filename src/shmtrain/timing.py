@@ -4,7 +4,14 @@ Phase names (seconds): ``forward``, ``backward``, ``update`` (optimizer), ``data
 (waiting for the next batch), ``comm`` (communication the training thread waited for)
 and strategy-specific ones from the papers (``rgw``, ``ulw``, ``wwi``, ``ugw``,
 ``wait``; ``gather``, ``average``, ``broadcast``; ``collect_remaining``,
-``accumulate``). ``compute`` is forward + backward + update.
+``accumulate``; staged through host memory: ``copy_to_host``, ``copy_to_device``, TRL
+Table 4's copies, and ``d2h_wait``, the part of the copies to host left after
+backward). ``compute`` is forward + backward + update.
+
+On a GPU the work of a phase is queued, not done, when the host leaves it: a
+:class:`PhaseTimer` made with a CUDA device times ``forward``, ``backward`` and
+``update`` with CUDA events on the current stream instead of host clocks, and resolves
+them when the iteration closes (:meth:`PhaseTimer.finish_iteration`).
 """
 
 from __future__ import annotations
@@ -18,16 +25,34 @@ COMPUTE_PHASES = ("forward", "backward", "update")
 
 
 class PhaseTimer:
-    """Accumulates seconds per phase for the current iteration."""
+    """Accumulates seconds per phase for the current iteration.
 
-    def __init__(self) -> None:
+    Args:
+        device: where the computation runs; a CUDA device makes the compute phases
+            (:data:`COMPUTE_PHASES`) timed by CUDA events. None or the CPU: host clocks.
+    """
+
+    def __init__(self, device: Any = None) -> None:
         self.current: dict[str, float] = {}
         #: non-phase data of the iteration (e.g. per-layer times under ``layers``), written
         #: as extra keys of the metrics row next to ``time``
         self.details: dict[str, Any] = {}
+        self.cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        self._events: list[tuple[str, Any, Any]] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.cuda and name in COMPUTE_PHASES:
+            import torch
+
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((name, begin, end))
+            return
         start = time.perf_counter()
         try:
             yield
@@ -47,7 +72,12 @@ class PhaseTimer:
         return details
 
     def finish_iteration(self) -> dict[str, float]:
-        """Close the iteration: return its phases with ``compute`` and ``comm`` totals."""
+        """Close the iteration: return its phases with ``compute`` and ``comm`` totals
+        (on a GPU this waits for the events of the iteration's compute phases)."""
+        for name, begin, end in self._events:
+            end.synchronize()
+            self.add(name, begin.elapsed_time(end) / 1e3)
+        self._events.clear()
         phases = self.current
         self.current = {}
         phases["compute"] = sum(phases.get(name, 0.0) for name in COMPUTE_PHASES)

@@ -682,7 +682,9 @@ class RemoteBufferService(BufferService):
             time.sleep(0.005)
 
     def read(self, buffer: Buffer, out: torch.Tensor) -> torch.Tensor:
-        target = out if out.is_contiguous() and out.dtype == getattr(torch, buffer.key.dtype) else None
+        # gloo receives into host memory: a GPU ``out`` gets the data through a host landing
+        target = (out if out.is_contiguous() and out.dtype == getattr(torch, buffer.key.dtype)
+                  and out.device.type == "cpu" else None)
         landing = target if target is not None else torch.empty(buffer.numel, dtype=getattr(torch, buffer.key.dtype))
         with self._lock:
             self._drain()
@@ -694,7 +696,7 @@ class RemoteBufferService(BufferService):
         return out
 
     def write(self, buffer: Buffer, src: torch.Tensor) -> None:
-        payload = src.detach().reshape(-1).to(getattr(torch, buffer.key.dtype)).contiguous()
+        payload = src.detach().reshape(-1).to("cpu", getattr(torch, buffer.key.dtype)).contiguous()
         with self._lock:
             self._drain()
             seq, posted, _ = self._request(OP_WRITE, buffer.key.id, buffer.numel)

@@ -1,29 +1,39 @@
-"""Stage per-layer tensors between the parameters' device and host buffers (TRL Algorithm 6).
+"""Stage tensors between the parameters' device and host buffers (TRL Algorithm 6).
 
-A strategy whose buffers live in host memory (a shared segment laid out by
-:class:`shmtrain.fabric.flat.FlatLayout`) reaches them from its parameters' device
-through one :class:`HostStaging`; it is the only place that knows about device copies.
+A strategy whose buffers live in host memory (shared segments, the buffer service)
+reaches them from its parameters' device through one :class:`HostStaging`; it is the
+only place that knows about device copies.
 
 IBM TRL, Algorithm 6 (backward with CPU accumulation), on a GPU:
 
 - line 5, ``MemcpyD2HAsync(p_grads[i], grads[i], d2h_stream)``: :meth:`HostStaging.to_host`
-  starts the copy of layer ``i``'s gradient into a pinned host buffer (``p_grads``) on a
-  device-to-host stream, ordered after the work already queued on the current stream;
-- line 6, the callback on that stream: a host thread calls :meth:`HostStaging.host_ready`
-  before it reads the buffer;
+  starts the copy of layer ``i``'s gradient into a host buffer (a pinned ``p_grads``
+  buffer, or a registered shared slot given as ``dst``) on a device-to-host stream,
+  ordered after the work already queued on the current stream;
+- line 6, the callback on that stream: a host thread calls :meth:`Copy.wait` (or
+  :meth:`HostStaging.host_ready`) before it reads the buffer, or polls :meth:`Copy.done`;
 - line 8, ``MemcpyH2DAsync(grads[u], g_grads[u], h2d_stream)``: :meth:`HostStaging.to_device`
-  starts the copy of the reduced result back into ``param.grad`` on a second stream, so
-  the two directions overlap each other and backward;
-- before the update, :meth:`HostStaging.join` makes the current stream wait for the
-  host-to-device stream (a stream wait, the device is never synchronized).
+  starts the copy of the reduced result back into ``param.grad`` (or new weights into
+  ``param.data``) on a second stream, so the two directions overlap each other and backward;
+- before the update (or the next forward), :meth:`HostStaging.join` makes the current
+  stream wait for the host-to-device stream (a stream wait: the device is never
+  synchronized).
 
 TRL Table 4 reports the two copy phases per layer ("GPU-to-CPU copy", "CPU-to-GPU
-copy"); :meth:`HostStaging.host_ready` and :meth:`HostStaging.device_times` return them,
-measured with CUDA events on the copy streams.
+copy"); :meth:`Copy.wait` and :meth:`HostStaging.device_times` return them, measured
+with CUDA events on the copy streams.
 
-On the CPU the tensors already are in host memory, so staging passes them through with
-no copy: :meth:`HostStaging.to_host` returns the gradient itself and
-:meth:`HostStaging.to_device` makes ``param.grad`` a view of the host result.
+Three modes (``copies``, ``mode``):
+
+- ``cpu``, the default on the CPU: the tensors already are in host memory, so staging
+  passes them through with no copy (:meth:`HostStaging.to_host` returns the gradient
+  itself; :meth:`HostStaging.to_device` makes ``param.grad`` a view of the host result).
+  Strategies keep their zero-copy CPU paths.
+- ``cuda``: asynchronous copies on two streams, timed by CUDA events.
+- ``copy``: CPU parameters, but every transfer is a real (synchronous) copy between the
+  parameters' private tensors and the host buffers, exactly where a GPU would copy. Set
+  ``SHMTRAIN_STAGING=copy`` (or :func:`force_copies`) to run a strategy's GPU data flow
+  on a CPU-only machine; the tests use it to check each strategy's staged path.
 
 Nothing CUDA-specific runs at import or on a CPU-only machine: streams, events and
 pinned memory are made only for a ``cuda`` device.
@@ -31,39 +41,110 @@ pinned memory are made only for a ``cuda`` device.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from shmtrain.fabric.flat import FlatLayout
 
+#: ``SHMTRAIN_STAGING=copy``: real copies on the CPU too (the GPU data flow, ``copy`` mode)
+STAGING_ENV = "SHMTRAIN_STAGING"
+
+
+def staged(device: torch.device | str) -> bool:
+    """Whether strategies on ``device`` stage through copies (a GPU, or ``copy`` mode)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return True
+    if kind != "cpu":
+        raise ValueError(f"host staging supports cpu and cuda devices, not {kind}")
+    value = os.environ.get(STAGING_ENV, "")
+    if value not in ("", "copy"):
+        raise ValueError(f"{STAGING_ENV}={value!r}: the only value is copy (real copies on the CPU, "
+                         "the GPU data flow); unset it for the zero-copy CPU path")
+    return value == "copy"
+
+
+@contextmanager
+def force_copies() -> Iterator[None]:
+    """Within the block, CPU strategies stage through real copies (``copy`` mode)."""
+    old = os.environ.get(STAGING_ENV)
+    os.environ[STAGING_ENV] = "copy"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(STAGING_ENV, None)
+        else:
+            os.environ[STAGING_ENV] = old
+
+
+class Copy:
+    """One transfer started by :class:`HostStaging`: poll it, or wait for it and get its
+    time in seconds (CUDA events on a GPU; on the CPU the copy ran when it was started)."""
+
+    __slots__ = ("_begin", "_end", "_seconds")
+
+    def __init__(self, seconds: float = 0.0, events: tuple | None = None) -> None:
+        self._seconds = seconds
+        self._begin, self._end = events if events is not None else (None, None)
+
+    def done(self) -> bool:
+        """True once the data has landed (never blocks)."""
+        return self._end is None or bool(self._end.query())
+
+    def wait(self) -> float:
+        """Block the calling thread until the data has landed; the copy's seconds."""
+        if self._end is not None:
+            self._end.synchronize()
+            self._seconds = self._begin.elapsed_time(self._end) / 1e3
+            self._begin = self._end = None
+        return self._seconds
+
 
 class HostStaging:
-    """Per-layer copies between ``device`` (where the parameters live) and host memory.
+    """Copies between ``device`` (where the parameters live) and host memory.
 
-    ``copies`` is False on the CPU (pass-through, nothing to copy or time) and True on a
-    GPU (asynchronous copies on two streams through pinned per-layer buffers).
+    ``copies`` is False in ``cpu`` mode (pass-through, nothing to copy or time) and True
+    on a GPU and in ``copy`` mode (see the module docstring).
     """
 
     def __init__(self, layout: FlatLayout, device: torch.device | str) -> None:
         self.layout = layout
         self.device = torch.device(device)
         #: whether to_host/to_device really copy (else the host tensors pass through)
-        self.copies = self.device.type == "cuda"
-        self._h2d_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self.copies = staged(self.device)
+        self.cuda = self.device.type == "cuda"
+        #: "cpu" (pass-through), "cuda" (streams) or "copy" (synchronous CPU copies)
+        self.mode = "cuda" if self.cuda else ("copy" if self.copies else "cpu")
+        self._h2d_copies: list[tuple[int, Copy]] = []
         self._registered: list[int] = []  # host addresses page-locked by register()
-        if self.copies:
-            # p_grads of Algorithm 6: views of one pinned flat tensor, one per layer
-            flat = torch.empty(layout.numel, dtype=layout.dtype, pin_memory=True)
-            self.pinned: list[torch.Tensor] = layout.views(flat)
+        self._pinned: list[torch.Tensor] | None = None
+        if self.cuda:
             self._d2h = torch.cuda.Stream(device=self.device)
             self._h2d = torch.cuda.Stream(device=self.device)
-        elif self.device.type != "cpu":
-            raise ValueError(f"host staging supports cpu and cuda devices, not {self.device.type}")
+
+    @property
+    def pinned(self) -> list[torch.Tensor]:
+        """``p_grads`` of Algorithm 6: per-layer views of one host flat tensor (pinned on a
+        GPU), made at first use."""
+        if self._pinned is None:
+            flat = torch.empty(self.layout.numel, dtype=self.layout.dtype, pin_memory=self.cuda)
+            self._pinned = self.layout.views(flat)
+        return self._pinned
+
+    def host_buffer(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host tensor that copies can reach asynchronously (pinned on a GPU)."""
+        return torch.empty(numel, dtype=dtype or self.layout.dtype, pin_memory=self.cuda)
 
     def register(self, *host_tensors: torch.Tensor) -> None:
         """Page-lock host tensors the copies read or write (shared segments), so
         ``MemcpyH2DAsync`` from them is asynchronous. Best effort: without it the copies are
-        only slower (staged by the driver). No-op on the CPU."""
-        if not self.copies:
+        only slower (staged by the driver). No-op off a GPU."""
+        if not self.cuda:
             return
         try:
             cudart = torch.cuda.cudart()
@@ -73,83 +154,103 @@ class HostStaging:
         except Exception:  # noqa: BLE001 - only slower (staged copies) without it
             pass
 
-    def to_host(self, i: int, grad: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    # -- the copies ---------------------------------------------------------------------
+    def _start(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor, *, after_current: bool) -> Copy:
+        if not self.cuda:
+            start = time.perf_counter()
+            with torch.no_grad():
+                dst.copy_(src)
+            return Copy(time.perf_counter() - start)
+        stream = self._d2h if stream_name == "d2h" else self._h2d
+        if after_current:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream), torch.no_grad():
+            begin.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        for t in (dst, src):  # the caching allocator keeps device tensors until the copy is done
+            if t.is_cuda:
+                t.record_stream(stream)
+        return Copy(events=(begin, end))
+
+    def to_host(self, i: int, grad: torch.Tensor, dst: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Copy | None]:
         """Start moving layer ``i``'s ``grad`` to host memory (Algorithm 6, line 5).
 
-        Returns ``(host tensor, handle)``: on the CPU ``(grad, None)`` (no copy); on a GPU
-        the pinned buffer of layer ``i`` and a handle for :meth:`host_ready`, which must be
-        called before the buffer is read. ``grad`` must not be changed before then by work
-        queued outside the current stream.
+        Returns ``(host tensor, copy)``: pass-through ``(grad, None)`` (no copy); else
+        ``dst`` (default: the pinned buffer of layer ``i``) and the :class:`Copy`, to be
+        waited for before the host tensor is read. ``grad`` must not be changed before then
+        by work queued outside the current stream.
         """
         if not self.copies:
             return grad, None
-        d2h = self._d2h
-        d2h.wait_stream(torch.cuda.current_stream(self.device))
-        begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(d2h):
-            begin.record(d2h)
-            self.pinned[i].copy_(grad, non_blocking=True)
-            end.record(d2h)
-        grad.record_stream(d2h)  # the caching allocator keeps grad until the copy is done
-        return self.pinned[i], (begin, end)
+        host = self.pinned[i] if dst is None else dst
+        return host, self._start("d2h", host, grad, after_current=True)
 
-    def host_ready(self, handle: object | None) -> float:
+    def host_ready(self, handle: Copy | None) -> float:
         """Wait until the copy of :meth:`to_host` has landed in host memory (from any
         thread: Algorithm 6's callback); return its time in seconds (TRL Table 4,
         GPU-to-CPU copy), 0.0 for a pass-through (``handle`` None)."""
-        if handle is None:
-            return 0.0
-        begin, end = handle
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
+        return 0.0 if handle is None else handle.wait()
 
-    def to_device(self, i: int, param: torch.Tensor, host_src: torch.Tensor) -> None:
+    def to_device(self, i: int, param: torch.Tensor, host_src: torch.Tensor, *, data: bool = False) -> None:
         """Give ``param`` the host result ``host_src`` of layer ``i`` as its gradient
-        (Algorithm 6, line 8).
+        (Algorithm 6, line 8), or as its weights with ``data``.
 
-        On the CPU ``param.grad`` becomes ``host_src`` itself (a view of host memory, no
-        copy; the caller drops it before anything accumulates into it). On a GPU the copy
-        into ``param.grad`` starts on the host-to-device stream; :meth:`join` orders the
+        Pass-through: ``param.grad`` (or ``param.data``) becomes ``host_src`` itself (a view
+        of host memory, no copy; the caller drops a gradient before anything accumulates
+        into it). Copying: the copy into ``param.grad`` (made if missing) or
+        ``param.data`` starts on the host-to-device stream; :meth:`join` orders the
         current stream after it, and ``host_src`` must stay unchanged until then.
         """
         if not self.copies:
-            param.grad = host_src
+            if data:
+                param.data = host_src
+            else:
+                param.grad = host_src
             return
-        h2d = self._h2d
-        begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(h2d):
-            begin.record(h2d)
-            param.grad.copy_(host_src, non_blocking=True)
-            end.record(h2d)
-        self._h2d_events.append((i, begin, end))
+        if data:
+            target = param.data
+        else:
+            if param.grad is None:
+                param.grad = torch.empty_like(param)
+            target = param.grad
+        self._h2d_copies.append((i, self._start("h2d", target, host_src, after_current=True)))
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
+        """Start a copy of device tensor ``src`` into host tensor ``dst`` (after the work
+        queued so far on the current stream); wait for the :class:`Copy` before reading."""
+        return self._start("d2h", dst, src, after_current=True)
+
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
+        """Start a copy of host tensor ``src`` into device tensor ``dst``; :meth:`join`
+        (or the :class:`Copy`) orders later work after it."""
+        return self._start("h2d", dst, src, after_current=True)
 
     def join(self) -> None:
-        """Make the current stream wait for every copy started by :meth:`to_device` (a
-        stream wait, never a device-wide synchronization). No-op on the CPU."""
-        if self.copies:
+        """Make the current stream wait for every copy started towards the device (a
+        stream wait, never a device-wide synchronization). No-op off a GPU."""
+        if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._h2d)
 
     def device_times(self) -> list[tuple[int, float]]:
         """``(layer, seconds)`` of each :meth:`to_device` copy since the last call (TRL
-        Table 4, CPU-to-GPU copy), timed by CUDA events; waits for those copies. Empty on
-        the CPU."""
-        times = []
-        for i, begin, end in self._h2d_events:
-            end.synchronize()
-            times.append((i, begin.elapsed_time(end) / 1e3))
-        self._h2d_events.clear()
+        Table 4, CPU-to-GPU copy; CUDA events on a GPU); waits for those copies. Empty in
+        pass-through mode."""
+        times = [(i, copy.wait()) for i, copy in self._h2d_copies]
+        self._h2d_copies.clear()
         return times
 
     def close(self) -> None:
         """Wait for the copies in flight (the two copy streams only) and undo
-        :meth:`register`, before the host segments are unmapped. No-op on the CPU."""
-        if not self.copies:
+        :meth:`register`, before the host segments are unmapped. No-op off a GPU."""
+        self._h2d_copies.clear()
+        if not self.cuda:
             return
         self._d2h.synchronize()
         self._h2d.synchronize()
-        self._h2d_events.clear()
         if self._registered:
             cudart = torch.cuda.cudart()
             for ptr in self._registered:

@@ -38,14 +38,13 @@ else:  # pragma: no cover
 
 from shmtrain import strategies
 from shmtrain.models import model_names
+from shmtrain.runtime.device import resolve_device
 from shmtrain.strategies.base import StrategyConfig, build_config
 
 #: section key (``metadata["section"]``) -> title of its argument group in ``--help``
 SECTIONS: dict[str, str] = {"job": "job", "data": "model and data", "optim": "optimisation (SGD)",
                             "monitor": "evaluation and monitoring"}
 
-#: values of ``--device``; ``auto`` resolves to ``cpu`` until GPU workers exist
-DEVICES = ("cpu", "auto")
 
 
 def option(default: Any, help: str, section: str, **extra: Any) -> Any:
@@ -87,8 +86,10 @@ class JobOptions:
     verbose: bool = option(False, "also copy every worker's log (RUN_DIR/logs/rank-<r>.log: warnings, "
                            "full tracebacks) to the terminal", "job", action="store_true",
                            default_text="one line per failure; the logs keep the rest")
-    device: str = option("cpu", "where workers compute: cpu, or auto (cpu until GPU workers exist)",
-                         "job", metavar="{cpu,auto}")
+    device: str = option("auto", "where workers compute: cpu; cuda (worker r on GPU r mod the GPU "
+                         "count); cuda:N (every worker on GPU N, sharing it); auto: cuda where a GPU is "
+                         "present, else cpu. The shared buffers stay in host memory (docs/gpu.md)",
+                         "job", metavar="{cpu,cuda,cuda:N,auto}")
     force: bool = option(False, "start even when the pre-flight estimates refuse (workers per "
                          "core, memory needed vs free)", "job", action="store_true",
                          default_text="off")
@@ -162,8 +163,9 @@ class OptimOptions:
     lr: float = option(0.05, "learning rate", "optim")
     amp: Literal["none", "bf16", "fp16"] = option(
         "none", "mixed precision: bf16 runs forward and loss under torch.autocast (bfloat16 "
-        "matmuls and convolutions), weights, gradients and the shared buffers stay float32; fp16 "
-        "needs GPU workers (its GradScaler)", "optim")
+        "matmuls and convolutions); fp16 the same in float16, with a GradScaler against underflowing "
+        "gradients (meant for GPUs; slow on a CPU). Weights, gradients and the shared buffers stay "
+        "float32 (docs/gpu.md)", "optim")
     momentum: float = option(0.9, "SGD momentum", "optim")
     weight_decay: float = option(1e-4, "L2 weight decay", "optim")
     lr_schedule: Literal["constant", "step", "cosine"] = option(
@@ -184,8 +186,8 @@ class OptimOptions:
     seed: int = option(0, "makes a run repeatable", "optim")
 
     def _check_optim(self) -> None:
-        _need(self.amp != "fp16", "amp", self.amp, "fp16 autocast needs a GPU (with a GradScaler against "
-              "underflowing gradients) and GPU workers are not supported yet", "use --amp bf16 on the CPU")
+        _need(self.amp != "fp16" or self.sub_batch == 1, "amp", self.amp, "the --sub-batch threads run "
+              "bf16 or float32 only (no GradScaler)", "use --amp bf16 with --sub-batch, or --sub-batch 1")
         _need(self.batch_size >= 1, "batch-size", self.batch_size, "the batch size per worker must be positive", "use e.g. --batch-size 32")
         _need(self.sub_batch >= 1, "sub-batch", self.sub_batch, "the batch is split over K threads, "
               "so K must be at least 1", "use --sub-batch 1 for one thread")
@@ -291,20 +293,6 @@ def train_fields() -> list[dataclasses.Field]:
 
 
 COMMON_KEYS = [f.name for f in train_fields()]
-
-
-def resolve_device(value: str) -> str:
-    """The device workers compute on: ``cpu``; ``auto`` is ``cpu`` until GPU workers exist."""
-    if value in DEVICES:
-        return "cpu"
-    if value == "cuda" or value.startswith("cuda:"):
-        import torch  # only on this error path: the launcher does not import torch otherwise
-
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        what = "this machine has no CUDA device" if not found else f"{found} CUDA device(s) found here"
-        raise ValueError(f"--device {value!r}: {what}, and `shmtrain train` runs its workers on the CPU only "
-                         "so far; use --device cpu (or auto)")
-    raise ValueError(f"--device {value!r} is not a device; choose cpu or auto")
 
 
 def strategy_option_names() -> dict[str, list[str]]:

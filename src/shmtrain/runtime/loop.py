@@ -29,6 +29,7 @@ from shmtrain.runtime import schedule
 from shmtrain.runtime.checkpoint import Checkpointer
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data import Dataset, Prefetcher, ShardSampler, load_data
+from shmtrain.runtime.device import worker_device
 from shmtrain.runtime.files import save_output
 from shmtrain.runtime.monitor import Monitor
 from shmtrain.runtime.stop import StopRequest
@@ -49,8 +50,10 @@ def planned_iterations(config: TrainConfig, data: Dataset, world: int) -> int:
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> float:
     model.eval()
     correct = 0
+    device = next(model.parameters()).device
     for start in range(0, len(x), batch):
-        correct += int((model(x[start : start + batch]).argmax(1) == y[start : start + batch]).sum())
+        xb, yb = x[start : start + batch].to(device), y[start : start + batch].to(device)
+        correct += int((model(xb).argmax(1) == yb).sum())
     model.train()
     return correct / max(1, len(x))
 
@@ -62,11 +65,12 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     torch.manual_seed(config.seed)
     data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
                      image_size=config.image_size, skip_bad_files=config.skip_bad_files)
-    model = build_model(config.model, data.input_shape, data.num_classes)
+    device = worker_device(config.device, ctx.host.local_rank)  # GPU local_rank % count, or the CPU
+    model = build_model(config.model, data.input_shape, data.num_classes).to(device)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
-    timer = PhaseTimer()
+    timer = PhaseTimer(device)  # on a GPU: forward, backward, update timed by CUDA events
     dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer)
     total = planned_iterations(config, data, ctx.world_size)
     trainer = Trainer(dp, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total),
@@ -131,6 +135,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         "skipped_files": data.skipped,
         # asynchronous strategies: workers lost during the run (rank -> iterations done)
         "lost": dict(dp.strategy.lost_peers),
+        "device": str(device),
     }
     if ctx.rank == 0 and not stop.stopped:
         result["accuracy"] = accuracy(model, data.test_x, data.test_y)

@@ -45,6 +45,8 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = EV
         loss, correct = 0.0, 0
         for start in range(0, len(x), batch):
             xb, yb = x[start : start + batch], y[start : start + batch]
+            device = next(model.parameters()).device
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             out = model(xb)
             loss += float(functional.cross_entropy(out, yb, reduction="sum"))
             correct += int((out.argmax(1) == yb).sum())

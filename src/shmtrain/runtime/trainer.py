@@ -84,16 +84,41 @@ class Trainer:
             the calling thread. K > 1 needs an engine with ``module`` and
             ``before_forward`` (``DataParallel``); :meth:`close` ends the threads.
         amp: ``"bf16"`` runs forward and the loss under ``torch.autocast`` with bfloat16
-            (``--amp bf16``); backward, the gradients, the strategies' buffers and the
-            optimizer stay float32 (master weights); ``"none"`` (default) is float32 only.
+            (``--amp bf16``); ``"fp16"`` with float16, the loss scaled by a
+            ``torch.amp.GradScaler`` before backward and the optimizer stepped through it
+            (the strategy's ``attach_scaler``: the gradients are reduced scaled, then
+            unscaled, a step with inf/NaN skipped, and the scale adapted after every
+            step); backward, the gradients, the strategies' buffers and the optimizer stay
+            float32 (master weights); ``"none"`` (default) is float32 only.
+
+    The batch is moved to the model's device (a GPU worker's ``x`` and ``y`` come from
+    host memory) and autocast runs on that device.
     """
 
     def __init__(self, engine: Steppable, loss_fn: nn.Module, timer: PhaseTimer,
                  scheduler: LRScheduler | None = None, sub_batch: int = 1, amp: str = "none") -> None:
-        if amp not in ("none", "bf16"):
-            raise ValueError(f"--amp {amp!r}: on the CPU the choices are none and bf16 (fp16 needs a GPU)")
+        if amp not in ("none", "bf16", "fp16"):
+            raise ValueError(f"--amp {amp!r}: choose none, bf16 or fp16")
         self.bf16 = amp == "bf16"
         self.engine = engine
+        module = getattr(engine, "module", engine)
+        first = next(module.parameters(), None) if isinstance(module, nn.Module) else None
+        #: where the model computes (the batch is moved there)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+        self.scaler: torch.amp.GradScaler | None = None
+        if amp == "fp16":
+            attach = getattr(engine, "attach_scaler", None)
+            if attach is None:
+                raise ValueError(f"--amp fp16 steps the optimizer through a GradScaler, which a "
+                                 f"{type(engine).__name__} cannot take; wrap the model in "
+                                 "shmtrain.api.DataParallel, or use --amp bf16")
+            self.scaler = torch.amp.GradScaler(self.device.type)
+            attach(self.scaler)
+        if sub_batch != 1 and self.device.type != "cpu":
+            raise ValueError(f"--sub-batch {sub_batch}: the sub-batch threads split a batch over CPU "
+                             f"cores (swCaffe's core groups), but the model is on {self.device}; use "
+                             "--sub-batch 1 (one larger batch) on a GPU")
         self.loss_fn = loss_fn
         self.timer = timer
         self.scheduler = scheduler
@@ -114,17 +139,23 @@ class Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """zero_grad -> forward (``forward``) -> backward (``backward``) -> step; the loss."""
         engine, timer = self.engine, self.timer
+        if x.device != self.device:  # from host memory (pinned by the prefetcher on a GPU)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         engine.zero_grad()
         if self.sub_batch is not None:  # both phases timed inside, the threads' compute overlapping
             loss = self.sub_batch.step(x, y, before_forward=engine.before_forward)  # type: ignore[attr-defined]
         else:
-            with timer.phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            dtype = self.autocast_dtype
+            with timer.phase("forward"), torch.autocast(self.device.type, dtype=dtype or torch.bfloat16,
+                                                        enabled=dtype is not None):
                 loss = self.loss_fn(engine(x), y)
             with timer.phase("backward"):
-                loss.backward()
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         optimizer = self.scheduler.optimizer if self.scheduler is not None else getattr(engine, "optimizer", None)
         self.lr = current_lr(optimizer) if optimizer is not None else None
         engine.step()
+        if self.scaler is not None:
+            self.scaler.update()
         if self.scheduler is not None:
             step_scheduler(self.scheduler)
         self.state.iteration += 1

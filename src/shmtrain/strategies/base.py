@@ -23,9 +23,13 @@ Three seams (docs/architecture.md):
   run's iterations (restored by ``load_state_dict``); ``steps`` counts the exchanges of
   this process (it starts at 0 with the fabric's fresh sequence words, and protocols
   number their rounds with it).
-- **Device**: ``devices`` lists the parameter devices the strategy supports; the base
-  constructor refuses others with one message. Copies between a device and the host
-  buffers go through :class:`shmtrain.fabric.staging.HostStaging`.
+- **Device**: ``devices`` lists the parameter devices the strategy supports (cpu and
+  cuda for every strategy); the base constructor refuses others with one message. The
+  buffers stay in host memory; copies between a device and them go through
+  :class:`shmtrain.fabric.staging.HostStaging` (``self.staged`` says whether the
+  strategy copies: on a GPU, or with ``SHMTRAIN_STAGING=copy`` on the CPU).
+  ``step_optimizer`` runs the optimizer through a GradScaler when one is attached
+  (``--amp fp16``), ``fp16`` says whether the strategy supports it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import torch
 from torch import nn
 
 from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.staging import HostStaging, staged
 from shmtrain.fabric.transports import Transports
 from shmtrain.timing import PhaseTimer
 
@@ -61,7 +67,9 @@ class Strategy:
     #: worker of a host once one of them dies, so one worker lost is its host lost
     tolerates_host_loss: ClassVar[bool] = False
     #: parameter devices the strategy supports (its buffers' staging, ``fabric/staging.py``)
-    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    #: why ``--amp fp16`` (a GradScaler) cannot run with this strategy; None: it can
+    fp16_reason: ClassVar[str | None] = None
 
     @classmethod
     def implementation(cls, config: StrategyConfig) -> type[Strategy]:
@@ -92,7 +100,6 @@ class Strategy:
                 f"--strategy {cls.name} supports parameters on {', '.join(sorted(cls.devices))}, "
                 f"but the model has parameters on {', '.join(found)}; move the model to "
                 f"{'the CPU' if cls.devices == {'cpu'} else ' or '.join(sorted(cls.devices))}"
-                + ("" if cls.devices != {"cpu"} else " (on a GPU, use --strategy cpu_acc)")
             )
 
     @classmethod
@@ -129,6 +136,12 @@ class Strategy:
         self.timer = timer or PhaseTimer()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.check_device(self.params)
+        #: where the parameters live; ``staged``: the strategy copies between it and host
+        #: buffers (a GPU, or ``SHMTRAIN_STAGING=copy``) instead of sharing memory with them
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.staged = staged(self.device)
+        #: a ``torch.amp.GradScaler`` (``--amp fp16``), attached by :meth:`attach_scaler`
+        self.scaler: Any = None
         #: iterations of the run (restored by load_state_dict)
         self.iteration = 0
         #: peers known lost at the end (rank -> iterations they had published), filled by
@@ -140,8 +153,40 @@ class Strategy:
         self.target_iterations: int | None = None
         self._hooks: list[Any] = []
         if type(self).on_gradient_ready is not Strategy.on_gradient_ready:
-            for p in self.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self.on_gradient_ready))
+            self.register_gradient_hooks()
+
+    def register_gradient_hooks(self, hook: Any = None) -> None:
+        """Call ``hook`` (default :meth:`on_gradient_ready`) from every parameter's
+        post-accumulate hook (the base does it for a strategy that overrides the method)."""
+        for p in self.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook or self.on_gradient_ready))
+
+    def make_staging(self, layout: FlatLayout) -> HostStaging:
+        """The strategy's copies between its parameters' device and host buffers."""
+        return HostStaging(layout, self.device)
+
+    # -- mixed precision ----------------------------------------------------------
+    @classmethod
+    def check_fp16(cls, config: StrategyConfig) -> None:
+        """Refuse ``--amp fp16`` when the strategy's update cannot go through a GradScaler."""
+        reason = cls.fp16_reason
+        if reason:
+            raise ValueError(f"--amp fp16 with --strategy {cls.name}: {reason}; use --amp bf16 "
+                             "(no loss scaling needed) or --amp none")
+
+    def attach_scaler(self, scaler: Any) -> None:
+        """Step the optimizer through ``scaler`` (``--amp fp16``): gradients arrive scaled,
+        are reduced as they are (the mean of scaled gradients is the scaled mean), and the
+        scaler unscales them, skips a step with inf/NaN and adapts the scale."""
+        self.check_fp16(self.config)
+        self.scaler = scaler
+
+    def step_optimizer(self) -> None:
+        """The optimizer's step, through the GradScaler when one is attached."""
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
 
     # -- hooks ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -158,7 +203,7 @@ class Strategy:
 
     def apply_update(self) -> None:
         """Apply the gradients to the weights (the optimizer step by default)."""
-        self.optimizer.step()
+        self.step_optimizer()
 
     def after_update(self) -> None:
         """Called after the update; closes the iteration."""

@@ -54,7 +54,6 @@ from shmtrain.fabric.control import DIED, PeerFailure, _alive
 from shmtrain.fabric.critical import CriticalCounters
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.fabric.segment import align
-from shmtrain.fabric.staging import HostStaging
 from shmtrain.fabric.stitch import PAGE
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 
@@ -67,8 +66,6 @@ class CPUAccumulation(Strategy):
     """Synchronous SGD; gradients summed by host threads while backward runs."""
 
     name = "cpu_acc"
-    #: host accumulation serves parameters in host memory or on a GPU (HostStaging)
-    devices = frozenset({"cpu", "cuda"})
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
@@ -97,7 +94,7 @@ class CPUAccumulation(Strategy):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # p_grads (pinned on a GPU) and the copy streams; the shared sums page-locked so
         # MemcpyH2DAsync from them is asynchronous
-        self.staging = HostStaging(layout, self.params[0].device)
+        self.staging = self.make_staging(layout)
         self.staging.register(*flats)
         # Per-iteration bookkeeping (main thread) and per-layer stats (thread writes its
         # own before publishing the counter, so the main thread reads them afterwards).

@@ -51,6 +51,17 @@ gradient is complete; small layers (a BatchNorm's 64 weights) are updated togeth
 ~25 us of Python whatever its size, and ResNet-18's 62 calls per iteration on the root's
 critical path cost 3% of an iteration (measured with cProfile, 1 worker). Optimizers
 whose step couples parameters (L-BFGS) are not supported.
+
+Staged (GPU parameters, :class:`shmtrain.fabric.staging.HostStaging`): the window keeps
+each rank's weights and gradient slots in host memory, the model stays on the GPU. A
+gradient hook starts the copy of its gradient into a pinned host buffer on the
+device-to-host stream; a turn treats a layer's own gradient as ready once its copy has
+landed (polled, never waited for, during backward). The root copies a layer's mean into
+``param.grad`` on the host-to-device stream, steps it on the GPU and copies the new
+weights into its area before announcing them (once that copy has landed); a child copies
+its parent's weights into its own area (for its children) and into its GPU parameters.
+The finalization waits for copies still in flight, then the next forward's stream waits
+for the copies to the GPU.
 """
 
 from __future__ import annotations
@@ -89,6 +100,8 @@ class GPI(Strategy):
     """Synchronous SGD with layer-wise one-sided tree reduction and broadcast."""
 
     name = "gpi"
+    fp16_reason = ("the root updates layer by layer during backward, while a GradScaler unscales "
+                   "and steps the whole optimizer once per iteration")
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
@@ -114,13 +127,22 @@ class GPI(Strategy):
         # across hosts, "the job's sum is in place" per layer (raised by the combiner)
         hosts = ctx.num_nodes > 1
         self.window = OneSidedWindow(host, areas, n * (self.fanin + 1 + hosts), tag="gpi")
-        self._weights = layout.bind_data(self.window.area(me, dtype, 0, numel))
+        area = self.window.area(me, dtype, 0, numel)
+        self.staging = self.make_staging(layout) if self.staged else None
+        if self.staging is None:  # the parameters are views of this rank's area
+            self._weights = layout.bind_data(area)
         if hosts:  # every host's tree starts from global rank 0's weights
             broadcast_parameters(layout)
+        if self.staging is not None:  # the area holds a host copy of the GPU weights
+            area.copy_(layout.gather())
+            self._weights = layout.views(area)
+            self.staging.register(area)
         host.barrier("gpi set-up")
         if me != 0:  # one broadcast of the initial weights, from the root's area
-            self.window.area(me, dtype, 0, numel).copy_(self.window.area(0, dtype, 0, numel))
+            area.copy_(self.window.area(0, dtype, 0, numel))
         host.barrier("gpi initial weights")
+        if self.staging is not None and me != 0:
+            layout.scatter(area)
         if self.parent >= 0:
             self._parent_weights = layout.views(self.window.area(self.parent, dtype, 0, numel))
         self._slots = [
@@ -142,13 +164,18 @@ class GPI(Strategy):
         self._have = np.zeros(n, dtype=bool)  # new weights in place and sent down
         self._ready: list[int] = []  # root: averaged, awaiting the optimizer
         self._ready_numel = 0
+        # staged: gradients copied to host buffers, and the copies still in flight
+        self._host_grads = self.staging.pinned if self.staging is not None else None
+        self._landing: list[tuple[int, object]] = []  # (layer, Copy) of own gradients
+        self._outgoing: list[tuple[list[int], object]] = []  # root: (layers, Copy) of new weights
+        self._copy_s = 0.0
         # Across hosts each host's root (its leader) sums its tree's gradient of a layer
         # with the other hosts' leaders on a thread (HostCombiner), then averages and
         # updates that layer itself: every leader applies the same update.
         self.total = ctx.world_size
         self._summed = np.zeros(n, dtype=bool)  # leader: the job's sum is in place
         self._combiner = self.transports.host_combiner(
-            range(n - 1, -1, -1), lambda layer, k: self.params[layer].grad,
+            range(n - 1, -1, -1), lambda layer, k: self._grad(layer),
             lambda layer, k: self.window.notify_self(self._combined_id(layer), k), name="gpi-hosts")
 
     # -- notification ids (per receiver) -------------------------------------------
@@ -161,16 +188,45 @@ class GPI(Strategy):
     def _combined_id(self, layer: int) -> int:
         return self.num_layers * (self.fanin + 1) + layer
 
+    def _grad(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s gradient in host memory (staged: its pinned copy)."""
+        if self._host_grads is not None:
+            return self._host_grads[layer]
+        return self.params[layer].grad
+
     # -- one turn of Fig. 3 ------------------------------------------------------------
     def on_gradient_ready(self, param: torch.Tensor) -> None:
-        self._own[self._index[id(param)]] = True
+        layer = self._index[id(param)]
+        if self.staging is not None:  # ready once its copy to the host has landed
+            copy = self.staging.to_host(layer, param.grad, dst=self._host_grads[layer])[1]
+            self._landing.append((layer, copy))
+        else:
+            self._own[layer] = True
         self._turn()
+
+    def _landed(self, wait: bool = False) -> bool:
+        """Staged: take the copies that have landed (``wait``: block for the oldest one);
+        return True if any had."""
+        moved = False
+        while self._landing and (wait or self._landing[0][1].done()):
+            layer, copy = self._landing.pop(0)
+            self._copy_s += copy.wait()
+            self._own[layer] = True
+            moved, wait = True, False
+        seq = self.steps + 1
+        while self._outgoing and (wait or self._outgoing[0][1].done()):
+            layers, copy = self._outgoing.pop(0)
+            copy.wait()
+            for layer in layers:
+                self._send_down(layer, seq)
+            moved, wait = True, False
+        return moved
 
     def _turn(self) -> bool:
         """Act on what has arrived; return True if anything moved."""
         seq = self.steps + 1
+        moved = self._landed() if self.staging is not None else False
         words = self.window.notifications()
-        moved = False
         pending = self._own & ~self._sent
         if pending.any():
             if self.children:
@@ -183,20 +239,21 @@ class GPI(Strategy):
             summed = (words[self._combined_id(0):] >= seq) & self._sent & ~self._summed
             for layer in np.flatnonzero(summed):
                 self._summed[layer] = True
-                self.params[layer].grad.mul_(1.0 / self.total)
+                self._grad(layer).mul_(1.0 / self.total)
                 self._queue_update(int(layer), seq)
                 moved = True
         if self.parent >= 0:
             arrived = (words[self._weights_id(0) : self._combined_id(0)] >= seq) & ~self._have
             for layer in np.flatnonzero(arrived):
                 self._weights[layer].copy_(self._parent_weights[layer])  # the one-sided read
+                if self.staging is not None:  # and on into the GPU's parameters
+                    self.staging.to_device(int(layer), self.params[layer], self._weights[layer], data=True)
                 self._send_down(int(layer), seq)
                 moved = True
         return moved
 
     def _reduce(self, layer: int, seq: int) -> None:
-        p = self.params[layer]
-        grad = p.grad
+        grad = self._grad(layer)
         self._sent[layer] = True
         if self.parent >= 0:
             for slot in self._slots:
@@ -229,11 +286,23 @@ class GPI(Strategy):
 
     def _update_ready(self, seq: int) -> None:
         """Root: one optimizer call for the averaged layers, then their weights go down."""
-        if self._ready:
+        if not self._ready:
+            return
+        staging = self.staging
+        if staging is None:
             self._step_layers(self._ready)
             for layer in self._ready:
                 self._send_down(layer, seq)
-            self._ready, self._ready_numel = [], 0
+        else:  # mean to the GPU, step there, new weights back to the area, then announce
+            for layer in self._ready:
+                staging.to_device(layer, self.params[layer], self._host_grads[layer])
+            staging.join()
+            self._step_layers(self._ready)
+            copy = None
+            for layer in self._ready:
+                copy = staging.to_host(layer, self.params[layer].data, dst=self._weights[layer])[1]
+            self._outgoing.append((self._ready, copy))
+        self._ready, self._ready_numel = [], 0
 
     def _send_down(self, layer: int, seq: int) -> None:
         """This rank holds the layer's new weights: tell the children to read them."""
@@ -259,9 +328,14 @@ class GPI(Strategy):
     def after_backward(self) -> None:
         start = time.perf_counter()
         for layer in np.flatnonzero(~self._own):  # parameters backward did not reach
-            p = self.params[int(layer)]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            if self.staging is not None:
+                if any(pending == layer for pending, _ in self._landing):
+                    continue
+                self._host_grads[layer].zero_()
+            else:
+                p = self.params[int(layer)]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             self._own[layer] = True
         deadline = time.monotonic() + self.ctx.timeout
         while True:
@@ -272,8 +346,16 @@ class GPI(Strategy):
             self._update_ready(self.steps + 1)
             if self._have.all():
                 break
+            if self.staging is not None and (self._landing or self._outgoing):
+                self._landed(wait=True)  # a copy in flight: wait for it, not for a peer
+                continue
             senders, what = self._waiting_for()
             self.window.sleep(token, senders=senders, deadline=deadline, what=what)
+        if self.staging is not None:
+            self.staging.join()  # the next forward's stream waits for the weights
+            self.timer.add("copy_to_host", self._copy_s)
+            self.timer.add("copy_to_device", sum(s for _, s in self.staging.device_times()))
+            self._copy_s = 0.0
         elapsed = time.perf_counter() - start
         self.timer.add("collect_remaining", elapsed)
         self.timer.add("comm", elapsed)
@@ -309,4 +391,6 @@ class GPI(Strategy):
     def finish(self) -> None:
         if self._combiner is not None:
             self._combiner.close()
+        if self.staging is not None:
+            self.staging.close()
         super().finish()

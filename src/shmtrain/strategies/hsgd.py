@@ -11,6 +11,11 @@ broadcasts the result to its group (``broadcast``): the root's weights live in a
 shared segment of the group, which the members copy. The root of group 0 is the
 master worker.
 
+Staged (GPU parameters): the members' gradients are copied into the group's input slot
+after backward and the mean back into ``param.grad``; the root's weights stay on its GPU
+and are copied into the group's segment before the broadcast, from which every member
+copies them into its own GPU.
+
 Termination alignment runs among the roots; each root passes its decision to its
 members so a group always stops at the same iteration. A group cannot lose a member
 (its allreduce needs all of them), so a worker's death ends the run.
@@ -163,7 +168,7 @@ class HSGD(SharedWeightsStrategy):
         if self.is_root:
             self.exchange = ElasticExchange(
                 self.service, self.global_weights, self.weight_increment, self.weights,
-                config.moving_rate, self.timer, ctx.timeout,
+                config.moving_rate, self.timer, ctx.timeout, self.make_staging(self.layout),
             )
         self._exchanges = 0
         self.clear_gradients()
@@ -175,12 +180,15 @@ class HSGD(SharedWeightsStrategy):
         segment = self.group_host.allocate("hsgd.weights", align(self.layout.numel * itemsize))
         self._weights_segment = segment
         shared = segment.tensor(self.layout.dtype, 0, self.layout.numel)
-        if self.is_root:
-            return shared
         self.group_weights = shared
-        return torch.empty(self.layout.numel, dtype=self.layout.dtype)
+        if self.is_root and not self.staged:
+            return shared
+        return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
     def clear_gradients(self) -> None:
+        if self.staged:  # the gradients stay on the device until after backward
+            SharedWeightsStrategy.clear_gradients(self)
+            return
         step = self.allreduce.count + 1
         self.allreduce.input(step).zero_()
         self.layout.bind_grads(self._input_views[step % 2])
@@ -193,6 +201,8 @@ class HSGD(SharedWeightsStrategy):
         if self.is_root:
             self.exchange.exchange()
             if gh.local_world > 1:
+                if self.staged:  # the members copy the root's weights from the group's segment
+                    self.group_weights.copy_(self.weights)
                 gh.control.post(self._broadcast, 0, self._exchanges)
             return
         with self.timer.phase("broadcast"):
@@ -202,9 +212,20 @@ class HSGD(SharedWeightsStrategy):
             self.weights.copy_(self.group_weights)
 
     def after_backward(self) -> None:
+        if self.staged:
+            with self.timer.phase("copy_to_host"):
+                self.layout.gather(self.allreduce.input(self.allreduce.count + 1), grads=True)
         with self.timer.phase("allreduce"):
             self.allreduce()
-        self.layout.bind_grads(self._result_views[self.allreduce.count % 2])
+        results = self._result_views[self.allreduce.count % 2]
+        if not self.staged:
+            self.layout.bind_grads(results)
+            return
+        with self.timer.phase("copy_to_device"), torch.no_grad():
+            for p, mean in zip(self.params, results, strict=True):
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(mean)
 
     def after_update(self) -> None:
         super().after_update()

@@ -25,6 +25,12 @@ the leaders ``gather`` those host means to rank 0 over gloo, and rank 0 ``broadc
 the new weights into every host's shared weights buffer (PS-TIMING phases ``gather``,
 ``average``, ``broadcast``, and their total ``comm``).
 
+Staged (GPU parameters): the weights and gradients stay on each worker's GPU and the
+star's buffers in host memory. After backward the gradients are copied into ``mine``
+(``copy_to_host``); the server copies the mean back into its ``param.grad``, steps its
+optimizer on the GPU and copies its weights into ``server`` before the broadcast; every
+worker then copies ``server`` into its parameters (``copy_to_device``).
+
 The exchange itself (slots, sequence words, gloo among hosts, or the gloo star) is
 :mod:`shmtrain.fabric.star`, asked of the transports with ``--ps-transport``; what both
 parameter servers share here is their configuration and the phase timer (:func:`ps_phase`).
@@ -91,6 +97,8 @@ class ParameterServerGrad(Strategy):
 
     name = "ps_grad"
     Config = ParameterServerConfig
+    fp16_reason = ("only the server steps its optimizer, so the workers' GradScalers would never "
+                   "see the gradients they scaled")
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
@@ -104,31 +112,68 @@ class ParameterServerGrad(Strategy):
         self.weights = self.star.server
         #: this worker's gradient: its parameters' ``.grad`` are views of it
         self.grad = self.star.mine
-        self.layout.bind_data(self.weights, copy=False)
         self._grad_views = self.layout.views(self.grad)
+        self.staging = None
+        if self.staged:  # the parameters stay on their device; copies at each exchange
+            self.staging = self.make_staging(self.layout)
+            self.staging.register(self.grad, self.weights)
+            self._weight_views = self.layout.views(self.weights)
+            self._to_device(self._weight_views, data=True)
+        else:
+            self.layout.bind_data(self.weights, copy=False)
         self.zero_grad()
+
+    def _to_device(self, views: list[torch.Tensor], data: bool) -> None:
+        """Staged: host views into the parameters' gradients (or weights), then a stream wait."""
+        for i, p in enumerate(self.params):
+            self.staging.to_device(i, p, views[i], data=data)
+        self.staging.join()
+        self.timer.add("copy_to_device", sum(s for _, s in self.staging.device_times()))
+
+    def _to_host(self, out: torch.Tensor, grads: bool) -> None:
+        """Staged: the parameters' gradients (or weights) into a host flat buffer."""
+        views = self.layout.views(out)
+        copies = []
+        for i, p in enumerate(self.params):
+            src = p.grad if grads else p.data
+            if src is None:
+                views[i].zero_()
+            else:
+                copies.append(self.staging.to_host(i, src, dst=views[i])[1])
+        self.timer.add("copy_to_host", sum(c.wait() for c in copies))
 
     @property
     def is_server(self) -> bool:
         return self.star.is_server
 
     def zero_grad(self) -> None:
+        if self.staging is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.grad.zero_()
         self.layout.bind_grads(self._grad_views)
 
     def after_backward(self) -> None:
         """Steps 3-4: the server gathers and averages the gradients (into its own)."""
+        if self.staging is not None:
+            self._to_host(self.grad, grads=True)
         self.star.gather_mean(self.grad, phase=partial(ps_phase, self.timer))
 
     def apply_update(self) -> None:
         """Step 5: only the server applies the averaged gradient to its weights."""
         if self.is_server:
-            self.optimizer.step()
+            if self.staging is not None:  # the mean back into the server's gradients
+                self._to_device(self._grad_views, data=False)
+            self.step_optimizer()
+            if self.staging is not None:  # the new weights into the server buffer
+                self._to_host(self.weights, grads=False)
 
     def after_update(self) -> None:
         """Step 6: the server's weights reach every worker."""
         with ps_phase(self.timer, "broadcast"):
             self.star.broadcast()
+        if self.staging is not None and not self.is_server:
+            self._to_device(self._weight_views, data=True)
         super().after_update()
 
     # state_dict: the iteration only; the weights are the model's, the momentum the
@@ -141,10 +186,21 @@ class ParameterServerGrad(Strategy):
         call, on every rank) has written them; this makes them rank 0's everywhere (with
         ``shm``: after every local worker has loaded; among hosts: rank 0's broadcast)."""
         super().load_state_dict(state)
+        if self.staging is not None:
+            self._to_host(self.weights, grads=False)
         self.star.set_server(self.weights)
+        if self.staging is not None:
+            self._to_device(self._weight_views, data=True)
 
     def finish(self) -> None:
         """Give the model private copies of its weights, so it outlives the shared buffers."""
+        if self.staging is not None:
+            self.staging.close()
+            self.star.close()
+            for p in self.params:
+                p.grad = None
+            super().finish()
+            return
         own = self.weights.clone()
         self.star.close()
         self.layout.bind_data(own, copy=False)

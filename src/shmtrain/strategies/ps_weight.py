@@ -20,6 +20,9 @@ worker copies into its own (``broadcast``). With ``shm`` the host leader average
 slots into the host's shared server buffer and, among hosts, the leaders gather their host
 means to rank 0, which broadcasts the mean back over gloo; with ``gloo`` it is
 torch.distributed ``gather`` / ``broadcast`` of every worker's flat weights.
+
+Staged (GPU parameters): the weights stay on the GPU; an averaging round copies them into
+``mine`` first (``copy_to_host``) and the mean back afterwards (``copy_to_device``).
 """
 
 from __future__ import annotations
@@ -72,7 +75,24 @@ class ParameterServerWeight(Strategy):
         #: this worker's weights ``w_i``: its parameters are views of them
         self.weights = self.star.mine
         self.weights.copy_(self.star.server)
-        self.layout.bind_data(self.weights, copy=False)
+        self.staging = None
+        if self.staged:  # the parameters stay on their device; copies at each average
+            self.staging = self.make_staging(self.layout)
+            self.staging.register(self.weights)
+            self._views = self.layout.views(self.weights)
+            self._to_device()
+        else:
+            self.layout.bind_data(self.weights, copy=False)
+
+    def _to_device(self) -> None:
+        for i, p in enumerate(self.params):
+            self.staging.to_device(i, p, self._views[i], data=True)
+        self.staging.join()
+        self.timer.add("copy_to_device", sum(s for _, s in self.staging.device_times()))
+
+    def _to_host(self) -> None:
+        copies = [self.staging.to_host(i, p.data, dst=self._views[i])[1] for i, p in enumerate(self.params)]
+        self.timer.add("copy_to_host", sum(c.wait() for c in copies))
 
     def after_update(self) -> None:
         """After this worker's own step ``w_i - eta g_i``: average every K iterations."""
@@ -83,7 +103,11 @@ class ParameterServerWeight(Strategy):
     def average(self) -> None:
         """One round of eq. 2.2: the server averages every worker's weights; all take the mean."""
         self.rounds += 1
+        if self.staging is not None:
+            self._to_host()
         self.star.mean_to_all(phase=partial(ps_phase, self.timer))  # self.weights is star.mine
+        if self.staging is not None:
+            self._to_device()
 
     def state_dict(self) -> dict[str, Any]:
         """The iteration and the averaging rounds done (the weights are the model's, the
@@ -98,6 +122,8 @@ class ParameterServerWeight(Strategy):
         is made rank 0's weights so every worker holds the same state."""
         super().load_state_dict(state)
         self.rounds = int(state["rounds"])
+        if self.staging is not None:
+            self._to_host()
         self.star.set_server(self.weights)
 
     def finish(self) -> None:
@@ -106,8 +132,12 @@ class ParameterServerWeight(Strategy):
             if self.iteration % self.config.average_interval:
                 self.average()
         finally:
-            own = self.weights.clone()
-            self.star.close()
-            self.layout.bind_data(own, copy=False)
-            self.weights = own
+            if self.staging is not None:
+                self.staging.close()
+                self.star.close()
+            else:
+                own = self.weights.clone()
+                self.star.close()
+                self.layout.bind_data(own, copy=False)
+                self.weights = own
             Strategy.finish(self)

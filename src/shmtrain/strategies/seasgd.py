@@ -20,6 +20,12 @@ not hidden behind computation (staleness hurts learning, Section III-G).
 
 Eq. (8): T_iter = max[T_comp, T_wwi + T_ugw] + T_rgw + T_ulw; :func:`check_eq8`
 checks it on the metrics rows.
+
+Staged (GPU parameters, :class:`shmtrain.fabric.staging.HostStaging`): the main thread
+reads W_g into the GPU (T1), applies eq. (6) there (T2) and starts the copy of the
+difference into a pinned host buffer on the device-to-host stream; the update thread
+waits for that copy, then scales, writes and accumulates dW_x in host memory only
+(T.A1-T.A4), so it never touches the GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 from shmtrain.fabric.control import PeerTimeout
 from shmtrain.fabric.smb import Buffer, BufferService
+from shmtrain.fabric.staging import HostStaging
 from shmtrain.strategies.base import register
 from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
 from shmtrain.timing import PhaseTimer
@@ -51,6 +58,9 @@ class ElasticExchange:
         timer: receives ``wait``, ``rgw``, ``ulw`` (main thread) and ``wwi``, ``ugw``
             (update thread; added when the main thread next picks the update up).
         timeout: seconds the main thread waits for the update thread.
+        staging: on a GPU (or in ``copy`` mode): the difference leaves the device through
+            it, and the update thread works on a host copy (None: it shares ``weights``'
+            memory).
     """
 
     def __init__(
@@ -62,6 +72,7 @@ class ElasticExchange:
         moving_rate: float,
         timer: PhaseTimer,
         timeout: float,
+        staging: HostStaging | None = None,
     ) -> None:
         self.service = service
         self.global_weights = global_weights
@@ -72,6 +83,11 @@ class ElasticExchange:
         self.timeout = timeout
         self.global_copy = torch.empty_like(weights)
         self.weight_increment = torch.zeros_like(weights)
+        self.staging = staging if staging is not None and staging.copies else None
+        #: what the update thread scales and writes: the difference itself, or its host copy
+        self.host_increment = (staging.host_buffer(weights.numel(), weights.dtype)
+                               if self.staging is not None else self.weight_increment)
+        self._landing = None  # staged: the copy of the difference to the host
         self._cond = threading.Condition()
         self._pending = False  # an increment waits for / is in the update thread
         self._stop = False
@@ -98,6 +114,8 @@ class ElasticExchange:
         # (6), T2: W'' = W' - alpha (W' - W_g); the update thread scales the difference
         # into dW_x (5) itself, one pass over the weights fewer on the critical path
         self.weights.sub_(difference, alpha=self.moving_rate)
+        if self.staging is not None:  # the update thread works on a host copy
+            self._landing = self.staging.copy_to_host(self.host_increment, difference)
         t3 = time.perf_counter()
         self.timer.add("wait", waited)
         self.timer.add("rgw", t2 - t1)
@@ -130,8 +148,10 @@ class ElasticExchange:
             times: dict[str, float] = {}
             try:
                 t0 = time.perf_counter()
-                self.weight_increment.mul_(self.moving_rate)  # (5)
-                self.service.write(self.weight_increment_buffer, self.weight_increment)  # T.A1
+                if self._landing is not None:
+                    self._landing.wait()
+                self.host_increment.mul_(self.moving_rate)  # (5)
+                self.service.write(self.weight_increment_buffer, self.host_increment)  # T.A1
                 t1 = time.perf_counter()
                 ticket = self.service.accumulate(self.weight_increment_buffer, self.global_weights)
                 self.service.wait(ticket)  # T.A2-T.A4: (7), applied by the service's owner
@@ -158,6 +178,8 @@ class ElasticExchange:
                 self._stop = True
                 self._cond.notify_all()
             self._thread.join(timeout=self.timeout)
+            if self.staging is not None:
+                self.staging.close()
 
 
 @register
@@ -183,7 +205,7 @@ class SEASGD(SharedWeightsStrategy):
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.exchange = ElasticExchange(
             self.service, self.global_weights, self.weight_increment, self.weights,
-            config.moving_rate, self.timer, ctx.timeout,
+            config.moving_rate, self.timer, ctx.timeout, self.make_staging(self.layout),
         )
 
     def start_iteration(self) -> None:

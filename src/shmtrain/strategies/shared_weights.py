@@ -5,7 +5,9 @@ Set-up follows Fig. 2 and Fig. 5: the master worker (rank 0) creates the global 
 buffer ``global_weights`` (W_g) on the buffer service and initialises it with its
 weights; every worker that updates W_g creates its own ``weight_increment.<rank>``
 buffer (dW_x), which only it writes; the others look the global key up and attach.
-Each worker's local weights (W_x) live in one private flat tensor with per-layer views.
+Each worker's local weights (W_x) live in one private flat tensor with per-layer views,
+on the parameters' device: on a GPU the model stays there, and the buffer service's
+reads and writes copy between it and the host buffers (W_g, dW_x stay in host memory).
 """
 
 from __future__ import annotations
@@ -171,8 +173,9 @@ class SharedWeightsStrategy(Strategy):
         """Communication at the start of an iteration (none by default)."""
 
     def local_weights_storage(self) -> torch.Tensor:
-        """Where the local weights W_x live (a private flat tensor by default)."""
-        return torch.empty(self.layout.numel, dtype=self.layout.dtype)
+        """Where the local weights W_x live (a private flat tensor on the parameters'
+        device by default)."""
+        return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
     def after_update(self) -> None:
         super().after_update()

@@ -6,15 +6,27 @@ slot, so autograd writes the gradients straight into shared memory. Zero copy ou
 the allreduce, ``param.grad`` are re-pointed at the result, which the optimizer reads
 in place. Both slot sets alternate by step parity (``shm_allreduce.py``), and the views
 of both are made once, so binding is pointer work.
+
+Staged (GPU parameters, ``Strategy.staged``): the gradients stay on the device; each
+one's copy into its place in the input slot starts from its gradient hook on the
+device-to-host stream while backward goes on (TRL Algorithm 6, line 5, with the slot as
+``p_grads``: the slots are page-locked, so the copy is DMA straight into shared
+memory); after backward the worker waits for the copies still in flight (``d2h_wait``),
+the host allreduce runs, and the mean goes back into ``param.grad`` on the
+host-to-device stream, which the optimizer's stream waits for (a stream wait). The
+copies' device times are the phases ``copy_to_host`` and ``copy_to_device`` (TRL
+Table 4), outside ``comm``.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.staging import Copy, HostStaging
 from shmtrain.timing import PhaseTimer
 
 
@@ -25,34 +37,88 @@ class SlotGradients:
     layout: FlatLayout
     allreduce: Any
     timer: PhaseTimer
+    staged: bool
+    staging: HostStaging | None = None
 
     def bind_slots(self) -> None:
         """Make the views of both slot sets and both results, and zero the first input."""
         self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
         self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
+        if self.staged:
+            self.staging = self.make_staging(self.layout)  # type: ignore[attr-defined]
+            self.staging.register(self.allreduce.input(0), self.allreduce.input(1),
+                                  self.allreduce.result(0), self.allreduce.result(1))
+            self._index = {id(p): i for i, p in enumerate(self.layout.params)}
+            self._copies: dict[int, Copy] = {}
+            self.register_gradient_hooks(self._stage_gradient)  # type: ignore[attr-defined]
         self.zero_grad()
 
     def zero_grad(self) -> None:
+        if self.staged:
+            self.optimizer.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+            self._copies.clear()
+            return
         step = self.allreduce.count + 1
         self.allreduce.input(step).zero_()
         self.layout.bind_grads(self._input_views[step % 2])
 
+    def _stage_gradient(self, param: torch.Tensor) -> None:
+        """Staged only (a gradient hook): start the copy of this gradient into its place in the input slot."""
+        i = self._index[id(param)]
+        slot = self._input_views[(self.allreduce.count + 1) % 2][i]
+        self._copies[i] = self.staging.to_host(i, param.grad, dst=slot)[1]  # type: ignore[union-attr]
+
     def after_backward(self) -> None:
+        if self.staged:
+            self._staged_after_backward()
+            return
         with self.timer.phase("comm"):
             self.allreduce()
         self.layout.bind_grads(self._result_views[self.allreduce.count % 2])
+
+    def _staged_after_backward(self) -> None:
+        staging, timer = self.staging, self.timer
+        inputs = self._input_views[(self.allreduce.count + 1) % 2]
+        start = time.perf_counter()
+        for i, slot in enumerate(inputs):
+            if i not in self._copies:  # a parameter backward did not reach
+                slot.zero_()
+        copy_s = sum(copy.wait() for copy in self._copies.values())
+        waited = time.perf_counter() - start
+        timer.add("d2h_wait", waited)
+        timer.add("copy_to_host", copy_s)
+        with timer.phase("comm"):
+            self.allreduce()
+        results = self._result_views[self.allreduce.count % 2]
+        for i, p in enumerate(self.layout.params):
+            staging.to_device(i, p, results[i])
+        staging.join()  # the optimizer's stream waits for the copies back
+        timer.add("copy_to_device", sum(s for _, s in staging.device_times()))
+        timer.add("comm", waited)
+
+    def after_update(self) -> None:
+        if self.staged:
+            self._copies.clear()
+        super().after_update()  # type: ignore[misc]
+
+    def finish(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+        super().finish()  # type: ignore[misc]
 
 
 class CastSlotGradients(SlotGradients):
     """The same, through an allreduce of a narrower dtype (``--comm-dtype bf16``, issue 14
     item 4): ``param.grad`` cannot be views of a bfloat16 slot (autograd writes the
-    parameters' dtype), so they are views of one private float32 flat buffer instead; after
-    backward that buffer is cast into this worker's slot in one pass, and the mean is cast
-    back into it in one more. The slots and the bytes between hosts are halved; the
-    optimizer and the weights stay float32."""
+    parameters' dtype), so they are views of one private float32 flat buffer instead (on
+    the parameters' device); after backward that buffer is cast into this worker's slot
+    in one pass, and the mean is cast back into it in one more. The slots and the bytes
+    between hosts are halved (and the device copies with them, staged); the optimizer and
+    the weights stay float32."""
 
     def bind_slots(self) -> None:
-        self._flat = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+        device = self.layout.params[0].device
+        self._flat = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=device)
         self._flat_views = self.layout.views(self._flat)
         self.zero_grad()
 
@@ -62,6 +128,11 @@ class CastSlotGradients(SlotGradients):
 
     def after_backward(self) -> None:
         with self.timer.phase("comm"):
-            self.allreduce.input(self.allreduce.count + 1).copy_(self._flat)
+            # on a GPU the cast runs there, so the copy to host moves the narrow bytes
+            narrow = self._flat.to(self.allreduce.input(0).dtype)
+            self.allreduce.input(self.allreduce.count + 1).copy_(narrow)
             self.allreduce()
             self._flat.copy_(self.allreduce.result(self.allreduce.count))
+
+    def after_update(self) -> None:
+        super(SlotGradients, self).after_update()  # type: ignore[misc]

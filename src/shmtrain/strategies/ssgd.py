@@ -24,10 +24,11 @@ import torch
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 from shmtrain.strategies.slots import CastSlotGradients, SlotGradients
+from shmtrain.strategies.ssgd_nccl import NcclSSGD
 from shmtrain.strategies.ssgd_overlap import OverlapSSGD
 from shmtrain.strategies.ssgd_sharded import ShardedSSGD
 
-AllreduceName = Literal["shm", "gloo", "ring", "rhd", "tree", "topo", "hierarchical", "auto"]
+AllreduceName = Literal["shm", "gloo", "ring", "rhd", "tree", "topo", "hierarchical", "auto", "nccl"]
 
 
 @register
@@ -41,7 +42,8 @@ class SSGD(SlotGradients, Strategy):
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
         #: allreduce algorithm: "shm" (shared memory in a host, gloo among hosts) or one of
-        #: shmtrain.fabric.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto)
+        #: shmtrain.fabric.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto), or
+        #: "nccl" on GPUs, one per worker (the DDP baseline: shmtrain.strategies.ssgd_nccl)
         allreduce: AllreduceName = "shm"
         #: start the allreduce bucket by bucket from gradient hooks during backward, the
         #: DDP way (implemented in shmtrain.strategies.ssgd_overlap; docs/overlap.md)
@@ -62,7 +64,16 @@ class SSGD(SlotGradients, Strategy):
         def __post_init__(self) -> None:
             from shmtrain.fabric.collectives.reducers import check_name
 
-            check_name(self.allreduce)
+            if self.allreduce == "nccl":
+                others = [flag for flag, on in (("--overlap", self.overlap), ("--sharded-update", self.sharded_update),
+                                                (f"--comm-dtype {self.comm_dtype}", self.comm_dtype != "fp32")) if on]
+                if others:
+                    raise ValueError(
+                        f"--allreduce nccl with {others[0]}: the NCCL baseline is one allreduce of "
+                        f"the float32 gradients after backward, as DDP's; drop {others[0]} or use "
+                        "--allreduce shm")
+            else:
+                check_name(self.allreduce)
             if not self.bucket_mb > 0:
                 raise ValueError(
                     f"--bucket-mb {self.bucket_mb}: the bucket size must be positive; "
@@ -89,6 +100,8 @@ class SSGD(SlotGradients, Strategy):
 
     @classmethod
     def implementation(cls, config: StrategyConfig) -> type[Strategy]:
+        if getattr(config, "allreduce", "") == "nccl":
+            return NcclSSGD
         if getattr(config, "sharded_update", False):
             return ShardedSSGD
         if getattr(config, "comm_dtype", "fp32") == "bf16":

@@ -15,6 +15,12 @@ without waiting); with ``--allreduce gloo`` through
 Unlike DDP, buckets are not rebuilt from the observed gradient order after the first
 iteration; a parameter that backward did not reach is filled with zeros after backward
 (DDP's ``find_unused_parameters`` result, found without a graph walk).
+
+Staged (GPU parameters): a hook starts the copy of its gradient into the bucket on the
+device-to-host stream (:class:`shmtrain.fabric.staging.HostStaging`) instead of copying
+it; a complete bucket is launched once its last copy has landed (polled, never waited
+for, in the hooks; waited for after backward: ``d2h_wait``), and the means go back into
+``param.grad`` on the host-to-device stream, which the optimizer's stream waits for.
 """
 
 from __future__ import annotations
@@ -58,9 +64,16 @@ class OverlapSSGD(Strategy):
         self._inputs = layout.views(self.reducer.input())
         self._results = layout.views(self.reducer.result())
         self._step = 0
+        self._copy_s = 0.0  # staged: device seconds of this step's copies to host
         self._seen = np.zeros(len(order), dtype=bool)
         self._pending = self._sizes.copy()
         self._next = 0  # next bucket to launch
+        self.staging = None
+        if self.staged:
+            self.staging = self.make_staging(layout)
+            self.staging.register(self.reducer.input(), self.reducer.result())
+            #: staged: the copy of each complete bucket's last gradient (None: landed)
+            self._landing: list = [None] * len(self._sizes)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -76,7 +89,11 @@ class OverlapSSGD(Strategy):
     def on_gradient_ready(self, param: torch.Tensor) -> None:
         self._begin()
         i = self._slot[id(param)]
-        self._inputs[i].copy_(param.grad)
+        if self.staging is not None:  # copies on one stream land in order: the last is enough
+            copy = self.staging.to_host(i, param.grad, dst=self._inputs[i])[1]
+            self._landing[self._bucket_of[i]] = copy
+        else:
+            self._inputs[i].copy_(param.grad)
         self._mark(i)
         if not self._launch_ready():
             self.reducer.progress()  # buckets whose peers were late at their launch
@@ -90,9 +107,22 @@ class OverlapSSGD(Strategy):
         any was launched."""
         first = self._next
         while self._next < len(self._sizes) and self._pending[self._next] == 0:
+            if self.staging is not None and not self._landed(self._next, wait=False):
+                break
             self.reducer.launch(self._next, self._step)
             self._next += 1
         return self._next > first
+
+    def _landed(self, bucket: int, wait: bool) -> bool:
+        """Staged: whether the bucket's gradients are in host memory (``wait``: block
+        until they are, counting the device time of the copy)."""
+        copy = self._landing[bucket]
+        if copy is not None:
+            if not (wait or copy.done()):
+                return False
+            self._copy_s += copy.wait()
+            self._landing[bucket] = None
+        return True
 
     def after_backward(self) -> None:
         start = time.perf_counter()
@@ -101,9 +131,22 @@ class OverlapSSGD(Strategy):
         for i in np.flatnonzero(~self._seen):  # parameters backward did not reach
             inputs[int(i)].zero_()
             self._mark(int(i))
+        if self.staging is not None:
+            waited = time.perf_counter()
+            for bucket in range(self._next, len(self._sizes)):
+                self._landed(bucket, wait=True)
+            self.timer.add("d2h_wait", time.perf_counter() - waited)
         self._launch_ready()
         self.reducer.wait(self._step)
-        self.layout.bind_grads(self._results)
+        if self.staging is not None:
+            for i, p in enumerate(self.order):
+                self.staging.to_device(i, p, self._results[i])
+            self.staging.join()  # the optimizer's stream waits for the copies back
+            self.timer.add("copy_to_host", self._copy_s)
+            self.timer.add("copy_to_device", sum(s for _, s in self.staging.device_times()))
+            self._copy_s = 0.0
+        else:
+            self.layout.bind_grads(self._results)
         elapsed = time.perf_counter() - start
         self.timer.add("collect_remaining", elapsed)
         self.timer.add("comm", elapsed)
@@ -116,5 +159,7 @@ class OverlapSSGD(Strategy):
         super().after_update()
 
     def finish(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
         self.reducer.close()
         super().finish()

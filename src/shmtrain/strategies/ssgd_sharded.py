@@ -53,9 +53,16 @@ class ShardedSSGD(SlotGradients, Strategy):
     ``ssgd`` hands a config with ``sharded_update`` to it, see ``SSGD.implementation``)."""
 
     name = "ssgd"
+    fp16_reason = "the sharded update runs SGD's formulas on chunks of host memory, not the optimizer a GradScaler steps"
+    devices = frozenset({"cpu"})
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
+        if self.staged:
+            raise ValueError(
+                f"--sharded-update keeps the host's one copy of the weights in shared memory and "
+                f"updates it on the CPU, but the model is on {self.device}; drop --sharded-update "
+                "(plain ssgd stages its gradients through host memory) or use --device cpu")
         check_optimizer(optimizer)
         self.layout = layout = FlatLayout(self.params)
         broadcast_parameters(layout)
