@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from shmtrain.api import DataParallel
-from shmtrain.fabric.staging import STAGING_ENV, HostStaging, force_copies, staged
 from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.staging import STAGING_ENV, HostStaging, force_copies, staged
 from shmtrain.runtime.launcher import launch
 from shmtrain.timing import PhaseTimer
 from test_overlap import Mixed, in_shared_memory
