@@ -1,6 +1,7 @@
-"""``--amp bf16`` (issue 14, item 4, the CPU part): forward and loss under torch.autocast
-in bfloat16, float32 weights and gradients (what the strategies' buffers hold), also in
-the sub-batch threads; fp16 refused on the CPU with the option named."""
+"""``--amp bf16|fp16`` (issue 14, item 4): forward and loss under torch.autocast, float32
+weights and gradients (what the strategies' buffers hold), also in the sub-batch threads
+(bf16); fp16 with a GradScaler whose decisions every rank shares (the gradients it checks
+are the reduced ones), refused with the option named where the update cannot take one."""
 
 from __future__ import annotations
 
@@ -70,11 +71,56 @@ def test_float32_is_the_default() -> None:
     assert seen == [torch.float32]
 
 
-def test_fp16_on_the_cpu_is_refused_naming_the_option(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "shmtrain", "train", "--amp", "fp16", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "--amp 'fp16'" in proc.stderr and "use --amp bf16" in proc.stderr
+def fp16_worker(ctx, payload: dict) -> dict:
+    """Three fp16 steps of ``ssgd``, then one where rank 1's batch overflows: every rank
+    must skip that step (same weights as before it) and halve its scale."""
+    from shmtrain.api import DataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dp = DataParallel(model, opt, payload["strategy"], ctx=ctx, **payload.get("options", {}))
+    trainer = Trainer(dp, nn.CrossEntropyLoss(), PhaseTimer(), amp="fp16")
+    gen = torch.Generator().manual_seed(ctx.rank)
+    weights, scales = [], []
+    for step in range(4):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        if step == 3 and ctx.rank == 1:
+            x[0, 0] = float("inf")
+        trainer.step(x, y)
+        weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+        scales.append(trainer.scaler.get_scale())
+    dp.close()
+    return {"weights": weights, "scales": scales, "dtypes": sorted({str(d) for d in seen})}
+
+
+@pytest.mark.parametrize("strategy,options", [("ssgd", {}), ("cpu_acc", {}), ("ssgd", {"overlap": True})])
+def test_fp16_ranks_agree_on_a_skipped_step(strategy: str, options: dict) -> None:
+    from shmtrain.runtime.launcher import launch
+
+    results = launch("test_amp:fp16_worker", 2, {"strategy": strategy, "options": options}, timeout=100)
+    a, b = results
+    assert a["dtypes"] == ["torch.float16"]
+    for step in range(4):
+        assert torch.equal(a["weights"][step], b["weights"][step]), f"step {step}: the ranks' weights differ"
+    assert not torch.equal(a["weights"][0], a["weights"][1])  # normal steps move the weights
+    assert torch.equal(a["weights"][3], a["weights"][2])  # the overflowing step is skipped by both
+    for r in results:
+        assert r["scales"][3] == r["scales"][2] / 2 and r["scales"][0] > 1
+
+
+def test_fp16_is_refused_where_the_update_cannot_take_a_scaler() -> None:
+    from shmtrain import strategies
+
+    for name, why in (("gpi", "the root updates layer by layer"), ("ps_grad", "only the server steps")):
+        cls = strategies.get(name)
+        with pytest.raises(ValueError, match=rf"--amp fp16 with --strategy {name}: {why}.*use --amp bf16"):
+            cls.check_fp16(cls.Config())
+    with pytest.raises(ValueError, match=r"--amp fp16 steps the optimizer through a GradScaler, which a "
+                                         r"_Plain cannot take"):
+        Trainer(_Plain(nn.Linear(2, 2)), nn.CrossEntropyLoss(), PhaseTimer(), amp="fp16")
 
 
 def test_bf16_trains_to_within_one_point_of_float32(tmp_path: Path) -> None:

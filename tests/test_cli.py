@@ -74,7 +74,7 @@ def test_toml_config_and_flags_win(tmp_path: Path) -> None:
         (["--data", "/no/such/dir"], ["--data", "/no/such/dir", "folder"]),
         (["--iterations", "5", "--epochs", "1"], ["--iterations", "--epochs", "drop one"]),
         (["--strategy", "single", "--workers", "2"], ["--workers", "2", "one process"]),
-        (["--device", "cuda"], ["--device", "cuda", "runs its workers on the CPU only", "--device cpu"]),
+        (["--device", "cuda:x"], ["--device", "cuda:x", "the GPU index must be a number", "--device cuda:0"]),
         (["--moving-rate", "0.5"], ["--moving-rate", "does not apply", "--strategy ssgd"]),
     ],
 )

@@ -173,22 +173,44 @@ def test_flags_are_typed_from_the_annotations() -> None:
 
 
 # -- device ---------------------------------------------------------------------------
-def test_device_auto_is_cpu_and_a_gpu_is_refused(capsys) -> None:
-    assert TrainConfig().device == "cpu"
-    assert TrainConfig(device="auto").device == "cpu"
+def test_device_is_checked_naming_what_was_found(capsys) -> None:
     import torch
 
+    from shmtrain.runtime.device import worker_device
+
+    assert TrainConfig().device == "auto"  # each worker resolves it: a GPU where there is one
+    assert TrainConfig(device="cpu").device == "cpu"
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert worker_device("auto", 3) == (torch.device("cuda", 3 % found) if found else torch.device("cpu"))
+    assert worker_device("cpu", 0) == torch.device("cpu")
     with pytest.raises(ValueError) as exc:
-        TrainConfig(device="cuda:1")
+        TrainConfig(device=f"cuda:{max(found, 1)}")
     # what was found, the rule, the fix
-    assert str(exc.value).startswith("--device 'cuda:1': " + ("this machine has no CUDA device" if not found
-                                                              else f"{found} CUDA device(s) found here"))
-    assert str(exc.value).endswith("runs its workers on the CPU only so far; use --device cpu (or auto)")
-    assert main(["train", "--device", "cuda"]) == 2
-    assert "use --device cpu (or auto)" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--device 'tpu' is not a device; choose cpu or auto"):
+    if not found:
+        assert str(exc.value).startswith("--device 'cuda:1': this machine has no CUDA device")
+        assert str(exc.value).endswith("use --device cpu, or auto (the GPU when there is one)")
+        assert main(["train", "--device", "cuda"]) == 2
+        assert "use --device cpu, or auto" in capsys.readouterr().err
+    else:
+        assert f"there are {found} CUDA device(s) here, numbered 0 to {found - 1}" in str(exc.value)
+    with pytest.raises(ValueError, match="--device 'cuda:x': the GPU index must be a number"):
+        TrainConfig(device="cuda:x")
+    with pytest.raises(ValueError, match="--device 'tpu' is not a device; choose cpu, cuda, cuda:N or auto"):
         TrainConfig(device="tpu")
+
+
+def test_options_the_device_or_fp16_cannot_take_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"--allreduce nccl reduces GPU tensors, but --device is cpu; use --device cuda"):
+        TrainConfig(device="cpu", strategy_config=build_config("ssgd", {"allreduce": "nccl"}))
+    with pytest.raises(ValueError, match=r"--allreduce nccl with --overlap: the NCCL baseline"):
+        build_config("ssgd", {"allreduce": "nccl", "overlap": True})
+    with pytest.raises(ValueError, match=r"--amp fp16 with --strategy gpi: the root updates layer by layer"):
+        TrainConfig(strategy="gpi", amp="fp16")
+    with pytest.raises(ValueError, match=r"--amp fp16 with --strategy ssgd: the sharded update"):
+        TrainConfig(amp="fp16", strategy_config=build_config("ssgd", {"sharded_update": True}))
+    with pytest.raises(ValueError, match=r"--amp 'fp16': the --sub-batch threads run bf16 or float32 only"):
+        TrainConfig(amp="fp16", sub_batch=2)
+    assert TrainConfig(amp="fp16").amp == "fp16"  # ssgd takes a GradScaler
 
 
 # -- the typed strategy config ----------------------------------------------------------

@@ -32,6 +32,7 @@ STRATEGIES = {
     "ssgd_ring": ("ssgd", {"allreduce": "ring"}),
     "ps_grad": ("ps_grad", {}),
     "ps_weight": ("ps_weight", {}),
+    "ssgd_nccl": ("ssgd", {"allreduce": "nccl"}),  # GPUs only (tests/test_cuda.py)
 }
 
 
@@ -74,6 +75,8 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     strategy, options = STRATEGIES[payload["mode"]]
     world, batch = ctx.world_size, payload["batch"]
     device = torch.device(payload.get("device", "cpu"))
+    if device.type == "cuda" and device.index is None:  # one GPU per local rank, as --device cuda
+        device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
     if payload.get("staged"):  # the GPU data flow on the CPU: real copies to the host buffers
         os.environ[STAGING_ENV] = "copy"
     if device.type == "cuda":  # float32 everywhere (no TF32), the same kernels every step

@@ -11,6 +11,16 @@ ratio to the same round's ``nocomm`` iteration), the ``collect_remaining`` share
 "collect remaining", CaffeGPI's finalization, DDP's final wait), and the CPU seconds a
 worker process (all its threads) used per iteration, which other jobs move far less.
 
+With ``--device cuda`` (issue 14) the workers compute on GPUs (``cuda:N``: all on GPU N,
+sharing it) and their buffers stay in host memory: each iteration ends with a device
+synchronization before its time is taken, forward/backward/update are timed by CUDA
+events, and the rows add the staged copies (TRL Table 4): ``copy_to_host`` and
+``copy_to_device`` (their device time, CUDA events on the copy streams), ``d2h_wait``
+(what the training thread still waited for the copies to host after backward) and
+``hidden`` = 1 - d2h_wait / copy_to_host, the share of the copies to host that backward
+hid (for ``cpu_acc``, whose copies are waited for by its accumulator thread, all of
+``collect_remaining`` counts as left after backward: an upper bound). The DDP modes need NCCL (one GPU per worker) there: use ``ssgd_nccl``.
+
 Run: ``shmtrain bench overlap --workers 2 --json FILE`` (or ``python -m
 shmtrain.bench.overlap``, the same options).
 """
@@ -34,26 +44,31 @@ from shmtrain.fabric.context import ProcessContext
 from shmtrain.runtime.launcher import launch
 
 DEFAULT_MODES = ["nocomm", "ddp", "gpi", "cpu_acc", "ssgd_overlap"]
+#: ``--device cuda``: the host-staged strategies against no communication
+CUDA_MODES = ["nocomm", "ssgd", "gpi", "cpu_acc", "ssgd_overlap"]
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     from shmtrain.bench.common import build_engine
     from shmtrain.models import build_model
     from shmtrain.runtime.data import parse_shape
+    from shmtrain.runtime.device import worker_device
     from shmtrain.runtime.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
+    device = worker_device(payload.get("device", "cpu"), ctx.local_rank)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     shape = parse_shape(payload["input_shape"])
     gen = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randn((payload["batch_size"], *shape), generator=gen)
-    y = torch.randint(0, 10, (payload["batch_size"],), generator=gen)
+    x = torch.randn((payload["batch_size"], *shape), generator=gen).to(device)
+    y = torch.randint(0, 10, (payload["batch_size"],), generator=gen).to(device)
     loss_fn = nn.CrossEntropyLoss()
     steps, timers, closers = {}, {}, []
     for mode in payload["modes"]:
         torch.manual_seed(0)
-        model = build_model(payload["model"], shape, 10)
+        model = build_model(payload["model"], shape, 10).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        timer = timers[mode] = PhaseTimer()
+        timer = timers[mode] = PhaseTimer(device)
         spec = payload["specs"].get(mode, (None, None))
         engine = build_engine(mode, ctx, model, optimizer, timer, *spec)
         closers.append(engine.close)
@@ -76,6 +91,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
             start, start_cpu = time.perf_counter(), time.process_time()
             start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             steps[mode]()
+            sync()  # a GPU's queued work is part of the iteration
             elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
             faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults
             record = timers[mode].finish_iteration()
@@ -106,7 +122,7 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
         mean = {k: statistics.fmean(p.get(k, 0.0) for r in results for p in r["phases"][mode]) for k in names}
         rows.append({
             "mode": mode, "workers": workers, "model": payload["model"], "batch_size": payload["batch_size"],
-            "threads": payload["threads"], "rounds": payload["rounds"],
+            "threads": payload["threads"], "rounds": payload["rounds"], "device": payload.get("device", "cpu"),
             "median_s": statistics.median(per_round), "min_s": min(per_round), "samples_s": per_round,
             # CPU seconds of a worker process (all its threads) per iteration: unlike wall
             # time, barely moved by other jobs on the machine
@@ -134,22 +150,41 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
             a / b for a, b in zip(row["cpu_samples_s"], base["cpu_samples_s"], strict=True)) if base else None
         remaining = row.pop("collect_remaining_median_s")
         row["collect_remaining_share"] = remaining / row["median_s"] if remaining is not None else None
+        copies = row["phases_s"].get("copy_to_host")
+        row["hidden"] = 1 - row["phases_s"].get("d2h_wait", 0.0) / copies if copies else None
     return rows
 
 
 def _handler(args: argparse.Namespace) -> int:
-    modes = args.modes or DEFAULT_MODES
+    from shmtrain.runtime.device import resolve_device
+
+    device = resolve_device(args.device)
+    cuda = device != "cpu" and (device != "auto" or torch.cuda.is_available())
+    modes = args.modes or (CUDA_MODES if cuda else DEFAULT_MODES)
     check_modes(modes)
+    if cuda and set(modes) & set(DDP_MODES):
+        raise ValueError(f"--modes {' '.join(sorted(set(modes) & set(DDP_MODES)))} with --device {args.device}: "
+                         "DDP on GPUs needs NCCL, one GPU per worker; use the mode ssgd_nccl instead")
     if args.workers < 1 or args.rounds < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:
         raise ValueError("--workers, --rounds, --batch-size and --threads must be at least 1 and --warmup not negative")
     payload = {"model": args.model, "input_shape": args.input_shape, "batch_size": args.batch_size,
-               "rounds": args.rounds, "warmup": args.warmup, "threads": args.threads}
+               "rounds": args.rounds, "warmup": args.warmup, "threads": args.threads,
+               "device": device if cuda else "cpu"}
     rows = run(modes, args.workers, payload)
     print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
                        ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
                        ("paired_vs_nocomm", "paired", ".3f"), ("collect_remaining_share", "remaining", ".2%"),
                        ("cpu_s", "cpu s", ".4f"), ("paired_cpu_vs_nocomm", "cpu paired", ".3f"),
                        ("page_faults", "faults", ".0f")]))
+    if any(row["hidden"] is not None for row in rows):  # staged copies (a GPU, TRL Table 4)
+        for row in rows:
+            row.update({f"{k}_ms": 1e3 * row["phases_s"].get(k, 0.0)
+                        for k in ("copy_to_host", "copy_to_device", "d2h_wait")})
+        print(f"\nstaged copies per iteration on {payload['device']} (device time by CUDA events on a GPU, "
+              "host clocks with SHMTRAIN_STAGING=copy; cpu_acc: all of collect_remaining counts as left)")
+        print(table(rows, [("mode", "mode", "s"), ("copy_to_host_ms", "to host ms", ".2f"),
+                           ("copy_to_device_ms", "to device ms", ".2f"), ("d2h_wait_ms", "left after backward ms", ".2f"),
+                           ("hidden", "hidden", ".1%")]))
     for row in rows:
         if "layers" in row:  # TRL Table 4: per-layer copy and accumulation times (ms)
             print(f"\n{row['mode']}: per-layer medians in ms, backward order")
@@ -193,6 +228,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=15, help="timed rounds, one iteration of each mode (default 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda (worker r on GPU r mod the count), "
+                   "cuda:N (every worker on GPU N) or auto; on a GPU the default modes are "
+                   f"{' '.join(CUDA_MODES)}")
     p.add_argument("--json", help="write the rows here")
 
 

@@ -280,6 +280,12 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
                 "use --workers 1, or --strategy ssgd for several workers"
             )
         cls.check_world(self.strategy_config, self.workers)
+        if self.amp == "fp16":  # the strategy's update must go through a GradScaler
+            cls.implementation(self.strategy_config).check_fp16(self.strategy_config)
+        if getattr(self.strategy_config, "allreduce", "") == "nccl" and self.device == "cpu":
+            raise ValueError("--allreduce nccl reduces GPU tensors, but --device is cpu; use --device "
+                             "cuda (one GPU per worker), or another --allreduce (shm stages GPU gradients "
+                             "through host memory and also runs on the CPU)")
 
     def to_dict(self) -> dict[str, Any]:
         """Flat: every common key and the strategy's options (the keys of ``config.toml``);

@@ -118,6 +118,8 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
         "workers_finished": len(results),
         "model": config["model"],
         "data": config["data"],
+        # where each rank computed (``--device``: auto resolves in the workers)
+        "devices": {r["rank"]: r["device"] for r in results if "device" in r},
         "accuracy": rank0.get("accuracy"),
         "wall_s": wall_s,
         "train_s": max(r["wall_s"] for r in results),

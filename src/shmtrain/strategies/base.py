@@ -184,6 +184,10 @@ class Strategy:
     def step_optimizer(self) -> None:
         """The optimizer's step, through the GradScaler when one is attached."""
         if self.scaler is not None:
+            if not self.staged:  # unscaling writes the gradients: never into shared memory
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad = p.grad.clone()
             self.scaler.step(self.optimizer)
         else:
             self.optimizer.step()

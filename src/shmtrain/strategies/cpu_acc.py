@@ -236,7 +236,7 @@ class CPUAccumulation(Strategy):
         elapsed = time.perf_counter() - start
         self.timer.add("collect_remaining", elapsed)
         self.timer.add("comm", elapsed)
-        self._report()
+        self._report(elapsed)
 
     def _check(self) -> None:
         """Raise if the accumulator thread failed, the host aborted, or a peer died."""
@@ -264,10 +264,15 @@ class CPUAccumulation(Strategy):
             return "the other hosts (their leaders' sum)"
         return "local rank(s) " + ", ".join(map(str, late or range(self.world)))
 
-    def _report(self) -> None:
+    def _report(self, remaining: float) -> None:
         for layer, seconds in self.staging.device_times():
             self._copy_back_s[layer] = seconds
         self.timer.add("accumulate", float(self._accumulate_s.sum()))
+        if self.staging.copies:  # TRL Table 4's copies, summed; what backward left: all of
+            # collect_remaining (the copies still in flight, the last sums and copies back)
+            self.timer.add("copy_to_host", float(self._copy_s[self._order].sum()))
+            self.timer.add("copy_to_device", float(self._copy_back_s[self._order].sum()))
+            self.timer.add("d2h_wait", remaining)
         self.timer.detail("layers", [
             {"layer": self._names[i], "numel": self.params[i].numel(),
              "copy_s": float(self._copy_s[i]), "lock_wait_s": float(self._lock_wait_s[i]),

@@ -347,7 +347,9 @@ class GPI(Strategy):
             if self._have.all():
                 break
             if self.staging is not None and (self._landing or self._outgoing):
+                waited = time.perf_counter()
                 self._landed(wait=True)  # a copy in flight: wait for it, not for a peer
+                self.timer.add("d2h_wait", time.perf_counter() - waited)
                 continue
             senders, what = self._waiting_for()
             self.window.sleep(token, senders=senders, deadline=deadline, what=what)
