@@ -56,7 +56,7 @@ def test_choices_are_the_literals_of_the_strategy_configs() -> None:
     def literal(cls: type, name: str) -> tuple:
         return typing.get_args(typing.get_type_hints(cls)[name])
 
-    assert literal(strategies.get("ssgd").Config, "allreduce") == CHOICES
+    assert literal(strategies.get("ssgd").Config, "allreduce") == (*CHOICES, "nccl")  # nccl: GPUs only
     assert literal(strategies.get("ps_grad").Config, "ps_transport") == PS_TRANSPORTS
     assert literal(strategies.get("seasgd").Config, "terminate") == POLICIES
 
@@ -79,7 +79,7 @@ def test_a_bad_choice_from_python_names_option_value_and_choices() -> None:
         ("model = 3", 'key \'model\' = 3 must be a string; e.g. model = "smallcnn"'),
         ('iterations = "ten"', "key 'iterations' = 'ten' must be an integer; e.g. iterations = 100"),
         ('allreduce = "bogus"', "key 'allreduce' = 'bogus' must be one of: shm, gloo, ring, rhd, "
-                                'tree, topo, hierarchical, auto; e.g. allreduce = "shm"'),
+                                'tree, topo, hierarchical, auto, nccl; e.g. allreduce = "shm"'),
         ('terminate = "never"', "key 'terminate' = 'never' must be one of: master, first, average; "
                                 'e.g. terminate = "average"'),
         ("overlap = 1", "key 'overlap' = 1 must be true or false; e.g. overlap = false"),
@@ -157,7 +157,7 @@ def test_help_lists_every_field_with_its_default() -> None:
     assert "(default none)" in entries["--config"]
     for title in SECTIONS.values():
         assert f"\n{title}:\n" in text
-    assert "--allreduce {shm,gloo,ring,rhd,tree,topo,hierarchical,auto}" in text
+    assert "--allreduce {shm,gloo,ring,rhd,tree,topo,hierarchical,auto,nccl}" in text
 
 
 def test_flags_are_typed_from_the_annotations() -> None:
@@ -280,6 +280,6 @@ def test_the_worker_payload_pickles_typed() -> None:
 
 def test_flat_attribute_access_and_no_typos() -> None:
     config = TrainConfig(batch_size=8, workers=2)
-    assert (config.batch_size, config.workers, config.seed, config.device) == (8, 2, 0, "cpu")
+    assert (config.batch_size, config.workers, config.seed, config.device) == (8, 2, 0, "auto")
     with pytest.raises(AttributeError):
         config.batchsize = 3  # type: ignore[attr-defined]
