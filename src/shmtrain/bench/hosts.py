@@ -154,7 +154,8 @@ def _worker_command(method: str, settings: dict[str, Any], out: Path) -> list[st
     flags = METHODS[method]
     if flags is None:
         return ["-m", "shmtrain.bench.hosts_ddp", *common]
-    return ["-m", "shmtrain", "train", *flags, *common, "--no-progress", "--checkpoint-every", "0"]
+    return ["-m", "shmtrain", "train", *flags, *common, "--no-progress", "--checkpoint-every", "0",
+            "--device", "cpu"]  # the papers' CPU hosts (and the DDP baseline's)
 
 
 def run_method(method: str, hosts: tuple[str, str, str], port: int, settings: dict[str, Any],

@@ -114,7 +114,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ctx = from_env(args.timeout)
     out = Path(args.out)
     try:
-        config = resolve({"model": args.model, "data": args.data, "batch_size": args.batch_size, "lr": args.lr,
+        config = resolve({"device": "cpu", "model": args.model, "data": args.data, "batch_size": args.batch_size, "lr": args.lr,
                           "momentum": args.momentum, "weight_decay": args.weight_decay,
                           "iterations": args.iterations, "seed": args.seed, "eval_every": args.eval_every,
                           "workers": ctx.world_size, "out": str(out), "progress": False})

@@ -81,7 +81,7 @@ def _train(values: dict[str, Any], folder: Path) -> dict[int, list[dict[str, Any
     from shmtrain.runtime.report import read_rows
     from shmtrain.runtime.run import TARGET
 
-    config = resolve({**values, "out": str(folder), "progress": False, "checkpoint_every": 0})
+    config = resolve({"device": "cpu", **values, "out": str(folder), "progress": False, "checkpoint_every": 0})
     checkpoint.prepare_run_folder(folder, config)
     launch(TARGET, config.workers, {"config": config, "out": str(folder), "resume": None},
            threads=config.threads, timeout=config.timeout, log_dir=folder / "logs")

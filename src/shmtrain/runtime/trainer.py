@@ -57,9 +57,12 @@ class TrainState:
         return divmod(self.iteration, max(1, steps_per_epoch))
 
     def capture_rng(self) -> None:
-        """Record the torch, numpy and Python RNG states of this process."""
+        """Record the torch (and, once CUDA is in use, every GPU's), numpy and Python RNG
+        states of this process."""
         self.rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                     "python": random.getstate()}
+        if torch.cuda.is_initialized():
+            self.rng["cuda"] = torch.cuda.get_rng_state_all()
 
     def restore_rng(self) -> None:
         """Put the recorded RNG states back (nothing when none were recorded)."""
@@ -67,6 +70,8 @@ class TrainState:
             torch.set_rng_state(self.rng["torch"])
             np.random.set_state(self.rng["numpy"])
             random.setstate(self.rng["python"])
+            if "cuda" in self.rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(self.rng["cuda"])
 
 
 class Trainer:
