@@ -54,3 +54,17 @@ def test_bad_bench_input_is_named() -> None:
 @pytest.mark.parametrize("text,value", [("64MiB", 64 << 20), ("1MB", 10**6), ("4096", 4096), ("97.7MB", 97_700_000)])
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
+
+
+def test_bench_device_picks_the_modes_of_the_device() -> None:
+    from shmtrain.bench.common import bench_device
+
+    if torch.cuda.is_available():
+        assert bench_device("cuda", ["ddp"], ["ssgd"], None) == ("cuda", ["ssgd"])
+        with pytest.raises(ValueError, match=r"--modes ddp with --device cuda: DDP on GPUs needs NCCL"):
+            bench_device("cuda", ["ddp"], ["ssgd"], ["nocomm", "ddp"])
+    else:
+        assert bench_device("auto", ["nocomm", "ddp"], ["ssgd"], None) == ("cpu", ["nocomm", "ddp"])
+        with pytest.raises(ValueError, match=r"--device 'cuda': this machine has no CUDA device"):
+            bench_device("cuda", ["ddp"], ["ssgd"], None)
+    assert bench_device("cpu", ["nocomm"], ["ssgd"], ["gpi"]) == ("cpu", ["gpi"])

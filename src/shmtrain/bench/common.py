@@ -198,6 +198,31 @@ def build_engine(mode: str, ctx, model: torch.nn.Module, optimizer: torch.optim.
     return DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **(options or {}))
 
 
+def bench_device(value: str, cpu_modes: list[str], cuda_modes: list[str],
+                 given: list[str] | None) -> tuple[str, list[str]]:
+    """A benchmark's ``--device`` (checked, ``auto`` resolved) and its modes: ``given``, or
+    the defaults of the device. The DDP modes run gloo on host tensors: refused on a GPU."""
+    from shmtrain.runtime.device import resolve_device
+
+    resolve_device(value)
+    cuda = value != "cpu" and (value != "auto" or torch.cuda.is_available())
+    modes = given or (cuda_modes if cuda else cpu_modes)
+    if cuda and set(modes) & set(DDP_MODES):
+        raise ValueError(f"--modes {' '.join(sorted(set(modes) & set(DDP_MODES)))} with --device {value}: "
+                         "DDP on GPUs needs NCCL, one GPU per worker; use the mode ssgd_nccl instead")
+    return ("cuda" if value == "auto" else value) if cuda else "cpu", modes
+
+
+def worker_setup(device_value: str, local_rank: int) -> tuple[torch.device, Callable[[], Any]]:
+    """In a benchmark worker: its device (``runtime/device.worker_device``) and what ends an
+    iteration's timing there (a device synchronization on a GPU: its queued work is part
+    of the iteration)."""
+    from shmtrain.runtime.device import worker_device
+
+    device = worker_device(device_value, local_rank)
+    return device, (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
+
+
 def synthetic_setup(model_name: str, input_shape: str, batch_size: int, rank: int):
     """The benchmarks' worker set-up: the model (seed 0, same on every rank), this rank's
     synthetic batch, and SGD with momentum. Returns ``(model, x, y, optimizer)``."""

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shmtrain.bench.common import DDP_MODES, table, write_json
+from shmtrain.bench.common import DDP_MODES, bench_device, table, write_json
 
 # mode -> (strategy, options): the same table as ``shmtrain bench step``; ``ddp``, ``ddp-shm`` apart.
 from shmtrain.bench.step import MODES, check_modes
@@ -49,15 +49,13 @@ CUDA_MODES = ["nocomm", "ssgd", "gpi", "cpu_acc", "ssgd_overlap"]
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    from shmtrain.bench.common import build_engine
+    from shmtrain.bench.common import build_engine, worker_setup
     from shmtrain.models import build_model
     from shmtrain.runtime.data import parse_shape
-    from shmtrain.runtime.device import worker_device
     from shmtrain.runtime.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
-    device = worker_device(payload.get("device", "cpu"), ctx.local_rank)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device, sync = worker_setup(payload.get("device", "cpu"), ctx.local_rank)
     shape = parse_shape(payload["input_shape"])
     gen = torch.Generator().manual_seed(ctx.rank)
     x = torch.randn((payload["batch_size"], *shape), generator=gen).to(device)
@@ -156,20 +154,13 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from shmtrain.runtime.device import resolve_device
-
-    device = resolve_device(args.device)
-    cuda = device != "cpu" and (device != "auto" or torch.cuda.is_available())
-    modes = args.modes or (CUDA_MODES if cuda else DEFAULT_MODES)
+    device, modes = bench_device(args.device, DEFAULT_MODES, CUDA_MODES, args.modes)
     check_modes(modes)
-    if cuda and set(modes) & set(DDP_MODES):
-        raise ValueError(f"--modes {' '.join(sorted(set(modes) & set(DDP_MODES)))} with --device {args.device}: "
-                         "DDP on GPUs needs NCCL, one GPU per worker; use the mode ssgd_nccl instead")
     if args.workers < 1 or args.rounds < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:
         raise ValueError("--workers, --rounds, --batch-size and --threads must be at least 1 and --warmup not negative")
     payload = {"model": args.model, "input_shape": args.input_shape, "batch_size": args.batch_size,
                "rounds": args.rounds, "warmup": args.warmup, "threads": args.threads,
-               "device": device if cuda else "cpu"}
+               "device": device}
     rows = run(modes, args.workers, payload)
     print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
                        ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),

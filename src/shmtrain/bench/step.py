@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from shmtrain.bench.common import DDP_MODES, table, write_json
+from shmtrain.bench.common import DDP_MODES, bench_device, table, write_json
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.runtime.launcher import launch
 
@@ -38,15 +38,17 @@ DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    from shmtrain.bench.common import build_engine, synthetic_setup
+    from shmtrain.bench.common import build_engine, synthetic_setup, worker_setup
     from shmtrain.runtime.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
+    device, sync = worker_setup(payload.get("device", "cpu"), ctx.local_rank)
     model, x, y, optimizer = synthetic_setup(payload["model"], payload["input_shape"],
                                              payload["batch_size"], ctx.rank)
+    model, x, y = model.to(device), x.to(device), y.to(device)
     loss_fn = nn.CrossEntropyLoss()
     mode = payload["mode"]
-    timer = PhaseTimer()
+    timer = PhaseTimer(device)
     strategy, options = MODES.get(mode, (None, None))
     engine = build_engine(mode, ctx, model, optimizer, timer, strategy, options)
     trainer = Trainer(engine, loss_fn, timer)
@@ -58,6 +60,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     for i in range(payload["warmup"] + payload["iterations"]):
         start = time.perf_counter()
         step()
+        sync()  # a GPU's queued work is part of the iteration
         elapsed = time.perf_counter() - start
         record = timer.finish_iteration()
         if i >= payload["warmup"]:
@@ -79,6 +82,7 @@ def run(modes: list[str], workers: list[int], payload: dict[str, Any]) -> list[d
             phase_names = {k for r in results for k in r["phases"]}
             rows.append({
                 "mode": mode, "workers": n, "model": payload["model"], "batch_size": payload["batch_size"],
+                "device": payload.get("device", "cpu"),
                 "threads": payload["threads"], "median_s": statistics.median(samples), "min_s": min(samples),
                 "samples": len(samples),
                 "phases_s": {k: statistics.fmean(r["phases"].get(k, 0.0) for r in results) for k in sorted(phase_names)},
@@ -102,14 +106,14 @@ def check_modes(modes: list[str]) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    modes = args.modes or DEFAULT_MODES
+    device, modes = bench_device(args.device, DEFAULT_MODES, ["nocomm", "ssgd"], args.modes)
     check_modes(modes)
     if any(w < 1 for w in args.workers):
         raise ValueError(f"--workers {args.workers}: every worker count must be at least 1")
     if args.iterations < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:
         raise ValueError("--iterations, --batch-size and --threads must be at least 1 and --warmup not negative")
     payload = {"model": args.model, "input_shape": args.input_shape, "batch_size": args.batch_size,
-               "iterations": args.iterations, "warmup": args.warmup, "threads": args.threads}
+               "iterations": args.iterations, "warmup": args.warmup, "threads": args.threads, "device": device}
     rows = run(modes, args.workers, payload)
     print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
                        ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
@@ -129,5 +133,7 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda (worker r on GPU r mod the count), "
+                   "cuda:N (every worker on GPU N) or auto; on a GPU the default modes are nocomm ssgd")
     p.add_argument("--json", help="write the rows here")
     p.set_defaults(handler=_handler)
