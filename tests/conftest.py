@@ -67,6 +67,17 @@ def worker_process(pid: int, rank: int, timeout: float = 30.0) -> psutil.Process
 
 
 @pytest.fixture(autouse=True)
+def cpu_unless_a_cuda_test(request, monkeypatch):
+    """On a GPU host, hide the GPUs from every test but the CUDA ones (``tests/test_cuda.py``,
+    and tests named ``*cuda*``): ``--device auto``, the default, would move their CLI runs
+    and workers to the GPU, where their CPU references (weights within 1e-5) do not hold.
+    The workers inherit it (the zygote forks each with the launcher's environment)."""
+    if request.node.path.name != "test_cuda.py" and "cuda" not in request.node.name:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    yield
+
+
+@pytest.fixture(autouse=True)
 def no_leaks():
     """Fail the test if it leaves a shmtrain segment in /dev/shm or a child process."""
     before = set(leftover())

@@ -92,8 +92,12 @@ def fp16_worker(ctx, payload: dict) -> dict:
         trainer.step(x, y)
         weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
         scales.append(trainer.scaler.get_scale())
+    state = trainer.state_dict()  # a checkpoint holds the loss scale, and a resume restores it
+    trainer.scaler.update(new_scale=1.0)
+    trainer.load_state_dict(state)
     dp.close()
-    return {"weights": weights, "scales": scales, "dtypes": sorted({str(d) for d in seen})}
+    return {"weights": weights, "scales": scales, "dtypes": sorted({str(d) for d in seen}),
+            "saved_scale": state["scaler"]["scale"], "restored_scale": trainer.scaler.get_scale()}
 
 
 @pytest.mark.parametrize("strategy,options", [("ssgd", {}), ("cpu_acc", {}), ("ssgd", {"overlap": True})])
@@ -109,6 +113,7 @@ def test_fp16_ranks_agree_on_a_skipped_step(strategy: str, options: dict) -> Non
     assert torch.equal(a["weights"][3], a["weights"][2])  # the overflowing step is skipped by both
     for r in results:
         assert r["scales"][3] == r["scales"][2] / 2 and r["scales"][0] > 1
+        assert r["saved_scale"] == r["restored_scale"] == r["scales"][3]
 
 
 def test_fp16_is_refused_where_the_update_cannot_take_a_scaler() -> None:

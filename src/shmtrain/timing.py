@@ -37,20 +37,23 @@ class PhaseTimer:
         #: non-phase data of the iteration (e.g. per-layer times under ``layers``), written
         #: as extra keys of the metrics row next to ``time``
         self.details: dict[str, Any] = {}
+        self.device = device
         self.cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
         self._events: list[tuple[str, Any, Any]] = []
+        self._copies: list[tuple[str, list[Any]]] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         if self.cuda and name in COMPUTE_PHASES:
             import torch
 
+            stream = torch.cuda.current_stream(self.device)  # the model's device, not the current one
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+            begin.record(stream)
             try:
                 yield
             finally:
-                end.record()
+                end.record(stream)
                 self._events.append((name, begin, end))
             return
         start = time.perf_counter()
@@ -61,6 +64,16 @@ class PhaseTimer:
 
     def add(self, name: str, seconds: float) -> None:
         self.current[name] = self.current.get(name, 0.0) + seconds
+
+    def add_copies(self, name: str, copies: list[Any]) -> None:
+        """Add the seconds of ``copies`` (:class:`shmtrain.fabric.staging.Copy`, still in
+        flight) to ``name`` when the iteration closes, so nobody waits for them before."""
+        if copies:
+            self._copies.append((name, copies))
+        if len(self._copies) > 64:  # a caller that never closes iterations (the bare API)
+            for entry in self._copies[:-1]:
+                self.add(entry[0], sum(copy.wait() for copy in entry[1]))
+            del self._copies[:-1]
 
     def detail(self, key: str, value: Any) -> None:
         """Attach ``value`` to this iteration's row under ``key`` (JSON-serialisable)."""
@@ -78,6 +91,9 @@ class PhaseTimer:
             end.synchronize()
             self.add(name, begin.elapsed_time(end) / 1e3)
         self._events.clear()
+        for name, copies in self._copies:
+            self.add(name, sum(copy.wait() for copy in copies))
+        self._copies.clear()
         phases = self.current
         self.current = {}
         phases["compute"] = sum(phases.get(name, 0.0) for name in COMPUTE_PHASES)

@@ -41,6 +41,7 @@ pinned memory are made only for a ``cuda`` device.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Iterator
@@ -80,6 +81,28 @@ def force_copies() -> Iterator[None]:
             os.environ.pop(STAGING_ENV, None)
         else:
             os.environ[STAGING_ENV] = old
+
+
+#: host ranges this process page-locked (address -> bytes): a range is never registered
+#: twice (CUDA refuses it, and the failed call's error would surface at the next kernel)
+_REGISTERED: dict[int, int] = {}
+_CUDART: list[ctypes.CDLL | None] = []
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded (the same instance, so an error this module
+    clears is the one torch's next check would read); None when none is loaded."""
+    if not _CUDART:
+        lib = None
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = [line.split()[-1] for line in maps if "libcudart.so" in line]
+            path = next((p for p in paths if "torchvision" not in p), None)
+            lib = ctypes.CDLL(path) if path else None
+        except OSError:
+            lib = None
+        _CUDART.append(lib)
+    return _CUDART[0]
 
 
 class Copy:
@@ -143,16 +166,26 @@ class HostStaging:
     def register(self, *host_tensors: torch.Tensor) -> None:
         """Page-lock host tensors the copies read or write (shared segments), so
         ``MemcpyH2DAsync`` from them is asynchronous. Best effort: without it the copies are
-        only slower (staged by the driver). No-op off a GPU."""
+        only slower (staged by the driver). A range that overlaps one this process already
+        registered is skipped, and a refused registration's error is cleared (CUDA would
+        report it at the next kernel launch). Portable: pinned for every device's context.
+        No-op off a GPU."""
         if not self.cuda:
             return
-        try:
-            cudart = torch.cuda.cudart()
-            for t in host_tensors:
-                if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0:
-                    self._registered.append(t.data_ptr())
-        except Exception:  # noqa: BLE001 - only slower (staged copies) without it
-            pass
+        lib = _cudart()
+        if lib is None:
+            return
+        for t in host_tensors:
+            ptr, size = t.data_ptr(), t.numel() * t.element_size()
+            if size == 0 or any(ptr < p + n and p < ptr + size for p, n in _REGISTERED.items()):
+                continue
+            with torch.cuda.device(self.device):
+                rc = lib.cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(size), ctypes.c_uint(1))
+                if rc == 0:
+                    _REGISTERED[ptr] = size
+                    self._registered.append(ptr)
+                else:
+                    lib.cudaGetLastError()  # clear it: torch's next check would raise it
 
     # -- the copies ---------------------------------------------------------------------
     def _start(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor, *, after_current: bool) -> Copy:
@@ -235,6 +268,13 @@ class HostStaging:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._h2d)
 
+    def take_copies(self) -> list[Copy]:
+        """The :meth:`to_device` copies since the last call, not waited for (for
+        :meth:`shmtrain.timing.PhaseTimer.add_copies`: timed when the iteration closes)."""
+        copies = [copy for _, copy in self._h2d_copies]
+        self._h2d_copies.clear()
+        return copies
+
     def device_times(self) -> list[tuple[int, float]]:
         """``(layer, seconds)`` of each :meth:`to_device` copy since the last call (TRL
         Table 4, CPU-to-GPU copy; CUDA events on a GPU); waits for those copies. Empty in
@@ -251,8 +291,9 @@ class HostStaging:
             return
         self._d2h.synchronize()
         self._h2d.synchronize()
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-            self._registered.clear()
+        lib = _cudart()
+        for ptr in self._registered:
+            _REGISTERED.pop(ptr, None)
+            if lib is not None and lib.cudaHostUnregister(ctypes.c_void_p(ptr)) != 0:
+                lib.cudaGetLastError()
+        self._registered.clear()

@@ -282,8 +282,18 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
         cls.check_world(self.strategy_config, self.workers)
         if self.amp == "fp16":  # the strategy's update must go through a GradScaler
             cls.implementation(self.strategy_config).check_fp16(self.strategy_config)
-        if getattr(self.strategy_config, "allreduce", "") == "nccl" and self.device == "cpu":
-            raise ValueError("--allreduce nccl reduces GPU tensors, but --device is cpu; use --device "
+        cpu_only = [flag for flag, on in (
+            (f"--sub-batch {self.sub_batch}", self.sub_batch != 1),
+            ("--sharded-update", getattr(self.strategy_config, "sharded_update", False))) if on]
+        if cpu_only and self.device == "auto":  # auto: a GPU only where the options run there
+            self.device = "cpu"
+        elif cpu_only and self.device != "cpu":
+            raise ValueError(f"--device {self.device} with {cpu_only[0]}: it runs on the CPU only "
+                             "(docs/gpu.md); use --device cpu, or drop it")
+        nccl = getattr(self.strategy_config, "allreduce", "") == "nccl"
+        if nccl and self.device in ("cpu", "auto") and not (self.device == "auto" and _cuda_present()):
+            found = "--device is cpu" if self.device == "cpu" else "--device auto found no GPU here"
+            raise ValueError(f"--allreduce nccl reduces GPU tensors, but {found}; use --device "
                              "cuda (one GPU per worker), or another --allreduce (shm stages GPU gradients "
                              "through host memory and also runs on the CPU)")
 
@@ -291,6 +301,12 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
         """Flat: every common key and the strategy's options (the keys of ``config.toml``);
         ``resolve(config.to_dict()) == config``."""
         return {**{k: getattr(self, k) for k in COMMON_KEYS}, **dataclasses.asdict(self.strategy_config)}
+
+
+def _cuda_present() -> bool:
+    import torch  # already imported by the strategies; asked only for --allreduce nccl
+
+    return torch.cuda.is_available()
 
 
 def train_fields() -> list[dataclasses.Field]:

@@ -70,8 +70,9 @@ class TrainState:
             torch.set_rng_state(self.rng["torch"])
             np.random.set_state(self.rng["numpy"])
             random.setstate(self.rng["python"])
-            if "cuda" in self.rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(self.rng["cuda"])
+            if "cuda" in self.rng and torch.cuda.is_available():  # as many GPUs as both have
+                for index, rng in enumerate(self.rng["cuda"][: torch.cuda.device_count()]):
+                    torch.cuda.set_rng_state(rng, index)
 
 
 class Trainer:
@@ -118,6 +119,9 @@ class Trainer:
                 raise ValueError(f"--amp fp16 steps the optimizer through a GradScaler, which a "
                                  f"{type(engine).__name__} cannot take; wrap the model in "
                                  "shmtrain.api.DataParallel, or use --amp bf16")
+            if sub_batch != 1:
+                raise ValueError(f"--amp fp16 with --sub-batch {sub_batch}: the sub-batch threads run bf16 "
+                                 "or float32 only (no GradScaler); use --amp bf16, or --sub-batch 1")
             self.scaler = torch.amp.GradScaler(self.device.type)
             attach(self.scaler)
         if sub_batch != 1 and self.device.type != "cpu":
@@ -144,7 +148,7 @@ class Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """zero_grad -> forward (``forward``) -> backward (``backward``) -> step; the loss."""
         engine, timer = self.engine, self.timer
-        if x.device != self.device:  # from host memory (pinned by the prefetcher on a GPU)
+        if x.device != self.device:  # from host memory (pageable: the copy is synchronous)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         engine.zero_grad()
         if self.sub_batch is not None:  # both phases timed inside, the threads' compute overlapping
@@ -188,6 +192,8 @@ class Trainer:
             "strategy": strategy.state_dict(),
             "train": asdict(self.state),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            # --amp fp16: the loss scale and its growth tracker (a resumed run goes on with them)
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
         return deepcopy(state) if copy else state
 
@@ -204,5 +210,7 @@ class Trainer:
         if self.scheduler is not None and saved is not None:
             check_state(self.scheduler, saved)
             self.scheduler.load_state_dict(saved)
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.state = TrainState(**state["train"])
         self.state.restore_rng()

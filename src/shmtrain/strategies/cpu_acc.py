@@ -168,6 +168,8 @@ class CPUAccumulation(Strategy):
     # -- Algorithm 7, on the accumulator thread -----------------------------------------
     def _accumulate_loop(self) -> None:
         try:
+            if self.staging.cuda:  # its event waits use the model's GPU, not GPU 0's context
+                torch.cuda.set_device(self.staging.device)
             while True:
                 batch = self._queue.get()
                 if batch is None:

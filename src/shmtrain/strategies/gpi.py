@@ -356,7 +356,7 @@ class GPI(Strategy):
         if self.staging is not None:
             self.staging.join()  # the next forward's stream waits for the weights
             self.timer.add("copy_to_host", self._copy_s)
-            self.timer.add("copy_to_device", sum(s for _, s in self.staging.device_times()))
+            self.timer.add_copies("copy_to_device", self.staging.take_copies())  # timed when the iteration closes
             self._copy_s = 0.0
         elapsed = time.perf_counter() - start
         self.timer.add("collect_remaining", elapsed)

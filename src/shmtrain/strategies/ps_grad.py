@@ -128,7 +128,7 @@ class ParameterServerGrad(Strategy):
         for i, p in enumerate(self.params):
             self.staging.to_device(i, p, views[i], data=data)
         self.staging.join()
-        self.timer.add("copy_to_device", sum(s for _, s in self.staging.device_times()))
+        self.timer.add_copies("copy_to_device", self.staging.take_copies())  # timed when the iteration closes
 
     def _to_host(self, out: torch.Tensor, grads: bool) -> None:
         """Staged: the parameters' gradients (or weights) into a host flat buffer."""

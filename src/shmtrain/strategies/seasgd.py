@@ -139,6 +139,8 @@ class ElasticExchange:
 
     def _update_loop(self) -> None:
         """Update thread, T.A1-T.A5 (sleeps on a condition between updates)."""
+        if self.staging is not None and self.staging.cuda:  # its event waits: the model's GPU
+            torch.cuda.set_device(self.staging.device)
         while True:
             with self._cond:
                 while not self._pending and not self._stop:

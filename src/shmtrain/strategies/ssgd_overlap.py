@@ -143,7 +143,7 @@ class OverlapSSGD(Strategy):
                 self.staging.to_device(i, p, self._results[i])
             self.staging.join()  # the optimizer's stream waits for the copies back
             self.timer.add("copy_to_host", self._copy_s)
-            self.timer.add("copy_to_device", sum(s for _, s in self.staging.device_times()))
+            self.timer.add_copies("copy_to_device", self.staging.take_copies())  # timed when the iteration closes
             self._copy_s = 0.0
         else:
             self.layout.bind_grads(self._results)
