@@ -111,6 +111,27 @@ def test_gpi_and_cpu_acc_across_hosts_equal_one_host(tmp_path: Path) -> None:
     assert not leftover()
 
 
+def test_staged_strategies_across_hosts_equal_one_host_unstaged(tmp_path: Path, monkeypatch) -> None:
+    """The GPU data flow (SHMTRAIN_STAGING=copy: private parameters, copies to and from the
+    host buffers) across two hosts: ssgd's staged slots under the hierarchical allreduce,
+    and gpi's host copies of the gradients that the leaders' HostCombiner sums, against
+    one unstaged host of four."""
+    common = ["--iterations", "10", "--batch-size", "8", "--seed", "7", "--no-progress"]
+    for strategy in ("ssgd", "gpi"):
+        args = ["--strategy", strategy, *common]
+        subprocess.run([sys.executable, "-m", "shmtrain", "train", *args, "--workers", "4",
+                        "--out", str(tmp_path / f"{strategy}-1x4")], check=True, timeout=150, env=env(),
+                       capture_output=True)
+        monkeypatch.setenv("SHMTRAIN_STAGING", "copy")
+        _two_hosts(tmp_path / f"{strategy}-2x2", args)
+        monkeypatch.delenv("SHMTRAIN_STAGING")
+        _same_weights(tmp_path / f"{strategy}-1x4", tmp_path / f"{strategy}-2x2")
+        phases = {name: json.loads((tmp_path / name / "summary.json").read_text())["phases_ms"]
+                  for name in (f"{strategy}-1x4", f"{strategy}-2x2")}
+        assert "copy_to_host" in phases[f"{strategy}-2x2"] and "copy_to_host" not in phases[f"{strategy}-1x4"]
+    assert not leftover()
+
+
 @pytest.mark.slow  # two more launches of the same code path
 def test_cpu_acc_on_three_hosts_equals_one_host_of_three(tmp_path: Path) -> None:
     common = ["--iterations", "12", "--batch-size", "8", "--seed", "5", "--no-progress"]
