@@ -19,7 +19,9 @@ events, and the rows add the staged copies (TRL Table 4): ``copy_to_host`` and
 (what the training thread still waited for the copies to host after backward) and
 ``hidden`` = 1 - d2h_wait / copy_to_host, the share of the copies to host that backward
 hid (for ``cpu_acc``, whose copies are waited for by its accumulator thread, all of
-``collect_remaining`` counts as left after backward: an upper bound). The DDP modes need NCCL (one GPU per worker) there: use ``ssgd_nccl``.
+``collect_remaining`` counts as left after backward: an upper bound). A mode named ``MODE@copy`` (e.g. ``ssgd@copy``) runs that mode's staged
+path on the CPU (``SHMTRAIN_STAGING=copy``): beside ``MODE``, what the copies cost against
+zero copy. The DDP modes need NCCL (one GPU per worker) there: use ``ssgd_nccl``.
 
 Run: ``shmtrain bench overlap --workers 2 --json FILE`` (or ``python -m
 shmtrain.bench.overlap``, the same options).
@@ -31,6 +33,7 @@ import argparse
 import resource
 import statistics
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -41,9 +44,13 @@ from shmtrain.bench.common import DDP_MODES, bench_device, table, write_json
 # mode -> (strategy, options): the same table as ``shmtrain bench step``; ``ddp``, ``ddp-shm`` apart.
 from shmtrain.bench.step import MODES, check_modes
 from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.staging import force_copies
 from shmtrain.runtime.launcher import launch
 
 DEFAULT_MODES = ["nocomm", "ddp", "gpi", "cpu_acc", "ssgd_overlap"]
+#: a mode name ending so runs the mode's staged path on the CPU (``SHMTRAIN_STAGING=copy``
+#: while its engine is built): what the GPU data flow's copies cost against zero copy
+STAGED = "@copy"
 #: ``--device cuda``: the host-staged strategies against no communication
 CUDA_MODES = ["nocomm", "ssgd", "gpi", "cpu_acc", "ssgd_overlap"]
 
@@ -68,7 +75,8 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         timer = timers[mode] = PhaseTimer(device)
         spec = payload["specs"].get(mode, (None, None))
-        engine = build_engine(mode, ctx, model, optimizer, timer, *spec)
+        with force_copies() if mode.endswith(STAGED) else nullcontext():  # MODE@copy: staged on the CPU
+            engine = build_engine(mode, ctx, model, optimizer, timer, *spec)
         closers.append(engine.close)
         trainer = Trainer(engine, loss_fn, timer)
 
@@ -109,7 +117,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
 def run(modes: list[str], workers: int, payload: dict[str, Any],
         specs: dict[str, tuple[str, dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """Run ``modes`` (names in ``specs``, default :data:`MODES`, or in ``DDP_MODES``) in one launch."""
-    specs = {m: (specs or MODES)[m] for m in modes if m not in DDP_MODES}
+    specs = {m: (specs or MODES)[m.removesuffix(STAGED)] for m in modes if m not in DDP_MODES}
     results = launch("shmtrain.bench.overlap:_worker", workers, dict(payload, modes=modes, specs=specs),
                      threads=payload["threads"], timeout=payload.get("timeout", 600))
     rows = []
@@ -155,7 +163,7 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
 
 def _handler(args: argparse.Namespace) -> int:
     device, modes = bench_device(args.device, DEFAULT_MODES, CUDA_MODES, args.modes)
-    check_modes(modes)
+    check_modes([m.removesuffix(STAGED) for m in modes])
     if args.workers < 1 or args.rounds < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:
         raise ValueError("--workers, --rounds, --batch-size and --threads must be at least 1 and --warmup not negative")
     payload = {"model": args.model, "input_shape": args.input_shape, "batch_size": args.batch_size,

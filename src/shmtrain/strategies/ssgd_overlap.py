@@ -72,8 +72,8 @@ class OverlapSSGD(Strategy):
         if self.staged:
             self.staging = self.make_staging(layout)
             self.staging.register(self.reducer.input(), self.reducer.result())
-            #: staged: the copy of each complete bucket's last gradient (None: landed)
-            self._landing: list = [None] * len(self._sizes)
+            #: staged: the copies of each bucket's gradients not yet landed
+            self._landing: list[list] = [[] for _ in self._sizes]
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -91,7 +91,7 @@ class OverlapSSGD(Strategy):
         i = self._slot[id(param)]
         if self.staging is not None:  # copies on one stream land in order: the last is enough
             copy = self.staging.to_host(i, param.grad, dst=self._inputs[i])[1]
-            self._landing[self._bucket_of[i]] = copy
+            self._landing[self._bucket_of[i]].append(copy)
         else:
             self._inputs[i].copy_(param.grad)
         self._mark(i)
@@ -116,12 +116,12 @@ class OverlapSSGD(Strategy):
     def _landed(self, bucket: int, wait: bool) -> bool:
         """Staged: whether the bucket's gradients are in host memory (``wait``: block
         until they are, counting the device time of the copy)."""
-        copy = self._landing[bucket]
-        if copy is not None:
-            if not (wait or copy.done()):
+        copies = self._landing[bucket]
+        if copies:
+            if not (wait or copies[-1].done()):  # one stream: the last issued lands last
                 return False
-            self._copy_s += copy.wait()
-            self._landing[bucket] = None
+            self._copy_s += sum(copy.wait() for copy in copies)
+            copies.clear()
         return True
 
     def after_backward(self) -> None:
