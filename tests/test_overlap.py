@@ -33,6 +33,12 @@ STRATEGIES = {
     "ps_grad": ("ps_grad", {}),
     "ps_weight": ("ps_weight", {}),
     "ssgd_nccl": ("ssgd", {"allreduce": "nccl"}),  # GPUs only (tests/test_cuda.py)
+    # not plain SGD: tests/test_staged.py compares them staged against unstaged
+    "ssgd_bf16": ("ssgd", {"comm_dtype": "bf16"}),
+    "easgd": ("easgd", {}),
+    "downpour": ("downpour", {}),
+    "seasgd": ("seasgd", {}),
+    "hsgd": ("hsgd", {"groups": 1}),
 }
 
 
