@@ -141,14 +141,17 @@ class HostStaging:
         #: whether to_host/to_device really copy (else the host tensors pass through)
         self.copies = staged(self.device)
         self.cuda = self.device.type == "cuda"
-        #: "cpu" (pass-through), "cuda" (streams) or "copy" (synchronous CPU copies)
-        self.mode = "cuda" if self.cuda else ("copy" if self.copies else "cpu")
         self._h2d_copies: list[tuple[int, Copy]] = []
         self._registered: list[int] = []  # host addresses page-locked by register()
         self._pinned: list[torch.Tensor] | None = None
         if self.cuda:
             self._d2h = torch.cuda.Stream(device=self.device)
             self._h2d = torch.cuda.Stream(device=self.device)
+
+    @property
+    def mode(self) -> str:
+        """``cpu`` (pass-through), ``cuda`` (streams) or ``copy`` (synchronous CPU copies)."""
+        return "cuda" if self.cuda else ("copy" if self.copies else "cpu")
 
     @property
     def pinned(self) -> list[torch.Tensor]:
@@ -188,15 +191,16 @@ class HostStaging:
                     lib.cudaGetLastError()  # clear it: torch's next check would raise it
 
     # -- the copies ---------------------------------------------------------------------
-    def _start(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor, *, after_current: bool) -> Copy:
+    def _start(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor) -> Copy:
+        """Copy ``src`` into ``dst`` on the named stream, ordered after the work queued so
+        far on the current stream (synchronously off a GPU)."""
         if not self.cuda:
             start = time.perf_counter()
             with torch.no_grad():
                 dst.copy_(src)
             return Copy(time.perf_counter() - start)
         stream = self._d2h if stream_name == "d2h" else self._h2d
-        if after_current:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream), torch.no_grad():
@@ -220,7 +224,7 @@ class HostStaging:
         if not self.copies:
             return grad, None
         host = self.pinned[i] if dst is None else dst
-        return host, self._start("d2h", host, grad, after_current=True)
+        return host, self._start("d2h", host, grad)
 
     def host_ready(self, handle: Copy | None) -> float:
         """Wait until the copy of :meth:`to_host` has landed in host memory (from any
@@ -250,17 +254,34 @@ class HostStaging:
             if param.grad is None:
                 param.grad = torch.empty_like(param)
             target = param.grad
-        self._h2d_copies.append((i, self._start("h2d", target, host_src, after_current=True)))
+        self._h2d_copies.append((i, self._start("h2d", target, host_src)))
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
         """Start a copy of device tensor ``src`` into host tensor ``dst`` (after the work
         queued so far on the current stream); wait for the :class:`Copy` before reading."""
-        return self._start("d2h", dst, src, after_current=True)
+        return self._start("d2h", dst, src)
 
-    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
-        """Start a copy of host tensor ``src`` into device tensor ``dst``; :meth:`join`
-        (or the :class:`Copy`) orders later work after it."""
-        return self._start("h2d", dst, src, after_current=True)
+    # -- every layer at once (the strategies that exchange at one point of the step) ------
+    def to_host_all(self, host_views: list[torch.Tensor], *, grads: bool) -> float:
+        """Copy every parameter's gradient (or, ``grads=False``, its weights) into its host
+        view and wait for the copies; a missing gradient (a parameter backward did not
+        reach) becomes zeros. Returns the copies' seconds (``copy_to_host``)."""
+        copies = []
+        for i, p in enumerate(self.layout.params):
+            src = p.grad if grads else p.data
+            if src is None:
+                host_views[i].zero_()
+            else:
+                copies.append(self.to_host(i, src, dst=host_views[i])[1])
+        return sum(copy.wait() for copy in copies)
+
+    def to_device_all(self, host_views: list[torch.Tensor], *, data: bool = False) -> list[Copy]:
+        """:meth:`to_device` for every parameter from its host view, then :meth:`join`;
+        the copies, not waited for (for :meth:`shmtrain.timing.PhaseTimer.add_copies`)."""
+        for i, p in enumerate(self.layout.params):
+            self.to_device(i, p, host_views[i], data=data)
+        self.join()
+        return self.take_copies()
 
     def join(self) -> None:
         """Make the current stream wait for every copy started towards the device (a

@@ -164,11 +164,12 @@ class HSGD(SharedWeightsStrategy):
         self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
         self._broadcast = ctx.host.channel("hsgd.broadcast")
         self._decision = ctx.host.channel("hsgd.decision")
+        self.staging = self.make_staging(self.layout) if self.staged else None
         self.exchange = None
         if self.is_root:
             self.exchange = ElasticExchange(
                 self.service, self.global_weights, self.weight_increment, self.weights,
-                config.moving_rate, self.timer, ctx.timeout, self.make_staging(self.layout),
+                config.moving_rate, self.timer, ctx.timeout, self.staging,
             )
         self._exchanges = 0
         self.clear_gradients()
@@ -212,20 +213,16 @@ class HSGD(SharedWeightsStrategy):
             self.weights.copy_(self.group_weights)
 
     def after_backward(self) -> None:
-        if self.staged:
-            with self.timer.phase("copy_to_host"):
-                self.layout.gather(self.allreduce.input(self.allreduce.count + 1), grads=True)
+        if self.staging is not None:
+            inputs = self._input_views[(self.allreduce.count + 1) % 2]
+            self.timer.add("copy_to_host", self.staging.to_host_all(inputs, grads=True))
         with self.timer.phase("allreduce"):
             self.allreduce()
         results = self._result_views[self.allreduce.count % 2]
-        if not self.staged:
+        if self.staging is None:
             self.layout.bind_grads(results)
-            return
-        with self.timer.phase("copy_to_device"), torch.no_grad():
-            for p, mean in zip(self.params, results, strict=True):
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(mean)
+        else:
+            self.timer.add_copies("copy_to_device", self.staging.to_device_all(results))
 
     def after_update(self) -> None:
         super().after_update()
@@ -257,3 +254,5 @@ class HSGD(SharedWeightsStrategy):
     def close_exchange(self) -> None:
         if self.exchange is not None:
             self.exchange.close()
+        if self.staging is not None:  # the members' (the root's exchange closed it already)
+            self.staging.close()

@@ -125,22 +125,11 @@ class ParameterServerGrad(Strategy):
 
     def _to_device(self, views: list[torch.Tensor], data: bool) -> None:
         """Staged: host views into the parameters' gradients (or weights), then a stream wait."""
-        for i, p in enumerate(self.params):
-            self.staging.to_device(i, p, views[i], data=data)
-        self.staging.join()
-        self.timer.add_copies("copy_to_device", self.staging.take_copies())  # timed when the iteration closes
+        self.timer.add_copies("copy_to_device", self.staging.to_device_all(views, data=data))
 
-    def _to_host(self, out: torch.Tensor, grads: bool) -> None:
-        """Staged: the parameters' gradients (or weights) into a host flat buffer."""
-        views = self.layout.views(out)
-        copies = []
-        for i, p in enumerate(self.params):
-            src = p.grad if grads else p.data
-            if src is None:
-                views[i].zero_()
-            else:
-                copies.append(self.staging.to_host(i, src, dst=views[i])[1])
-        self.timer.add("copy_to_host", sum(c.wait() for c in copies))
+    def _to_host(self, views: list[torch.Tensor], grads: bool) -> None:
+        """Staged: the parameters' gradients (or weights) into host views."""
+        self.timer.add("copy_to_host", self.staging.to_host_all(views, grads=grads))
 
     @property
     def is_server(self) -> bool:
@@ -156,7 +145,7 @@ class ParameterServerGrad(Strategy):
     def after_backward(self) -> None:
         """Steps 3-4: the server gathers and averages the gradients (into its own)."""
         if self.staging is not None:
-            self._to_host(self.grad, grads=True)
+            self._to_host(self._grad_views, grads=True)
         self.star.gather_mean(self.grad, phase=partial(ps_phase, self.timer))
 
     def apply_update(self) -> None:
@@ -166,7 +155,7 @@ class ParameterServerGrad(Strategy):
                 self._to_device(self._grad_views, data=False)
             self.step_optimizer()
             if self.staging is not None:  # the new weights into the server buffer
-                self._to_host(self.weights, grads=False)
+                self._to_host(self._weight_views, grads=False)
 
     def after_update(self) -> None:
         """Step 6: the server's weights reach every worker."""
@@ -187,26 +176,22 @@ class ParameterServerGrad(Strategy):
         ``shm``: after every local worker has loaded; among hosts: rank 0's broadcast)."""
         super().load_state_dict(state)
         if self.staging is not None:
-            self._to_host(self.weights, grads=False)
+            self._to_host(self._weight_views, grads=False)
         self.star.set_server(self.weights)
         if self.staging is not None:
             self._to_device(self._weight_views, data=True)
 
     def finish(self) -> None:
         """Give the model private copies of its weights, so it outlives the shared buffers."""
+        own = self.weights.clone() if self.staging is None else None  # staged: the GPU holds them
         if self.staging is not None:
             self.staging.close()
-            self.star.close()
-            for p in self.params:
-                p.grad = None
-            super().finish()
-            return
-        own = self.weights.clone()
         self.star.close()
-        self.layout.bind_data(own, copy=False)
+        if own is not None:
+            self.layout.bind_data(own, copy=False)
+            self.weights = own
         for p in self.params:
             p.grad = None
         self._grad_views = []
         self.grad = torch.empty(0)
-        self.weights = own
         super().finish()

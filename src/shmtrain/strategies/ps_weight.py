@@ -85,14 +85,10 @@ class ParameterServerWeight(Strategy):
             self.layout.bind_data(self.weights, copy=False)
 
     def _to_device(self) -> None:
-        for i, p in enumerate(self.params):
-            self.staging.to_device(i, p, self._views[i], data=True)
-        self.staging.join()
-        self.timer.add_copies("copy_to_device", self.staging.take_copies())  # timed when the iteration closes
+        self.timer.add_copies("copy_to_device", self.staging.to_device_all(self._views, data=True))
 
     def _to_host(self) -> None:
-        copies = [self.staging.to_host(i, p.data, dst=self._views[i])[1] for i, p in enumerate(self.params)]
-        self.timer.add("copy_to_host", sum(c.wait() for c in copies))
+        self.timer.add("copy_to_host", self.staging.to_host_all(self._views, grads=False))
 
     def after_update(self) -> None:
         """After this worker's own step ``w_i - eta g_i``: average every K iterations."""
@@ -132,12 +128,11 @@ class ParameterServerWeight(Strategy):
             if self.iteration % self.config.average_interval:
                 self.average()
         finally:
+            own = self.weights.clone() if self.staging is None else None  # staged: the GPU holds them
             if self.staging is not None:
                 self.staging.close()
-                self.star.close()
-            else:
-                own = self.weights.clone()
-                self.star.close()
+            self.star.close()
+            if own is not None:
                 self.layout.bind_data(own, copy=False)
                 self.weights = own
             Strategy.finish(self)

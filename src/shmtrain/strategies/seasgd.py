@@ -58,9 +58,9 @@ class ElasticExchange:
         timer: receives ``wait``, ``rgw``, ``ulw`` (main thread) and ``wwi``, ``ugw``
             (update thread; added when the main thread next picks the update up).
         timeout: seconds the main thread waits for the update thread.
-        staging: on a GPU (or in ``copy`` mode): the difference leaves the device through
-            it, and the update thread works on a host copy (None: it shares ``weights``'
-            memory).
+        staging: staged (a GPU, or ``copy`` mode): the difference leaves the device through
+            it, and the update thread works on a host copy; None: it shares ``weights``'
+            memory.
     """
 
     def __init__(
@@ -83,7 +83,7 @@ class ElasticExchange:
         self.timeout = timeout
         self.global_copy = torch.empty_like(weights)
         self.weight_increment = torch.zeros_like(weights)
-        self.staging = staging if staging is not None and staging.copies else None
+        self.staging = staging
         #: what the update thread scales and writes: the difference itself, or its host copy
         self.host_increment = (staging.host_buffer(weights.numel(), weights.dtype)
                                if self.staging is not None else self.weight_increment)
@@ -207,7 +207,8 @@ class SEASGD(SharedWeightsStrategy):
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.exchange = ElasticExchange(
             self.service, self.global_weights, self.weight_increment, self.weights,
-            config.moving_rate, self.timer, ctx.timeout, self.make_staging(self.layout),
+            config.moving_rate, self.timer, ctx.timeout,
+            self.make_staging(self.layout) if self.staged else None,
         )
 
     def start_iteration(self) -> None:

@@ -89,11 +89,8 @@ class SlotGradients:
         timer.add("copy_to_host", copy_s)
         with timer.phase("comm"):
             self.allreduce()
-        results = self._result_views[self.allreduce.count % 2]
-        for i, p in enumerate(self.layout.params):
-            staging.to_device(i, p, results[i])
-        staging.join()  # the optimizer's stream waits for the copies back
-        timer.add_copies("copy_to_device", staging.take_copies())  # timed when the iteration closes
+        # the optimizer's stream waits for the copies back; they are timed when the iteration closes
+        timer.add_copies("copy_to_device", staging.to_device_all(self._result_views[self.allreduce.count % 2]))
         timer.add("comm", waited)
 
     def after_update(self) -> None:
@@ -128,9 +125,10 @@ class CastSlotGradients(SlotGradients):
 
     def after_backward(self) -> None:
         with self.timer.phase("comm"):
-            # on a GPU the cast runs there, so the copy to host moves the narrow bytes
-            narrow = self._flat.to(self.allreduce.input(0).dtype)
-            self.allreduce.input(self.allreduce.count + 1).copy_(narrow)
+            slot = self.allreduce.input(self.allreduce.count + 1)
+            # on a GPU the cast runs there, so the copy to host moves the narrow bytes; on
+            # the CPU the copy casts in its one pass
+            slot.copy_(self._flat if self._flat.device.type == "cpu" else self._flat.to(slot.dtype))
             self.allreduce()
             self._flat.copy_(self.allreduce.result(self.allreduce.count))
 

@@ -139,11 +139,9 @@ class OverlapSSGD(Strategy):
         self._launch_ready()
         self.reducer.wait(self._step)
         if self.staging is not None:
-            for i, p in enumerate(self.order):
-                self.staging.to_device(i, p, self._results[i])
-            self.staging.join()  # the optimizer's stream waits for the copies back
+            # the optimizer's stream waits for the copies back (timed when the iteration closes)
+            self.timer.add_copies("copy_to_device", self.staging.to_device_all(self._results))
             self.timer.add("copy_to_host", self._copy_s)
-            self.timer.add_copies("copy_to_device", self.staging.take_copies())  # timed when the iteration closes
             self._copy_s = 0.0
         else:
             self.layout.bind_grads(self._results)
