@@ -202,10 +202,10 @@ def bench_device(value: str, cpu_modes: list[str], cuda_modes: list[str],
                  given: list[str] | None) -> tuple[str, list[str]]:
     """A benchmark's ``--device`` (checked, ``auto`` resolved) and its modes: ``given``, or
     the defaults of the device. The DDP modes run gloo on host tensors: refused on a GPU."""
-    from shmtrain.runtime.device import resolve_device
+    from shmtrain.runtime.device import cuda_count, resolve_device
 
     resolve_device(value)
-    cuda = value != "cpu" and (value != "auto" or torch.cuda.is_available())
+    cuda = value != "cpu" and (value != "auto" or cuda_count() > 0)
     modes = given or (cuda_modes if cuda else cpu_modes)
     if cuda and set(modes) & set(DDP_MODES):
         raise ValueError(f"--modes {' '.join(sorted(set(modes) & set(DDP_MODES)))} with --device {value}: "

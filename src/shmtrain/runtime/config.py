@@ -38,7 +38,7 @@ else:  # pragma: no cover
 
 from shmtrain import strategies
 from shmtrain.models import model_names
-from shmtrain.runtime.device import resolve_device
+from shmtrain.runtime.device import cuda_count, resolve_device
 from shmtrain.strategies.base import StrategyConfig, build_config
 
 #: section key (``metadata["section"]``) -> title of its argument group in ``--help``
@@ -291,7 +291,7 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
             raise ValueError(f"--device {self.device} with {cpu_only[0]}: it runs on the CPU only "
                              "(docs/gpu.md); use --device cpu, or drop it")
         nccl = getattr(self.strategy_config, "allreduce", "") == "nccl"
-        if nccl and self.device in ("cpu", "auto") and not (self.device == "auto" and _cuda_present()):
+        if nccl and self.device in ("cpu", "auto") and not (self.device == "auto" and cuda_count()):
             found = "--device is cpu" if self.device == "cpu" else "--device auto found no GPU here"
             raise ValueError(f"--allreduce nccl reduces GPU tensors, but {found}; use --device "
                              "cuda (one GPU per worker), or another --allreduce (shm stages GPU gradients "
@@ -301,12 +301,6 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
         """Flat: every common key and the strategy's options (the keys of ``config.toml``);
         ``resolve(config.to_dict()) == config``."""
         return {**{k: getattr(self, k) for k in COMMON_KEYS}, **dataclasses.asdict(self.strategy_config)}
-
-
-def _cuda_present() -> bool:
-    import torch  # already imported by the strategies; asked only for --allreduce nccl
-
-    return torch.cuda.is_available()
 
 
 def train_fields() -> list[dataclasses.Field]:

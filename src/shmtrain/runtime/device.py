@@ -16,7 +16,8 @@ import torch
 DEVICES = ("cpu", "cuda", "auto")
 
 
-def _cuda_count() -> int:
+def cuda_count() -> int:
+    """The CUDA devices this process sees (0 without a GPU or a driver)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -29,7 +30,7 @@ def resolve_device(value: str) -> str:
         index = value.partition(":")[2]
         if index and not index.isdigit():
             raise ValueError(f"--device {value!r}: the GPU index must be a number, e.g. --device cuda:0")
-        found = _cuda_count()
+        found = cuda_count()
         if not found:
             raise ValueError(f"--device {value!r}: this machine has no CUDA device (torch "
                              f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); use "
@@ -45,9 +46,9 @@ def resolve_device(value: str) -> str:
 def worker_device(value: str, local_rank: int) -> torch.device:
     """The device of the worker of ``local_rank`` for ``--device value`` (worker side;
     makes a GPU the worker's current device)."""
-    if value == "cpu" or (value == "auto" and not _cuda_count()):
+    if value == "cpu" or (value == "auto" and not cuda_count()):
         return torch.device("cpu")
-    count = _cuda_count()
+    count = cuda_count()
     if not count:
         raise ValueError(f"--device {value!r}: this worker sees no CUDA device; use --device cpu")
     index = value.partition(":")[2]
