@@ -14,7 +14,7 @@ from reference import batches, flat_params, relative_error, tiny_model, worker_b
 from shmtrain.api import DataParallel
 from shmtrain.runtime.launcher import launch
 from shmtrain.strategies.ssgd import SSGD
-from shmtrain.strategies.ssgd_sharded import check_optimizer
+from shmtrain.strategies.ssgd.sharded import check_optimizer
 
 STEPS, BATCH = 8, 8
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}

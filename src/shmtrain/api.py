@@ -23,7 +23,7 @@ from shmtrain.fabric import context as fabric_context
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.transports import Transports
 from shmtrain.memory import keep_freed_memory
-from shmtrain.strategies.base import StrategyConfig
+from shmtrain.strategies.base import StrategyConfig, plan
 from shmtrain.strategies.base import build_config as make_config
 from shmtrain.timing import PhaseTimer
 
@@ -64,26 +64,22 @@ class DataParallel(nn.Module):
             module.to(device)  # in place: the optimizer keeps the same Parameter objects
         self.module = module
         self.optimizer = optimizer
-        cls = strategies.get(strategy)
+        strategies.get(strategy)  # an unknown name fails before the job is joined
         if config is None:
             config = make_config(strategy, options)
         elif options:
             raise ValueError(f"give the options of --strategy {strategy} either as config= or "
                              f"as keywords, not both ({', '.join(sorted(options))})")
-        elif not isinstance(config, cls.Config):
-            raise ValueError(f"config is a {type(config).__qualname__}, but --strategy {strategy} "
-                             f"takes a {cls.Config.__qualname__}")
         self._own_ctx = ctx is None
         self.ctx = ctx if ctx is not None else fabric_context.from_env()
         self.timer = timer or PhaseTimer()
-        if cls.world == "one" and self.ctx.world_size != 1:
-            raise ValueError(
-                f"--strategy {strategy} runs in one process, but the job has "
-                f"{self.ctx.world_size}; use --workers 1 or another strategy"
-            )
-        self.strategy = cls.implementation(config)(
-            config, self.ctx, module, optimizer, self.timer, transports=transports
-        )
+        try:
+            impl = plan(strategy, config, self.ctx.world_size, self.ctx.num_nodes)
+        except ValueError:
+            if self._own_ctx:
+                self.ctx.close()
+            raise
+        self.strategy = impl(config, self.ctx, module, optimizer, self.timer, transports=transports)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_forward()

@@ -6,7 +6,7 @@ of at most ``bucket_cap_mb`` (25 MiB; the first bucket 1 MiB so communication st
 early); an autograd hook marks each gradient ready, and when a bucket is complete its
 allreduce is launched asynchronously, buckets strictly in order so every rank issues
 the same sequence. This module is that machinery's communication half over the host's
-shared memory (the hooks live in :mod:`shmtrain.strategies.ssgd_overlap`).
+shared memory (the hooks live in :mod:`shmtrain.strategies.ssgd.overlap`).
 
 Each worker writes a bucket's gradients into its own slot (one flat slot per worker)
 and the reduced buckets go to one shared result. One set of each is enough, unlike

@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,9 @@ from shmtrain.fabric.segment import SharedSegment, align
 from shmtrain.fabric.stitch import PAGE
 
 #: the values of ``--ps-transport``
-TRANSPORTS = ("shm", "gloo")
+#: the values of ``--ps-transport``
+StarTransport = Literal["shm", "gloo"]
+TRANSPORTS: tuple[str, ...] = get_args(StarTransport)
 #: elements per block of the average: one block of every input stays in cache while summed
 AVERAGE_BLOCK = 1 << 16
 

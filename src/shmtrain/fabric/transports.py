@@ -7,9 +7,10 @@ or the parameter-server star exchange. Tests and other deployments pass their ow
 remote buffer service, an in-process fake): hivemind passes ``p2p`` into its
 ``AllReduceRunner`` and torchft the process group into its ``Manager`` the same way.
 
-Each factory names the transports it knows; :data:`ONE_HOST` says which of them keep a
-job on one host, so a strategy's ``hosts_reason`` follows from the transport its
-configuration chooses.
+Each factory names the transports it knows and refuses others by name. Every transport
+here spans hosts (inside a host through shared memory, between hosts through gloo or a
+memory server), so no strategy is held to one host by its transport today; a strategy
+whose transport were one host's would say so in ``hosts_reason``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,6 @@ import torch.distributed as dist
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.smb import BufferService, LocalBufferService
 from shmtrain.fabric.smb_remote import RemoteBufferService, read_secret
-
-#: transports whose data plane is one host's shared memory, with the reason
-ONE_HOST: dict[str, str] = {
-    "smb:local": "the local buffer service lives in one host's shared memory; start a memory "
-    "server (`shmtrain smb-server --clients N`) and pass --smb-server HOST:PORT to span hosts",
-}
-
 
 #: the buffer services :func:`open_buffer_service` knows
 BUFFER_SERVICES = ("local", "remote")

@@ -39,7 +39,8 @@ else:  # pragma: no cover
 from shmtrain import strategies
 from shmtrain.models import model_names
 from shmtrain.runtime.device import cuda_count, resolve_device
-from shmtrain.strategies.base import StrategyConfig, build_config
+from shmtrain.runtime.schedule import Schedule
+from shmtrain.strategies.base import StrategyConfig, build_config, plan
 
 #: section key (``metadata["section"]``) -> title of its argument group in ``--help``
 SECTIONS: dict[str, str] = {"job": "job", "data": "model and data", "optim": "optimisation (SGD)",
@@ -168,7 +169,7 @@ class OptimOptions:
         "float32 (docs/gpu.md)", "optim")
     momentum: float = option(0.9, "SGD momentum", "optim")
     weight_decay: float = option(1e-4, "L2 weight decay", "optim")
-    lr_schedule: Literal["constant", "step", "cosine"] = option(
+    lr_schedule: Schedule = option(
         "constant", "learning-rate schedule, stepped every iteration: constant; step (times "
         "--lr-gamma every --lr-step-every iterations); cosine (down to --lr-min at the last planned "
         "iteration)", "optim")
@@ -274,28 +275,25 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
         config_hints = _hints(cls.Config)
         for f in dataclasses.fields(cls.Config):
             _check_flag_value(f, config_hints[f.name], getattr(self.strategy_config, f.name))
-        if cls.world == "one" and self.workers != 1:
-            raise ValueError(
-                f"--workers {self.workers}: --strategy {self.strategy} runs in one process; "
-                "use --workers 1, or --strategy ssgd for several workers"
-            )
-        cls.check_world(self.strategy_config, self.workers)
+        impl = plan(self.strategy, self.strategy_config, self.workers)
         if self.amp == "fp16":  # the strategy's update must go through a GradScaler
-            cls.implementation(self.strategy_config).check_fp16(self.strategy_config)
-        cpu_only = [flag for flag, on in (
-            (f"--sub-batch {self.sub_batch}", self.sub_batch != 1),
-            ("--sharded-update", getattr(self.strategy_config, "sharded_update", False))) if on]
+            impl.check_fp16(self.strategy_config)
+        self._place(impl, cls.chosen_by(self.strategy_config))
+
+    def _place(self, impl: type[strategies.Strategy], label: str) -> None:
+        """Settle ``--device`` against what runs where: the strategy's implementation
+        answers with its ``devices``; ``--sub-batch`` (the runtime's threads) is CPU-only."""
+        cpu_only = [f"--sub-batch {self.sub_batch}"] if self.sub_batch != 1 else []
+        if "cuda" not in impl.devices:
+            cpu_only.append(label)
         if cpu_only and self.device == "auto":  # auto: a GPU only where the options run there
             self.device = "cpu"
         elif cpu_only and self.device != "cpu":
             raise ValueError(f"--device {self.device} with {cpu_only[0]}: it runs on the CPU only "
                              "(docs/gpu.md); use --device cpu, or drop it")
-        nccl = getattr(self.strategy_config, "allreduce", "") == "nccl"
-        if nccl and self.device in ("cpu", "auto") and not (self.device == "auto" and cuda_count()):
+        if "cpu" not in impl.devices and (self.device == "cpu" or (self.device == "auto" and not cuda_count())):
             found = "--device is cpu" if self.device == "cpu" else "--device auto found no GPU here"
-            raise ValueError(f"--allreduce nccl reduces GPU tensors, but {found}; use --device "
-                             "cuda (one GPU per worker), or another --allreduce (shm stages GPU gradients "
-                             "through host memory and also runs on the CPU)")
+            raise ValueError(f"{label} {impl.device_rule}, but {found}; {impl.device_fix}")
 
     def to_dict(self) -> dict[str, Any]:
         """Flat: every common key and the strategy's options (the keys of ``config.toml``);

@@ -23,6 +23,7 @@ learning rate is the same on every rank whether or not that rank's optimizer ste
 
 from __future__ import annotations
 
+import typing
 import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 #: the values of ``--lr-schedule``
 Schedule = Literal["constant", "step", "cosine"]
-SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine")
+SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
 
 #: iterations the cosine schedule holds ``--lr-min`` after the planned ones (no end)
 HOLD_ITERATIONS = 2**31 - 1

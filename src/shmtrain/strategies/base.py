@@ -70,11 +70,20 @@ class Strategy:
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     #: why ``--amp fp16`` (a GradScaler) cannot run with this strategy; None: it can
     fp16_reason: ClassVar[str | None] = None
+    #: for a GPU-only implementation: what it does with GPUs and how to run it instead
+    device_rule: ClassVar[str] = "runs on GPUs only"
+    device_fix: ClassVar[str] = "use --device cuda"
 
     @classmethod
     def implementation(cls, config: StrategyConfig) -> type[Strategy]:
         """The class that runs ``config`` (a strategy may hand a variant to another class)."""
         return cls
+
+    @classmethod
+    def chosen_by(cls, config: StrategyConfig) -> str:
+        """The option that chose ``implementation(config)``, for messages (a variant's own
+        flag, e.g. ``--allreduce nccl``; else ``--strategy NAME``)."""
+        return f"--strategy {cls.name}"
 
     @classmethod
     def hosts_reason(cls, config: StrategyConfig) -> str | None:
@@ -269,6 +278,24 @@ def get(name: str) -> type[Strategy]:
             f"--strategy {name!r} is unknown; choose one of: {', '.join(sorted(_REGISTRY))}"
         )
     return _REGISTRY[name]
+
+
+def plan(name: str, config: StrategyConfig, workers: int, num_nodes: int = 1) -> type[Strategy]:
+    """The class that will run ``config`` of strategy ``name`` in a job of ``workers``
+    processes on ``num_nodes`` hosts, after every check the strategy answers for (its
+    world, its hosts, its options' exclusions). ``shmtrain train``'s config and
+    :class:`shmtrain.api.DataParallel` both validate through here."""
+    cls = get(name)
+    if not isinstance(config, cls.Config):
+        raise ValueError(f"the config is a {type(config).__qualname__}, but --strategy {name} "
+                         f"takes a {cls.Config.__qualname__}")
+    if cls.world == "one" and workers != 1:
+        raise ValueError(f"--workers {workers}: --strategy {name} runs in one process; "
+                         "use --workers 1, or --strategy ssgd for several workers")
+    cls.check_world(config, workers, num_nodes)
+    impl = cls.implementation(config)
+    impl.check_hosts(config, num_nodes)
+    return impl
 
 
 def config_fields(cls: type[Strategy]) -> list[dataclasses.Field]:

@@ -43,12 +43,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from shmtrain.fabric.flat import FlatLayout
-from shmtrain.fabric.star import TRANSPORTS
+from shmtrain.fabric.star import TRANSPORTS, StarTransport
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 from shmtrain.timing import PhaseTimer
 
@@ -65,7 +65,7 @@ class ParameterServerConfig(StrategyConfig):
     #: how gradients / weights reach the server: "shm" (shared-memory slots inside a host,
     #: gloo gather/broadcast among hosts) or "gloo" (torch.distributed gather/broadcast for
     #: every worker: the Caffe-MPI star of ShmCaffe Section IV-C)
-    ps_transport: Literal["shm", "gloo"] = field(default="shm", metadata={"help": (
+    ps_transport: StarTransport = field(default="shm", metadata={"help": (
         "how the parameter server gathers and broadcasts: shm (shared memory in a host, "
         "gloo among hosts) or gloo (torch.distributed gather/broadcast: the Caffe-MPI star)")})
 

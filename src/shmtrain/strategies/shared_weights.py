@@ -13,14 +13,14 @@ reads and writes copy between it and the host buffers (W_g, dW_x stay in host me
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.fabric.smb import STATE_TRAINING, Buffer, BufferService
 from shmtrain.strategies.base import Strategy, StrategyConfig
-from shmtrain.strategies.termination import MASTER, Termination, check_terminate
+from shmtrain.strategies.termination import MASTER, Policy, Termination, check_terminate
 
 GLOBAL_WEIGHTS = "global_weights"
 
@@ -58,7 +58,7 @@ class AsyncConfig(StrategyConfig):
         default=1, metadata={"help": "exchange with the global weights every N iterations (tau)"}
     )
     #: termination alignment: master, first or average (ShmCaffe Section III-E)
-    terminate: Literal["master", "first", "average"] = field(
+    terminate: Policy = field(
         default="average",
         metadata={"help": "when asynchronous workers stop: master, first or average (ShmCaffe III-E)"},
     )
@@ -128,12 +128,6 @@ class SharedWeightsStrategy(Strategy):
     #: the launcher records a worker's death without ending the survivors
     tolerates_peer_loss: ClassVar[bool] = True
     tolerates_host_loss: ClassVar[bool] = True
-
-    @classmethod
-    def hosts_reason(cls, config: StrategyConfig) -> str | None:
-        """None: across hosts the global weights live on a memory server (``--smb-server``,
-        or one that global rank 0 starts for the job)."""
-        return None
 
     #: whether this worker writes increments into the global weights
     updates_global: bool = True

@@ -24,10 +24,13 @@ up for it. Deciding never blocks: no worker waits for a peer that has stopped.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
 
-POLICIES = ("master", "first", "average")
+#: ShmCaffe Section III-E's termination policies (``--terminate``)
+Policy = Literal["master", "first", "average"]
+POLICIES: tuple[str, ...] = get_args(Policy)
 MASTER = 0
 
 

@@ -12,6 +12,7 @@ algorithms reduce in place, so ``result(s)`` is ``input(s)``.
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import torch
@@ -23,7 +24,9 @@ from shmtrain.fabric.collectives.schedule import Topology, plan_for
 from shmtrain.fabric.collectives.transport import Transport
 
 #: every value of ``--allreduce``
-CHOICES = ("shm", "gloo", *ALGORITHMS, "auto")
+AllreduceChoice = Literal["shm", "gloo", "ring", "rhd", "tree", "topo", "hierarchical", "auto"]
+CHOICES: tuple[str, ...] = typing.get_args(AllreduceChoice)
+assert set(CHOICES) == {"shm", "gloo", "auto", *ALGORITHMS}, "AllreduceChoice must name every algorithm"
 
 Op = Literal["mean", "sum"]
 

@@ -50,14 +50,24 @@ class NcclSSGD(Strategy):
     with ``allreduce="nccl"`` to it, see ``SSGD.implementation``)."""
 
     name = "ssgd"
+    devices = frozenset({"cuda"})
+    allreduces = ("nccl",)
+    device_rule = "reduces GPU tensors"
+    device_fix = ("use --device cuda (one GPU per worker), or another --allreduce (shm stages GPU "
+                  "gradients through host memory and also runs on the CPU)")
+    variant_reason = "the NCCL baseline is one allreduce of the float32 gradients after backward, as DDP's"
+
+    @classmethod
+    def check_device(cls, params: list[torch.Tensor]) -> None:
+        found = sorted({p.device.type for p in params} - cls.devices)
+        if found:
+            raise ValueError(
+                f"--allreduce nccl reduces GPU tensors, but the model is on {found[0]}; use "
+                "--device cuda, or another --allreduce (shm, the default, runs on the CPU and "
+                "stages GPU gradients through host memory)")
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
-        if self.device.type != "cuda":
-            raise ValueError(
-                f"--allreduce nccl reduces GPU tensors, but the model is on {self.device}; use "
-                "--device cuda, or another --allreduce (shm, the default, runs on the CPU and "
-                "stages GPU gradients through host memory)")
         identities: list[str] = [""] * ctx.world_size
         dist.all_gather_object(identities, gpu_identity(self.device))
         check_distinct_gpus(identities)

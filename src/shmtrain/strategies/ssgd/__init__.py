@@ -9,26 +9,28 @@ The allreduce comes from the strategy's transports (``--allreduce``: ``shm`` by 
 With ``shm``, gradients go straight into this worker's slot of the shared-memory
 allreduce (``param.grad`` are views of it); after the reduction ``param.grad`` are
 re-pointed at the shared result, which the optimizer reads in place. ``--overlap`` is
-run by :class:`shmtrain.strategies.ssgd_overlap.OverlapSSGD` (``implementation``),
+run by :class:`shmtrain.strategies.ssgd.overlap.OverlapSSGD` (``implementation``),
 ``--sharded-update`` (ZeRO-1 inside a host, issue 16 item 4) by
-:class:`shmtrain.strategies.ssgd_sharded.ShardedSSGD`.
+:class:`shmtrain.strategies.ssgd.sharded.ShardedSSGD`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
+from shmtrain.fabric.collectives.reducers import AllreduceChoice
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
-from shmtrain.strategies.slots import CastSlotGradients, SlotGradients
-from shmtrain.strategies.ssgd_nccl import NcclSSGD
-from shmtrain.strategies.ssgd_overlap import OverlapSSGD
-from shmtrain.strategies.ssgd_sharded import ShardedSSGD
+from shmtrain.strategies.ssgd.nccl import NcclSSGD
+from shmtrain.strategies.ssgd.overlap import OverlapSSGD
+from shmtrain.strategies.ssgd.sharded import ShardedSSGD
+from shmtrain.strategies.ssgd.slots import CastSlotGradients, SlotGradients
 
-AllreduceName = Literal["shm", "gloo", "ring", "rhd", "tree", "topo", "hierarchical", "auto", "nccl"]
+#: ``--allreduce``: the collectives' choices, and NCCL (the GPU baseline, :mod:`.nccl`)
+AllreduceName = Literal[AllreduceChoice, "nccl"]
 
 
 @register
@@ -38,20 +40,23 @@ class SSGD(SlotGradients, Strategy):
     name = "ssgd"
     #: the allreduce's dtype when it is not the parameters' (CastSSGD)
     comm_dtype: torch.dtype | None = None
+    #: a variant's ``--allreduce`` values (None: any) and why it stands alone
+    allreduces: ClassVar[tuple[str, ...] | None] = None
+    variant_reason: ClassVar[str] = ""
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
         #: allreduce algorithm: "shm" (shared memory in a host, gloo among hosts) or one of
         #: shmtrain.fabric.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto), or
-        #: "nccl" on GPUs, one per worker (the DDP baseline: shmtrain.strategies.ssgd_nccl)
+        #: "nccl" on GPUs, one per worker (the DDP baseline: shmtrain.strategies.ssgd.nccl)
         allreduce: AllreduceName = "shm"
         #: start the allreduce bucket by bucket from gradient hooks during backward, the
-        #: DDP way (implemented in shmtrain.strategies.ssgd_overlap; docs/overlap.md)
+        #: DDP way (implemented in shmtrain.strategies.ssgd.overlap; docs/overlap.md)
         overlap: bool = False
         #: bucket size cap in MiB for --overlap (the first bucket is at most 1 MiB)
         bucket_mb: float = 25.0
         #: ZeRO-1 inside a host: weights in shared memory, each local rank updates its chunk
-        #: with momentum for that chunk only (shmtrain.strategies.ssgd_sharded; docs/overlap.md)
+        #: with momentum for that chunk only (shmtrain.strategies.ssgd.sharded; docs/overlap.md)
         sharded_update: bool = field(default=False, metadata={
             "help": "ZeRO-1 inside a host: weights in shared memory, each local rank runs SGD "
                     "on its chunk with momentum for that chunk only (docs/overlap.md)"})
@@ -64,49 +69,55 @@ class SSGD(SlotGradients, Strategy):
         def __post_init__(self) -> None:
             from shmtrain.fabric.collectives.reducers import check_name
 
-            if self.allreduce == "nccl":
-                others = [flag for flag, on in (("--overlap", self.overlap), ("--sharded-update", self.sharded_update),
-                                                (f"--comm-dtype {self.comm_dtype}", self.comm_dtype != "fp32")) if on]
-                if others:
-                    raise ValueError(
-                        f"--allreduce nccl with {others[0]}: the NCCL baseline is one allreduce of "
-                        f"the float32 gradients after backward, as DDP's; drop {others[0]} or use "
-                        "--allreduce shm")
-            else:
+            if self.allreduce != "nccl":
                 check_name(self.allreduce)
             if not self.bucket_mb > 0:
                 raise ValueError(
                     f"--bucket-mb {self.bucket_mb}: the bucket size must be positive; "
                     "use e.g. --bucket-mb 25 (PyTorch DDP's default)"
                 )
-            if self.overlap and self.allreduce not in ("shm", "gloo"):
-                raise ValueError(
-                    f"--allreduce {self.allreduce!r} with --overlap: overlapped buckets go "
-                    "through shared memory or gloo only; use --allreduce shm or gloo, or drop --overlap"
-                )
-            if self.sharded_update and (self.overlap or self.allreduce != "shm"):
-                chosen = "--overlap" if self.overlap else f"--allreduce {self.allreduce!r}"
-                raise ValueError(
-                    f"--sharded-update with {chosen}: the sharded update follows the "
-                    "shared-memory allreduce (each rank updates the chunk it reduced); use "
-                    "--allreduce shm without --overlap, or drop --sharded-update"
-                )
+            SSGD.implementation(self)  # at most one variant, on an allreduce it runs on
 
-            if self.comm_dtype != "fp32" and (self.overlap or self.sharded_update):
-                chosen = "--overlap" if self.overlap else "--sharded-update"
-                raise ValueError(
-                    f"--comm-dtype {self.comm_dtype} with {chosen}: the narrower allreduce is built "
-                    f"for plain ssgd only; drop {chosen}, or use --comm-dtype fp32")
+    @classmethod
+    def variants(cls, config: StrategyConfig) -> list[tuple[str, type[Strategy]]]:
+        """The variants ``config`` chooses, as (option, class), in the order their
+        conflicts are reported: each variant is a class of its own with its own
+        ``devices``, ``fp16_reason``, ``allreduces`` and ``variant_reason``."""
+        chosen: list[tuple[str, type[Strategy]]] = []
+        if getattr(config, "allreduce", "") == "nccl":
+            chosen.append(("--allreduce nccl", NcclSSGD))
+        if getattr(config, "comm_dtype", "fp32") != "fp32":
+            chosen.append((f"--comm-dtype {config.comm_dtype}", CastSSGD))
+        if getattr(config, "sharded_update", False):
+            chosen.append(("--sharded-update", ShardedSSGD))
+        if getattr(config, "overlap", False):
+            chosen.append(("--overlap", OverlapSSGD))
+        return chosen
+
+    @classmethod
+    def chosen_by(cls, config: StrategyConfig) -> str:
+        chosen = cls.variants(config)
+        return chosen[0][0] if chosen else f"--strategy {cls.name}"
 
     @classmethod
     def implementation(cls, config: StrategyConfig) -> type[Strategy]:
-        if getattr(config, "allreduce", "") == "nccl":
-            return NcclSSGD
-        if getattr(config, "sharded_update", False):
-            return ShardedSSGD
-        if getattr(config, "comm_dtype", "fp32") == "bf16":
-            return CastSSGD
-        return OverlapSSGD if getattr(config, "overlap", False) else cls
+        """The class of the one variant ``config`` chooses (plain :class:`SSGD` for none);
+        ValueError naming both options when it chooses two, or an ``--allreduce`` the
+        variant cannot run on."""
+        chosen = cls.variants(config)
+        if len(chosen) > 1:
+            (first, variant), (second, _) = chosen[:2]
+            raise ValueError(f"{first} with {second}: {variant.variant_reason}; drop {second}, "
+                             f"or drop {first}")
+        if not chosen:
+            return cls
+        flag, variant = chosen[0]
+        allreduce = getattr(config, "allreduce", "shm")
+        if variant.allreduces is not None and allreduce not in variant.allreduces:
+            choices = " or ".join(variant.allreduces)
+            raise ValueError(f"{flag} with --allreduce {allreduce!r}: {variant.variant_reason}; "
+                             f"use --allreduce {choices}, or drop {flag}")
+        return variant
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
@@ -122,3 +133,4 @@ class CastSSGD(CastSlotGradients, SSGD):
     """``ssgd --comm-dtype bf16``: the gradients averaged in bfloat16 (issue 14 item 4)."""
 
     comm_dtype = torch.bfloat16
+    variant_reason = "the narrower allreduce is built for plain ssgd only"

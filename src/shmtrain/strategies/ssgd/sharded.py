@@ -29,7 +29,7 @@ from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.fabric.segment import align
 from shmtrain.fabric.stitch import PAGE
 from shmtrain.strategies.base import Strategy
-from shmtrain.strategies.slots import SlotGradients
+from shmtrain.strategies.ssgd.slots import SlotGradients
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -55,14 +55,21 @@ class ShardedSSGD(SlotGradients, Strategy):
     name = "ssgd"
     fp16_reason = "the sharded update runs SGD's formulas on chunks of host memory, not the optimizer a GradScaler steps"
     devices = frozenset({"cpu"})
+    allreduces = ("shm",)
+    variant_reason = ("the sharded update follows the shared-memory allreduce (each rank updates "
+                      "the chunk it reduced)")
+
+    @classmethod
+    def check_device(cls, params: list[torch.Tensor]) -> None:
+        found = sorted({p.device.type for p in params} - cls.devices)
+        if found:
+            raise ValueError(
+                f"--sharded-update keeps the host's one copy of the weights in shared memory and "
+                f"updates it on the CPU, but the model is on {found[0]}; drop --sharded-update "
+                "(plain ssgd stages its gradients through host memory) or use --device cpu")
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
-        if self.staged:
-            raise ValueError(
-                f"--sharded-update keeps the host's one copy of the weights in shared memory and "
-                f"updates it on the CPU, but the model is on {self.device}; drop --sharded-update "
-                "(plain ssgd stages its gradients through host memory) or use --device cpu")
         check_optimizer(optimizer)
         self.layout = layout = FlatLayout(self.params)
         broadcast_parameters(layout)

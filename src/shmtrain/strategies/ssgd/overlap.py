@@ -42,6 +42,8 @@ class OverlapSSGD(Strategy):
     ``ssgd`` hands a config with ``overlap`` to it, see ``SSGD.implementation``)."""
 
     name = "ssgd"
+    allreduces = ("shm", "gloo")
+    variant_reason = "overlapped buckets go through shared memory or gloo only"
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
