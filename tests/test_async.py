@@ -16,7 +16,7 @@ from reference import batches, flat_params, relative_error, tiny_model, worker_b
 from shmtrain.api import DataParallel, make_config
 from shmtrain.fabric.smb import STATE_TRAINING, LocalBufferService
 from shmtrain.runtime.launcher import WorkerFailed, launch
-from shmtrain.strategies.seasgd import check_eq8
+from shmtrain.strategies.eq8 import check_eq8
 
 STEPS, BATCH, LR, ALPHA = 12, 8, 0.1, 0.5
 

@@ -141,7 +141,7 @@ def add_bench_smb_parser(bench: argparse._SubParsersAction) -> None:
 def eq8_rows(out: Path, skip: int = 2) -> list[dict[str, Any]]:
     """check_eq8 per rank of a finished run folder."""
     from shmtrain.runtime.report import read_metrics
-    from shmtrain.strategies.seasgd import check_eq8
+    from shmtrain.strategies.eq8 import check_eq8
 
     return [{"rank": rank, **check_eq8(rows, skip=skip)} for rank, rows in sorted(read_metrics(out).items())]
 

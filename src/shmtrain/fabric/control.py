@@ -301,6 +301,21 @@ class ControlBlock:
         line (a block not bound to a rank, e.g. the launcher's, always wakes on post)."""
         self._me = rank
 
+    def check_peers(self, me: int, what: str) -> None:
+        """Raise :class:`PeerFailure` if a worker of this host has failed (the first
+        recorded failure) or died (recorded here first, so every other waiter names the
+        root cause); ``me`` is not checked. For loops that wait on something other than a
+        sequence word (e.g. the critical counters of ``cpu_acc``)."""
+        failed = self.aborted()
+        if failed is not None:
+            who, code = failed
+            raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) failed (code {code}) during {what}",
+                              peer=who)
+        for peer in range(self.local_world):
+            if peer != me and not _alive(self.pid(peer)):
+                self.abort(peer, DIED)
+                raise PeerFailure(f"local rank {peer} (pid {self.pid(peer)}) died during {what}", peer=peer)
+
     def _check(self, rank: int, what: str) -> None:
         failed = self.aborted()
         if failed is not None:

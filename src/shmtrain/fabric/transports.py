@@ -15,16 +15,59 @@ whose transport were one host's would say so in ``hosts_reason``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.segment import SharedSegment
 from shmtrain.fabric.smb import BufferService, LocalBufferService
 from shmtrain.fabric.smb_remote import RemoteBufferService, read_secret
+
+if TYPE_CHECKING:
+    from shmtrain.fabric.accumulator import SharedAccumulator
+    from shmtrain.fabric.group_host import GroupHost
+    from shmtrain.fabric.host_combiner import HostCombiner
+    from shmtrain.fabric.nccl_group import NcclGroup
+    from shmtrain.fabric.tree_window import TreeWindow
+
+
+class Allreduce(Protocol):
+    """What every ``--allreduce`` gives a strategy: two alternating input slots and
+    results by step parity, a call that reduces the current input, and a step count."""
+
+    count: int
+
+    def input(self, step: int | None = None) -> torch.Tensor: ...
+    def result(self, step: int | None = None) -> torch.Tensor: ...
+    def __call__(self) -> torch.Tensor: ...
+    def close(self) -> None: ...
+
+
+class BucketReducer(Protocol):
+    """A flat allreduce launched bucket by bucket from gradient hooks (``--overlap``)."""
+
+    def input(self) -> torch.Tensor: ...
+    def result(self) -> torch.Tensor: ...
+    def launch(self, bucket: int, step: int) -> None: ...
+    def progress(self, block: bool = False) -> None: ...
+    def wait(self, step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class StarExchange(Protocol):
+    """The parameter server's gather of the workers' vectors and broadcast of its own."""
+
+    def is_server(self) -> bool: ...
+    def gather_mean(self, into: torch.Tensor, phase=...) -> None: ...
+    def broadcast(self) -> None: ...
+    def mean_to_all(self, phase=...) -> None: ...
+    def set_server(self, values: torch.Tensor) -> None: ...
+    def close(self) -> None: ...
+
 
 #: the buffer services :func:`open_buffer_service` knows
 BUFFER_SERVICES = ("local", "remote")
@@ -64,7 +107,7 @@ class Transports:
         op: Literal["mean", "sum"] = "mean",
         *,
         tag: str = "grads",
-    ):
+    ) -> Allreduce:
         """The allreduce ``name`` (a value of ``--allreduce``) with ShmAllreduce's interface:
         ``input(step)``, ``__call__()``, ``result(step)``, ``count``, ``close()``."""
         from shmtrain.fabric.collectives.factory import build_allreduce
@@ -79,7 +122,7 @@ class Transports:
         op: Literal["mean", "sum"] = "mean",
         *,
         tag: str = "group",
-    ):
+    ) -> Allreduce:
         """The shared-memory allreduce among a group of one host's workers (``group``: a
         :class:`HostGroup` or a sub-group with its interface, e.g. HSGD's groups)."""
         from shmtrain.fabric.shm_allreduce import ShmAllreduce
@@ -95,7 +138,7 @@ class Transports:
         op: Literal["mean", "sum"] = "mean",
         *,
         tag: str = "buckets",
-    ):
+    ) -> BucketReducer:
         """A bucketed allreduce started from gradient hooks: ``shm`` (shared memory in a
         host, gloo between hosts) or ``gloo`` (DDP's transport), one interface."""
         from shmtrain.fabric.bucket_allreduce import BucketAllreduce, GlooBucketAllreduce
@@ -108,7 +151,7 @@ class Transports:
         raise ValueError(f"--allreduce {name!r} with --overlap: overlapped buckets go through "
                          "shared memory or gloo only; use --allreduce shm or gloo, or drop --overlap")
 
-    def buffer_service(self, name: str = "local", address: str = "", secret: bytes | None = None):
+    def buffer_service(self, name: str = "local", address: str = "", secret: bytes | None = None) -> BufferService:
         """The shared buffer service (SMB-API) of this job: ``local`` is the host's shared
         memory (every worker of the host a client), ``remote`` the memory server at
         ``address`` (every worker of the job a client; ``secret``, or ``SHMTRAIN_SECRET``)."""
@@ -121,7 +164,8 @@ class Transports:
 
         return start_memory_server(self.ctx.store, self.ctx.rank, self.ctx.world_size, timeout=self.ctx.timeout)
 
-    def host_combiner(self, order: Sequence[int], tensor, done, *, ready=None, name: str = "combiner"):
+    def host_combiner(self, order: Sequence[int], tensor, done, *, ready=None,
+                      name: str = "combiner") -> HostCombiner | None:
         """The cross-host edge of a per-layer reduction (:class:`HostCombiner`): on each
         host's leader, a thread that sums ``tensor(layer, round)`` with the other hosts'
         leaders in ``order`` on a gloo group of its own; None on the other ranks and on
@@ -138,8 +182,49 @@ class Transports:
         return HostCombiner(group, order, tensor, done, ready=ready, name=f"shmtrain-{name}")
 
     def star(self, name: Literal["shm", "gloo"], tag: str, numel: int, dtype: torch.dtype,
-             init: torch.Tensor):
+             init: torch.Tensor) -> StarExchange:
         """The parameter server's gather / broadcast exchange (rank 0 the server)."""
         from shmtrain.fabric.star import open_star
 
         return open_star(self.ctx, name, tag, numel, dtype, init)
+
+    # -- host memory and words of the host's control block -----------------------------
+    def segment(self, tag: str, nbytes: int, init: Callable[[SharedSegment], None] | None = None) -> SharedSegment:
+        """A shared segment of this host, ``nbytes`` rounded up to whole pages, mapped by
+        every local rank (collective on the host; ``init`` runs once, on its creator)."""
+        from shmtrain.fabric.segment import align
+        from shmtrain.fabric.stitch import PAGE
+
+        return self.ctx.host.allocate(tag, align(nbytes, PAGE), init)
+
+    def channel(self, name: str) -> int:
+        """A sequence word per local rank in the host's control block (``post``/``wait``
+        through ``ctx.host.control``)."""
+        return self.ctx.host.channel(name)
+
+    def group_host(self, group_size: int) -> GroupHost:
+        """This worker's group of ``group_size`` consecutive local ranks, with a host's
+        interface (HSGD's groups, ShmCaffe Fig. 4)."""
+        from shmtrain.fabric.group_host import GroupHost
+
+        host = self.ctx.host
+        return GroupHost(host, host.local_world // group_size, group_size)
+
+    def accumulator(self, numel: int, dtype: torch.dtype, layers: int, *, tag: str = "cpu_acc") -> SharedAccumulator:
+        """The host's two alternating gradient sums with a critical counter per layer
+        (TRL Algorithm 5's ``g_grads`` and ``Critical``, :class:`SharedAccumulator`)."""
+        from shmtrain.fabric.accumulator import SharedAccumulator
+
+        return SharedAccumulator(self.ctx.host, numel, dtype, layers, tag=tag)
+
+    def tree_window(self, layer_bytes: int, layers: int, *, across_hosts: bool, tag: str = "gpi") -> TreeWindow:
+        """CaffeGPI's one-sided window over the host's reduction tree (:class:`TreeWindow`)."""
+        from shmtrain.fabric.tree_window import TreeWindow
+
+        return TreeWindow(self.ctx.host, layer_bytes, layers, across_hosts=across_hosts, tag=tag)
+
+    def nccl_group(self, device: torch.device) -> NcclGroup:
+        """NCCL among every worker of the job, one GPU each (:class:`NcclGroup`; collective)."""
+        from shmtrain.fabric.nccl_group import NcclGroup
+
+        return NcclGroup(device, self.ctx.world_size)

@@ -50,11 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shmtrain.fabric.control import DIED, PeerFailure, _alive
-from shmtrain.fabric.critical import CriticalCounters
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
-from shmtrain.fabric.segment import align
-from shmtrain.fabric.stitch import PAGE
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 
 #: small layers are handed to the accumulator thread together once this many elements wait
@@ -81,14 +77,10 @@ class CPUAccumulation(Strategy):
         start = time.perf_counter()
         broadcast_parameters(layout)  # Algorithm 5, line 2: the only broadcast
         self.timer.add("broadcast", time.perf_counter() - start)
-        itemsize = torch.empty((), dtype=layout.dtype).element_size()
-        head = align(CriticalCounters.nbytes(n), PAGE)
-        stride = align(max(layout.numel, 1) * itemsize, PAGE)
-        self.segment = host.allocate("cpu_acc", head + 2 * stride, CriticalCounters.initializer(0, n))
-        self.critical = CriticalCounters(self.segment, 0, n, self.me)
-        flats = [self.segment.tensor(layout.dtype, head + s * stride, layout.numel) for s in (0, 1)]
+        accumulator = self.transports.accumulator(layout.numel, layout.dtype, n, tag="cpu_acc")
+        self.segment, self.critical, flats = accumulator.segment, accumulator.critical, accumulator.sums
         self.global_grads = [layout.views(f) for f in flats]
-        self._accumulated = host.channel("cpu_acc.accumulated")
+        self._accumulated = self.transports.channel("cpu_acc.accumulated")
         names = {id(p): name for name, p in model.named_parameters()}
         self._names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -246,17 +238,7 @@ class CPUAccumulation(Strategy):
             raise self._error
         if self._combiner is not None:
             self._combiner.check()
-        control = self.ctx.host.control
-        failed = control.aborted()
-        if failed is not None:
-            who, code = failed
-            raise PeerFailure(f"local rank {who} (pid {control.pid(who)}) failed (code {code}) "
-                              "during gradient accumulation")
-        for peer in range(self.world):
-            if peer != self.me and not _alive(control.pid(peer)):
-                control.abort(peer, DIED)  # the root cause, before this worker's own failure
-                raise PeerFailure(f"local rank {peer} (pid {control.pid(peer)}) died during "
-                                  "gradient accumulation")
+        self.ctx.host.control.check_peers(self.me, "gradient accumulation")
 
     def _laggards(self) -> str:
         control = self.ctx.host.control

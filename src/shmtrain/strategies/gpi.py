@@ -73,26 +73,10 @@ import numpy as np
 import torch
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
-from shmtrain.fabric.onesided import OneSidedWindow
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 
 #: the root updates ready layers once they hold this many elements (or at finalization)
 UPDATE_BATCH = 1 << 18
-
-
-def tree_parent(rank: int) -> int:
-    """Parent of ``rank`` in the binomial tree rooted at 0 (-1 for the root)."""
-    return rank - (rank & -rank) if rank else -1
-
-
-def tree_children(rank: int, world: int) -> list[int]:
-    """Children of ``rank`` in the binomial tree over ``world`` ranks, nearest first."""
-    limit = (rank & -rank) if rank else world
-    children, step = [], 1
-    while step < limit and rank + step < world:
-        children.append(rank + step)
-        step <<= 1
-    return children
 
 
 @register
@@ -112,22 +96,18 @@ class GPI(Strategy):
         # refused otherwise by the base (``devices``)
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         host = ctx.host
-        self.world = world = host.local_world
+        self.world = host.local_world
         self.me = me = host.local_rank
         self.layout = layout = FlatLayout(self.params)
         numel, dtype = layout.numel, layout.dtype
         self.layer_bytes = numel * torch.empty((), dtype=dtype).element_size()
-        self.parent = tree_parent(me)
-        self.children = tree_children(me, world)
-        self.fanin = max(len(tree_children(r, world)) for r in range(world))
         self.num_layers = n = len(self.params)
-        # Area of rank r: its parameters, then one gradient slot per child.
-        areas = [self.layer_bytes * (1 + len(tree_children(r, world))) for r in range(world)]
-        # notification ids: gradients per (layer, child slot), new weights per layer and,
-        # across hosts, "the job's sum is in place" per layer (raised by the combiner)
+        # Area of rank r: its parameters, then one gradient slot per child (fabric/tree_window.py)
         hosts = ctx.num_nodes > 1
-        self.window = OneSidedWindow(host, areas, n * (self.fanin + 1 + hosts), tag="gpi")
-        area = self.window.area(me, dtype, 0, numel)
+        self.tree = tree = self.transports.tree_window(self.layer_bytes, n, across_hosts=hosts, tag="gpi")
+        self.window = tree.window
+        self.parent, self.children, self.fanin = tree.parent, tree.children, tree.fanin
+        area = tree.weights(me, dtype, numel)
         self.staging = self.make_staging(layout) if self.staged else None
         if self.staging is None:  # the parameters are views of this rank's area
             self._weights = layout.bind_data(area)
@@ -139,22 +119,19 @@ class GPI(Strategy):
             self.staging.register(area)
         host.barrier("gpi set-up")
         if me != 0:  # one broadcast of the initial weights, from the root's area
-            area.copy_(self.window.area(0, dtype, 0, numel))
+            area.copy_(tree.weights(0, dtype, numel))
         host.barrier("gpi initial weights")
         if self.staging is not None and me != 0:
             layout.scatter(area)
         if self.parent >= 0:
-            self._parent_weights = layout.views(self.window.area(self.parent, dtype, 0, numel))
+            self._parent_weights = layout.views(tree.weights(self.parent, dtype, numel))
         self._slots = [
-            layout.views(self.window.area(me, dtype, (1 + j) * self.layer_bytes, numel))
+            layout.views(tree.slot(me, j, dtype, numel))
             for j in range(len(self.children))
         ]
         if self.parent >= 0:
-            j = tree_children(self.parent, world).index(me)
-            self._parent_slot_id = j
-            self._parent_slot = layout.views(
-                self.window.area(self.parent, dtype, (1 + j) * self.layer_bytes, numel)
-            )
+            self._parent_slot_id = tree.parent_slot
+            self._parent_slot = layout.views(tree.slot(self.parent, tree.parent_slot, dtype, numel))
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._groups = [
             next(g for g in optimizer.param_groups if any(q is p for q in g["params"])) for p in self.params
@@ -180,13 +157,13 @@ class GPI(Strategy):
 
     # -- notification ids (per receiver) -------------------------------------------
     def _grad_id(self, layer: int, child_slot: int) -> int:
-        return layer * self.fanin + child_slot
+        return self.tree.grad_id(layer, child_slot)
 
     def _weights_id(self, layer: int) -> int:
-        return self.num_layers * self.fanin + layer
+        return self.tree.weights_id(layer)
 
     def _combined_id(self, layer: int) -> int:
-        return self.num_layers * (self.fanin + 1) + layer
+        return self.tree.combined_id(layer)
 
     def _grad(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s gradient in host memory (staged: its pinned copy)."""

@@ -23,73 +23,19 @@ members so a group always stops at the same iteration. A group cannot lose a mem
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from shmtrain.fabric.host import HostGroup
-from shmtrain.fabric.segment import SharedSegment, align
+from shmtrain.fabric.segment import align
 from shmtrain.strategies.base import register
-from shmtrain.strategies.seasgd import ElasticExchange, describe_eq8, eq8_metrics
+from shmtrain.strategies.eq8 import Eq8Metrics
+from shmtrain.strategies.seasgd import ElasticExchange
 from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
 
 
-class _GroupControl:
-    """The host's control block seen by one group: group ranks -> local ranks."""
-
-    def __init__(self, control, members: Sequence[int]) -> None:
-        self._control = control
-        self._members = list(members)
-
-    def post(self, channel: int, rank: int, value: int) -> None:
-        self._control.post(channel, self._members[rank], value)
-
-    def get(self, channel: int, rank: int) -> int:
-        return self._control.get(channel, self._members[rank])
-
-    def wait(self, channel: int, ranks, target: int, *, timeout: float, what: str) -> None:
-        self._control.wait(channel, [self._members[r] for r in ranks], target, timeout=timeout, what=what)
-
-
-class GroupHost:
-    """One group of a host's workers, shaped like :class:`HostGroup` so the host's
-    shared-memory allreduce runs inside the group unchanged.
-
-    ``allocate`` stays a collective of the whole host: every rank allocates one segment
-    per group, in the same order, and keeps its own group's.
-    """
-
-    def __init__(self, host: HostGroup, groups: int, group_size: int) -> None:
-        self.host = host
-        self.groups = groups
-        self.group = host.local_rank // group_size
-        self.members = [self.group * group_size + i for i in range(group_size)]
-        self.local_rank = host.local_rank - self.members[0]
-        self.local_world = group_size
-        self.timeout = host.timeout
-        self.control = _GroupControl(host.control, self.members)
-
-    @property
-    def ranks(self) -> range:
-        return range(self.local_world)
-
-    def channel(self, name: str) -> int:
-        return self.host.channel(name)
-
-    def allocate(
-        self, tag: str, nbytes: int, init: Callable[[SharedSegment], None] | None = None
-    ) -> SharedSegment:
-        mine = None
-        for group in range(self.groups):
-            segment = self.host.allocate(f"{tag}.g{group}", nbytes, init)
-            if group == self.group:
-                mine = segment
-        return mine
-
-
 @register
-class HSGD(SharedWeightsStrategy):
+class HSGD(Eq8Metrics, SharedWeightsStrategy):
     """Synchronous gradient allreduce inside groups, SEASGD between group roots (Fig. 4)."""
 
     name = "hsgd"
@@ -113,15 +59,6 @@ class HSGD(SharedWeightsStrategy):
                     f"--group-size {self.group_size!r} must be an integer >= 1 (the S of SxA), "
                     "or 0 for workers / groups"
                 )
-
-    @classmethod
-    def check_metrics(cls, rows):
-        """Eq. (8) of ShmCaffe on every worker's metrics (group roots run SEASGD)."""
-        return eq8_metrics(rows)
-
-    @classmethod
-    def describe_metrics(cls, summary):
-        return describe_eq8(summary)
 
     @classmethod
     def check_world(cls, config: HSGD.Config, workers: int, num_nodes: int = 1) -> int:
@@ -152,18 +89,14 @@ class HSGD(SharedWeightsStrategy):
         return size
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
-        size = self.check_world(config, ctx.world_size, ctx.num_nodes)
-        self.group_host = GroupHost(ctx.host, ctx.host.local_world // size, size)  # this host's groups
-        self.is_root = self.group_host.local_rank == 0
-        self.updates_global = self.is_root
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.allreduce = self.transports.group_allreduce(
             self.group_host, self.layout.numel, self.layout.dtype, op="mean", tag="hsgd.grads"
         )
         self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
         self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
-        self._broadcast = ctx.host.channel("hsgd.broadcast")
-        self._decision = ctx.host.channel("hsgd.decision")
+        self._broadcast = self.transports.channel("hsgd.broadcast")
+        self._decision = self.transports.channel("hsgd.decision")
         self.staging = self.make_staging(self.layout) if self.staged else None
         self.exchange = None
         if self.is_root:
@@ -174,9 +107,18 @@ class HSGD(SharedWeightsStrategy):
         self._exchanges = 0
         self.clear_gradients()
 
+    @property
+    def updates_global(self) -> bool:  # type: ignore[override]
+        """Only the group roots run SEASGD against the global weights."""
+        return self.is_root
+
     def local_weights_storage(self) -> torch.Tensor:
         """The group's weights live in a segment of the group: the root's are the ones
-        every member copies (the broadcast of Fig. 4)."""
+        every member copies (the broadcast of Fig. 4). The group itself is made here, the
+        first thing the shared-weights set-up asks of HSGD."""
+        size = self.check_world(self.config, self.ctx.world_size, self.ctx.num_nodes)
+        self.group_host = self.transports.group_host(size)  # this worker's group of the host
+        self.is_root = self.group_host.local_rank == 0
         itemsize = torch.empty((), dtype=self.layout.dtype).element_size()
         segment = self.group_host.allocate("hsgd.weights", align(self.layout.numel * itemsize))
         self._weights_segment = segment

@@ -91,8 +91,29 @@ def ps_phase(timer: PhaseTimer, name: str) -> Iterator[None]:
         timer.add("comm", seconds)
 
 
+class ParameterServer(Strategy):
+    """What both parameter servers share: the star exchange (``self.star``), the flat
+    weights (``self.weights``, bound to ``self.layout``) and its staging."""
+
+    star: Any
+    weights: torch.Tensor
+    layout: FlatLayout
+    staging: Any = None
+
+    def release_weights(self) -> None:
+        """Close the staging and the star, giving the model private copies of its weights
+        first, so it outlives the shared buffers (staged: the GPU holds them already)."""
+        own = self.weights.clone() if self.staging is None else None
+        if self.staging is not None:
+            self.staging.close()
+        self.star.close()
+        if own is not None:
+            self.layout.bind_data(own, copy=False)
+            self.weights = own
+
+
 @register
-class ParameterServerGrad(Strategy):
+class ParameterServerGrad(ParameterServer):
     """Gradient-averaging parameter server, rank 0 the server (eq. 2.1, Section 6)."""
 
     name = "ps_grad"
@@ -183,13 +204,7 @@ class ParameterServerGrad(Strategy):
 
     def finish(self) -> None:
         """Give the model private copies of its weights, so it outlives the shared buffers."""
-        own = self.weights.clone() if self.staging is None else None  # staged: the GPU holds them
-        if self.staging is not None:
-            self.staging.close()
-        self.star.close()
-        if own is not None:
-            self.layout.bind_data(own, copy=False)
-            self.weights = own
+        self.release_weights()
         for p in self.params:
             p.grad = None
         self._grad_views = []

@@ -33,11 +33,11 @@ from typing import Any
 
 from shmtrain.fabric.flat import FlatLayout
 from shmtrain.strategies.base import Strategy, register
-from shmtrain.strategies.ps_grad import ParameterServerConfig, ps_phase
+from shmtrain.strategies.ps_grad import ParameterServer, ParameterServerConfig, ps_phase
 
 
 @register
-class ParameterServerWeight(Strategy):
+class ParameterServerWeight(ParameterServer):
     """Weight-averaging parameter server, rank 0 the server (eq. 2.2)."""
 
     name = "ps_weight"
@@ -128,11 +128,5 @@ class ParameterServerWeight(Strategy):
             if self.iteration % self.config.average_interval:
                 self.average()
         finally:
-            own = self.weights.clone() if self.staging is None else None  # staged: the GPU holds them
-            if self.staging is not None:
-                self.staging.close()
-            self.star.close()
-            if own is not None:
-                self.layout.bind_data(own, copy=False)
-                self.weights = own
+            self.release_weights()
             Strategy.finish(self)

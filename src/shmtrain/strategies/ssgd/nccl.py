@@ -15,34 +15,10 @@ phase is the allreduce's time on the GPU (CUDA events around it on the current s
 
 from __future__ import annotations
 
-import socket
-
 import torch
-import torch.distributed as dist
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy
-
-
-def gpu_identity(device: torch.device) -> str:
-    """``host/GPU-UUID`` of ``device``: equal for two workers on the same GPU."""
-    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
-
-
-def check_distinct_gpus(identities: list[str]) -> None:
-    """Refuse workers that share a GPU (``identities`` by rank, from :func:`gpu_identity`)."""
-    seen: dict[str, list[int]] = {}
-    for rank, ident in enumerate(identities):
-        seen.setdefault(ident, []).append(rank)
-    shared = [ranks for ranks in seen.values() if len(ranks) > 1]
-    if shared:
-        ranks = shared[0]
-        raise ValueError(
-            f"--allreduce nccl needs one GPU per worker, but ranks {', '.join(map(str, ranks))} share "
-            f"GPU {identities[ranks[0]].split('/', 1)[1]} on host {identities[ranks[0]].split('/', 1)[0]} "
-            "(NCCL cannot run two ranks on one GPU); run at most one worker per GPU (--workers = the "
-            "GPUs per host, --device cuda), or use --allreduce shm, which stages through host memory "
-            "and lets workers share a GPU")
 
 
 class NcclSSGD(Strategy):
@@ -68,11 +44,7 @@ class NcclSSGD(Strategy):
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
-        identities: list[str] = [""] * ctx.world_size
-        dist.all_gather_object(identities, gpu_identity(self.device))
-        check_distinct_gpus(identities)
-        torch.cuda.set_device(self.device)
-        self.group = dist.new_group(backend="nccl")
+        self.group = self.transports.nccl_group(self.device)
         self.layout = layout = FlatLayout(self.params)
         broadcast_parameters(layout)
         self.flat = torch.zeros(layout.numel, dtype=layout.dtype, device=self.device)
@@ -84,16 +56,10 @@ class NcclSSGD(Strategy):
         self.layout.bind_grads(self._views)
 
     def after_backward(self) -> None:
-        begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        dist.all_reduce(self.flat, op=dist.ReduceOp.AVG, group=self.group)
-        end.record()
-        end.synchronize()  # the host's view of the step: the mean is in place
-        self.timer.add("comm", begin.elapsed_time(end) / 1e3)
+        self.timer.add("comm", self.group.mean_(self.flat))
 
     def finish(self) -> None:
         try:
-            dist.destroy_process_group(self.group)
+            self.group.close()
         finally:
             super().finish()

@@ -26,8 +26,6 @@ from typing import Any
 import torch
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
-from shmtrain.fabric.segment import align
-from shmtrain.fabric.stitch import PAGE
 from shmtrain.strategies.base import Strategy
 from shmtrain.strategies.ssgd.slots import SlotGradients
 
@@ -81,7 +79,7 @@ class ShardedSSGD(SlotGradients, Strategy):
             segment.tensor(layout.dtype, 0, layout.numel).copy_(initial)
 
         # the host's one copy of the weights; the model's parameters become views of it
-        self.segment = host.allocate("weights", align(layout.numel * itemsize, PAGE), init)
+        self.segment = self.transports.segment("weights", layout.numel * itemsize, init)
         self.weights = self.segment.tensor(layout.dtype, 0, layout.numel)
         layout.bind_data(self.weights, copy=False)
         self.allreduce = self.transports.allreduce(
@@ -91,7 +89,7 @@ class ShardedSSGD(SlotGradients, Strategy):
         self._runs = self._group_runs(optimizer)
         #: momentum of this rank's chunk only (None until the first step, as in SGD)
         self.momentum: torch.Tensor | None = None
-        self._updated = host.channel("grads.updated")
+        self._updated = self.transports.channel("grads.updated")
         self.bind_slots()
 
     def _group_runs(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, int, dict]]:
