@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "shmtrain"
 
 #: layer of each top-level part; a module may import only from its own layer or below
 LAYERS = {
-    "timing": 0, "memory": 0, "argtypes": 0, "models": 0,
+    "timing": 0, "memory": 0, "argtypes": 0, "typed_options": 0, "models": 0,
     "fabric": 1,
     "strategies": 2,
     "api": 3, "ddp": 3, "backend": 3,
@@ -46,12 +46,15 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(parts + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+                # ``from P import m`` of a submodule m is an edge to m; of any other name,
+                # an edge to P itself (its __init__, which defines the name)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             for target in targets:
                 while target and target not in mods:
                     target = target.rsplit(".", 1)[0] if "." in target else ""
-                # a package's own __init__ is not an edge of its modules
-                if target and target != name and not name.startswith(target + "."):
+                # an import of a package's own __init__ from inside it is an edge too: the
+                # __init__ runs first, and a cycle through it is as real as any other
+                if target and target != name:
                     graph[name].add(target)
     return graph
 

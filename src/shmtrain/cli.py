@@ -67,7 +67,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _add_field_flag(g: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any) -> None:
     """The flag of one TrainConfig field, from its annotation and its metadata."""
-    from shmtrain.runtime.config import hint_kind
+    from shmtrain.typed_options import hint_kind
 
     meta = f.metadata
     flag = meta.get("flag", "--" + f.name.replace("_", "-"))
@@ -93,7 +93,7 @@ def _add_field_flag(g: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any)
 def _add_strategy_options(p: argparse.ArgumentParser) -> None:
     """One flag per field of every strategy's Config (shared names share one flag)."""
     from shmtrain import strategies
-    from shmtrain.runtime.config import hint_kind
+    from shmtrain.typed_options import hint_kind
 
     seen: dict[str, tuple[list[str], dataclasses.Field, Any]] = {}
     for name, cls in sorted(strategies.registry().items()):

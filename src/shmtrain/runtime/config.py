@@ -20,12 +20,9 @@ a TOML key (:func:`read_toml`) or Python (:func:`resolve`, ``TrainConfig(...)``)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import json
 import sys
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,12 +37,14 @@ from shmtrain import strategies
 from shmtrain.models import model_names
 from shmtrain.runtime.device import cuda_count, resolve_device
 from shmtrain.runtime.schedule import Schedule
-from shmtrain.strategies.base import StrategyConfig, build_config, plan
+from shmtrain.strategies.base import StrategyConfig, build_config, own_config, plan
+from shmtrain.typed_options import coerce, hint_kind, type_rule
+from shmtrain.typed_options import example as example_value
+from shmtrain.typed_options import hints as type_hints
 
 #: section key (``metadata["section"]``) -> title of its argument group in ``--help``
 SECTIONS: dict[str, str] = {"job": "job", "data": "model and data", "optim": "optimisation (SGD)",
                             "monitor": "evaluation and monitoring"}
-
 
 
 def option(default: Any, help: str, section: str, **extra: Any) -> Any:
@@ -261,18 +260,18 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
     strategy_config: StrategyConfig = field(default_factory=StrategyConfig)
 
     def __post_init__(self) -> None:
-        hints = _hints(TrainConfig)
+        hints = type_hints(TrainConfig)
         for f in train_fields():
             value = getattr(self, f.name)
             _check_flag_value(f, hints[f.name], value)
-            setattr(self, f.name, _coerce(hints[f.name], value))
+            setattr(self, f.name, coerce(hints[f.name], value))
         self._check_job()
         self._check_data()
         self._check_optim()
         self._check_monitor()
         cls = strategies.get(self.strategy)
-        self.strategy_config = _own_config(self.strategy, self.strategy_config)
-        config_hints = _hints(cls.Config)
+        self.strategy_config = own_config(self.strategy, self.strategy_config)
+        config_hints = type_hints(cls.Config)
         for f in dataclasses.fields(cls.Config):
             _check_flag_value(f, config_hints[f.name], getattr(self.strategy_config, f.name))
         impl = plan(self.strategy, self.strategy_config, self.workers)
@@ -344,8 +343,8 @@ def read_toml(path: str) -> dict[str, Any]:
         rules = [(rule, f) for f, hint in specs[name] if (rule := type_rule(hint, value)) is not None]
         if len(rules) == len(specs[name]):
             rule, f = rules[0]
-            example = _toml_value(_example(f, specs[name][0][1]))
-            raise ValueError(f"--config {path}: key {key!r} = {value!r} {rule}; e.g. {key} = {example}")
+            sample = _toml_value(example_value(f, specs[name][0][1]))
+            raise ValueError(f"--config {path}: key {key!r} = {value!r} {rule}; e.g. {key} = {sample}")
         values[name] = value
 
     for key, value in raw.items():
@@ -369,11 +368,11 @@ def resolve(values: Mapping[str, Any]) -> TrainConfig:
     if not isinstance(strategy, str):
         raise ValueError(f"--strategy {strategy!r}: must be a string; use e.g. --strategy ssgd")
     cls = strategies.get(strategy)
-    hints = _hints(cls.Config)
+    hints = type_hints(cls.Config)
     for f in dataclasses.fields(cls.Config):
         if f.name in options:
             _check_flag_value(f, hints[f.name], options[f.name])
-            options[f.name] = _coerce(hints[f.name], options[f.name])
+            options[f.name] = coerce(hints[f.name], options[f.name])
     return TrainConfig(**common, strategy_config=build_config(strategy, options))
 
 
@@ -397,90 +396,15 @@ def to_toml(config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-# -- types: annotation -> flag kind, rule, example ---------------------------------------
-def hint_kind(hint: Any) -> tuple[type, tuple[Any, ...] | None]:
-    """The scalar type (bool, int, float or str) and the choices (a Literal's values, or
-    None) of an annotation; ``X | None`` is ``X``. Anything else is ``(str, None)``."""
-    hint = _strip_none(hint)
-    if typing.get_origin(hint) is Literal:
-        choices = typing.get_args(hint)
-        return type(choices[0]), choices
-    for kind in (bool, int, float, str):
-        if hint is kind:
-            return kind, None
-    for arg in typing.get_args(hint):
-        if arg in (bool, int, float, str):
-            return arg, None
-    return str, None
-
-
-def type_rule(hint: Any, value: Any) -> str | None:
-    """The rule ``value`` breaks for annotation ``hint`` (e.g. "must be an integer"), or
-    None when it fits. Knows bool, int (for a float field too), float, str, Optional and
-    Literal; anything else fits."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        rules = [type_rule(arg, value) for arg in args if arg is not type(None)]
-        return None if None in rules else rules[0]
-    if typing.get_origin(hint) is Literal:
-        if any(value == choice and type(value) is type(choice) for choice in args):
-            return None
-        return "must be one of: " + ", ".join(str(choice) for choice in args)
-    if hint is bool:
-        return None if isinstance(value, bool) else "must be true or false"
-    if hint is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
-    if hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return None if ok else "must be a number"
-    if hint is str:
-        return None if isinstance(value, str) else "must be a string"
-    return None
-
-
-def _strip_none(hint: Any) -> Any:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return hint
-
-
-def _coerce(hint: Any, value: Any) -> Any:
-    """An int given for a float field becomes a float (``lr = 1`` is ``1.0``)."""
-    if _strip_none(hint) is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-def _example(f: dataclasses.Field, hint: Any) -> Any:
-    """A valid value of field ``f`` for an error message: its default, or a typical one."""
-    if "example" in f.metadata:
-        return f.metadata["example"]
-    if f.default is not dataclasses.MISSING and f.default is not None:
-        return f.default
-    kind, choices = hint_kind(hint)
-    if choices:
-        return choices[0]
-    return {bool: True, int: 1, float: 1.0}.get(kind, "...")
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _key_specs() -> dict[str, list[tuple[dataclasses.Field, Any]]]:
     """TOML key -> the (field, annotation) pairs that may take it (common keys have one;
     a strategy option has one per strategy that takes it)."""
     specs: dict[str, list[tuple[dataclasses.Field, Any]]] = {}
-    hints = _hints(TrainConfig)
+    hints = type_hints(TrainConfig)
     for f in train_fields():
         specs[f.name] = [(f, hints[f.name])]
     for _, cls in sorted(strategies.registry().items()):
-        config_hints = _hints(cls.Config)
+        config_hints = type_hints(cls.Config)
         for f in dataclasses.fields(cls.Config):
             specs.setdefault(f.name, []).append((f, config_hints[f.name]))
     return specs
@@ -492,26 +416,11 @@ def _check_flag_value(f: dataclasses.Field, hint: Any, value: Any) -> None:
     if rule is None:
         return
     if "action" in f.metadata:  # a flag such as --no-progress takes no value: name the field
-        raise ValueError(f"{f.name} = {value!r}: {rule}; use {f.name} = {_example(f, hint)!r}")
+        raise ValueError(f"{f.name} = {value!r}: {rule}; use {f.name} = {example_value(f, hint)!r}")
     flag = "--" + f.name.replace("_", "-")
     if hint_kind(hint)[0] is bool:
         raise ValueError(f"{flag} {value!r}: {rule}; give True or False")
-    raise ValueError(f"{flag} {value!r}: {rule}; use e.g. {flag} {_example(f, hint)}")
-
-
-def _own_config(strategy: str, config: StrategyConfig) -> StrategyConfig:
-    """``config`` if it is strategy's own Config; the strategy's defaults for the bare
-    :class:`StrategyConfig` (the field's default); otherwise an error."""
-    cls = strategies.get(strategy)
-    if type(config) is cls.Config:
-        return config
-    if type(config) is StrategyConfig:
-        return build_config(strategy, {})
-    raise ValueError(
-        f"strategy_config is a {type(config).__qualname__}, not the Config of --strategy "
-        f"{strategy} ({cls.Config.__qualname__}); build it with "
-        f"shmtrain.strategies.base.build_config({strategy!r}, options), or use resolve()"
-    )
+    raise ValueError(f"{flag} {value!r}: {rule}; use e.g. {flag} {example_value(f, hint)}")
 
 
 def _need(ok: bool, flag: str, value: Any, rule: str, fix: str) -> None:

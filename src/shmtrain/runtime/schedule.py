@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import typing
 import warnings
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch.optim.lr_scheduler import (
@@ -37,8 +37,16 @@ from torch.optim.lr_scheduler import (
     StepLR,
 )
 
-if TYPE_CHECKING:
-    from shmtrain.runtime.config import TrainConfig
+
+class ScheduleOptions(Protocol):
+    """The options :func:`from_config` reads (``TrainConfig`` has them; the config imports
+    :data:`Schedule` from here, so this module names no config class)."""
+
+    lr_schedule: str
+    warmup_iterations: int
+    lr_step_every: int | None
+    lr_gamma: float
+    lr_min: float
 
 #: the values of ``--lr-schedule``
 Schedule = Literal["constant", "step", "cosine"]
@@ -102,7 +110,7 @@ def build_scheduler(
     return SequentialLR(optimizer, parts, milestones=milestones)
 
 
-def from_config(optimizer: torch.optim.Optimizer, config: TrainConfig, total_iterations: int) -> LRScheduler:
+def from_config(optimizer: torch.optim.Optimizer, config: ScheduleOptions, total_iterations: int) -> LRScheduler:
     """:func:`build_scheduler` from ``shmtrain train``'s options (``--lr-schedule`` & co.)."""
     return build_scheduler(
         optimizer, config.lr_schedule, total_iterations=total_iterations,

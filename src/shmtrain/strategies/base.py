@@ -298,6 +298,21 @@ def plan(name: str, config: StrategyConfig, workers: int, num_nodes: int = 1) ->
     return impl
 
 
+def own_config(strategy: str, config: StrategyConfig) -> StrategyConfig:
+    """``config`` if it is strategy's own Config; the strategy's defaults for the bare
+    :class:`StrategyConfig` (the field's default); otherwise an error."""
+    cls = get(strategy)
+    if type(config) is cls.Config:
+        return config
+    if type(config) is StrategyConfig:
+        return build_config(strategy, {})
+    raise ValueError(
+        f"strategy_config is a {type(config).__qualname__}, not the Config of --strategy "
+        f"{strategy} ({cls.Config.__qualname__}); build it with "
+        f"shmtrain.strategies.base.build_config({strategy!r}, options), or use resolve()"
+    )
+
+
 def config_fields(cls: type[Strategy]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls.Config))
 
