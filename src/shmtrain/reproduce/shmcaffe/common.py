@@ -31,4 +31,3 @@ def save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
-
