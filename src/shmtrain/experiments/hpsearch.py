@@ -231,65 +231,110 @@ def plot(doc: dict[str, Any], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
-    from matplotlib.patches import Rectangle
+    _plot_heatmaps(doc, out)
+    _plot_areas(doc, out)
+    _plot_best_losses(doc, out)
 
-    cfg = doc["config"]
+
+def _area_key(cfg: dict[str, Any]) -> tuple[str, str]:
+    """The runs' field of the area the search ranks by, and its unit."""
     key = f"area_{cfg['area_over']}"
     unit = "loss x s" if cfg["area_over"] == "time" else "loss x samples"
+    return key, unit
+
+
+def _by_point(doc: dict[str, Any]) -> dict[tuple[int, int, float], dict[str, Any]]:
+    """Every run by its grid point (workers, batch, learning rate)."""
+    return {(r["workers"], r["batch"], r["lr"]): r for r in doc["runs"]}
+
+
+def _plot_heatmaps(doc: dict[str, Any], out: Path) -> None:
+    """``hpsearch_heatmaps.png``: one batch x learning-rate grid of areas per worker count
+    (Figs. 5.5-5.8), on one colour scale."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    cfg = doc["config"]
+    key, unit = _area_key(cfg)
     workers = list(cfg["workers"])
-    batches, lrs = list(cfg["batch_sizes"]), [float(v) for v in cfg["lrs"]]
-    by_point = {(r["workers"], r["batch"], r["lr"]): r for r in doc["runs"]}
     kept_areas = [r[key] for r in doc["runs"] if r["status"] == "kept"]
     vmin, vmax = (min(kept_areas), max(kept_areas)) if kept_areas else (0.0, 1.0)
 
-    fig, axes = plt.subplots(1, len(workers), figsize=(4.2 * len(workers) + 1, 0.5 * len(batches) + 2.6),
+    fig, axes = plt.subplots(1, len(workers), figsize=(4.2 * len(workers) + 1, 0.5 * len(cfg["batch_sizes"]) + 2.6),
                              squeeze=False, layout="constrained")
     norm = LogNorm(vmin, vmax) if 0 < vmin < vmax else None
     image = None
+    by_point = _by_point(doc)
     for ax, n in zip(axes[0], workers, strict=True):
-        grid = np.full((len(batches), len(lrs)), np.nan)
-        for i, b in enumerate(batches):
-            for j, lr in enumerate(lrs):
-                r = by_point.get((n, b, lr))
-                if r is not None and r["status"] == "kept":
-                    grid[i, j] = r[key]
-        cmap = plt.get_cmap("viridis_r").with_extremes(bad="white")
-        image = ax.imshow(grid, cmap=cmap, norm=norm, vmin=None if norm else vmin, vmax=None if norm else vmax,
-                          aspect="auto")
-        for i, b in enumerate(batches):
-            for j, lr in enumerate(lrs):
-                r = by_point.get((n, b, lr))
-                if r is None:
-                    text, face = "n/a", "white"
-                elif r["status"] == "diverged":
-                    text, face = "diverged", "0.25"
-                elif r["status"] == "above threshold":
-                    text, face = f"> {cfg['threshold']:g}\n({r['min_loss']:.2f})", "0.8"
-                else:
-                    text, face = f"{r[key]:.3g}", None
-                if face is not None:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=face, edgecolor="0.5",
-                                           hatch="//" if r is not None and r["status"] == "diverged" else None))
-                color = "white" if face == "0.25" else "black"
-                ax.text(j, i, text, ha="center", va="center", fontsize=7, color=color)
-                if r is not None and r.get("best"):
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=2.5))
-        ax.set_xticks(range(len(lrs)), [f"{v:g}" for v in lrs])
-        ax.set_yticks(range(len(batches)), [str(b) for b in batches])
-        ax.set_xlabel("learning rate")
-        if n == workers[0]:
-            ax.set_ylabel("batch size per worker")
-        best = doc["best"].get(str(n))
-        ax.set_title(f"{n} worker(s): best batch {best['batch']}, lr {best['lr']:g}" if best
-                     else f"{n} worker(s): no run reached loss <= {cfg['threshold']:g}", fontsize=9)
+        image = _heatmap(ax, n, doc, by_point, norm, (vmin, vmax))
     fig.colorbar(image, ax=axes[0].tolist(), label=f"area under the loss curve ({unit})")
     fig.suptitle(f"digits, {cfg['model']}, ps_grad, {cfg['samples']} samples seen per run "
                  f"(red: best; grey: min loss > {cfg['threshold']:g}; hatched: diverged)", fontsize=9)
     fig.savefig(out / "hpsearch_heatmaps.png", dpi=110)
     plt.close(fig)
 
+
+def _heatmap(ax, n: int, doc: dict[str, Any], by_point: dict[tuple[int, int, float], dict[str, Any]], norm,
+             limits: tuple[float, float]):
+    """Worker count ``n``'s grid on ``ax``: the kept runs' areas coloured, the others
+    marked; the winner framed in red. Returns the image (for the colour bar)."""
+    import matplotlib.pyplot as plt
+
+    cfg = doc["config"]
+    key, _ = _area_key(cfg)
+    batches, lrs = list(cfg["batch_sizes"]), [float(v) for v in cfg["lrs"]]
+    vmin, vmax = limits
+    grid = np.full((len(batches), len(lrs)), np.nan)
+    for i, b in enumerate(batches):
+        for j, lr in enumerate(lrs):
+            r = by_point.get((n, b, lr))
+            if r is not None and r["status"] == "kept":
+                grid[i, j] = r[key]
+    cmap = plt.get_cmap("viridis_r").with_extremes(bad="white")
+    image = ax.imshow(grid, cmap=cmap, norm=norm, vmin=None if norm else vmin, vmax=None if norm else vmax,
+                      aspect="auto")
+    for i, b in enumerate(batches):
+        for j, lr in enumerate(lrs):
+            _heatmap_cell(ax, i, j, by_point.get((n, b, lr)), key, cfg["threshold"])
+    ax.set_xticks(range(len(lrs)), [f"{v:g}" for v in lrs])
+    ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("learning rate")
+    if n == cfg["workers"][0]:
+        ax.set_ylabel("batch size per worker")
+    best = doc["best"].get(str(n))
+    ax.set_title(f"{n} worker(s): best batch {best['batch']}, lr {best['lr']:g}" if best
+                 else f"{n} worker(s): no run reached loss <= {cfg['threshold']:g}", fontsize=9)
+    return image
+
+
+def _heatmap_cell(ax, i: int, j: int, r: dict[str, Any] | None, key: str, threshold: float) -> None:
+    """Cell (i, j): the area, or n/a, diverged (hatched) or above the threshold (grey)."""
+    from matplotlib.patches import Rectangle
+
+    if r is None:
+        text, face = "n/a", "white"
+    elif r["status"] == "diverged":
+        text, face = "diverged", "0.25"
+    elif r["status"] == "above threshold":
+        text, face = f"> {threshold:g}\n({r['min_loss']:.2f})", "0.8"
+    else:
+        text, face = f"{r[key]:.3g}", None
+    if face is not None:
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=face, edgecolor="0.5",
+                               hatch="//" if r is not None and r["status"] == "diverged" else None))
+    color = "white" if face == "0.25" else "black"
+    ax.text(j, i, text, ha="center", va="center", fontsize=7, color=color)
+    if r is not None and r.get("best"):
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=2.5))
+
+
+def _plot_areas(doc: dict[str, Any], out: Path) -> None:
+    """``hpsearch_areas.png``: per worker count, the runs' areas sorted by minimum loss
+    (Figs. 5.1-5.4)."""
+    import matplotlib.pyplot as plt
+
+    key, unit = _area_key(doc["config"])
+    workers = list(doc["config"]["workers"])
     fig, axes = plt.subplots(len(workers), 1, figsize=(9, 2.4 * len(workers)), squeeze=False)
     for ax, n in zip(axes[:, 0], workers, strict=True):
         rows = [r for r in doc["runs"] if r["workers"] == n and r["status"] != "diverged"]
@@ -305,11 +350,17 @@ def plot(doc: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "hpsearch_areas.png", dpi=110)
     plt.close(fig)
 
+
+def _plot_best_losses(doc: dict[str, Any], out: Path) -> None:
+    """``hpsearch_best_losses.png``: the winners' loss curves against wall time (cf. Fig. 6.2)."""
+    import matplotlib.pyplot as plt
+
+    by_point = _by_point(doc)
     fig, ax = plt.subplots(figsize=(7, 4))
     for n, b in doc["best"].items():
         r = by_point[(int(n), b["batch"], b["lr"])]
         ax.plot(r["time"], r["loss"], lw=0.8, label=f"{n} worker(s), batch {b['batch']}, lr {b['lr']:g}")
-    ax.axhline(cfg["threshold"], color="0.5", ls="--", lw=0.8, label="threshold")
+    ax.axhline(doc["config"]["threshold"], color="0.5", ls="--", lw=0.8, label="threshold")
     ax.set_xlabel("wall time of the run (s)")
     ax.set_ylabel("training loss (union batch)")
     ax.set_yscale("log")

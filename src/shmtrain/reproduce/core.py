@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: the modules that register reproductions, imported on first use of the registry
+#: the modules (or packages, which import their modules) that register reproductions,
+#: imported on first use of the registry
 MODULES = ("shmcaffe", "caffegpi", "trl", "swcaffe", "shmlearn")
 
 #: the verdicts a claim can get
