@@ -14,9 +14,10 @@ ShmCaffe's Soft Memory Box (Section III-B, Figs. 2, 5 and 7), one module per par
     SMB-REMOTE's wire format: request headers, replies, tags, ops and status codes, the
     proof of the shared secret, the gloo link.
 :mod:`~shmtrain.fabric.smb.server`
-    SMB-REMOTE's memory server (``MemoryServer``) and ``start_memory_server``.
+    SMB-REMOTE's memory server (``MemoryServer``), which ``shmtrain smb-server`` runs.
 :mod:`~shmtrain.fabric.smb.remote`
-    SMB-REMOTE's client: ``RemoteBufferService``, ``StoreProgressBoard``, ``read_secret``.
+    SMB-REMOTE's client: ``RemoteBufferService``, ``StoreProgressBoard``, ``read_secret``,
+    and ``start_memory_server`` (global rank 0 starts a job's server).
 
 This package re-exports the API and the local service; the remote modules are imported
 by their own paths. :func:`shmtrain.fabric.transports.open_buffer_service` builds a
