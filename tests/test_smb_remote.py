@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.smb_remote import OP_ACCUMULATE, RemoteBufferService
+from shmtrain.fabric.smb.remote import RemoteBufferService
+from shmtrain.fabric.smb.wire import OP_ACCUMULATE
 from shmtrain.runtime.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
@@ -227,7 +228,7 @@ def test_malformed_requests_get_errors_and_serving_goes_on() -> None:
 
 
 def silent_writer_worker(ctx, payload: dict[str, Any]) -> str:
-    from shmtrain.fabric.smb_remote import OP_WRITE
+    from shmtrain.fabric.smb.wire import OP_WRITE
 
     service = RemoteBufferService(payload["address"], ctx.rank, ctx.world_size, timeout=30)
     key = service.create(f"w{ctx.rank}", 64)
@@ -259,7 +260,8 @@ def test_a_malformed_write_whose_payload_never_comes_stalls_no_one() -> None:
 
 _TRUNCATING_CLIENT = """
 import os, sys, torch
-from shmtrain.fabric.smb_remote import OP_WRITE, RemoteBufferService
+from shmtrain.fabric.smb.remote import RemoteBufferService
+from shmtrain.fabric.smb.wire import OP_WRITE
 service = RemoteBufferService(sys.argv[1], 1, 2, timeout=30)
 target = service.lookup("target")
 with service._lock:  # a write announced and accepted, then the client dies without its payload

@@ -1,7 +1,7 @@
 """``shmtrain bench smb --remote``: the remote buffer service against gloo on the same link.
 
 ShmCaffe Fig. 7 reads and writes the remote SMB at 96% of the HCA's bandwidth. Here, in
-one run per client count: a :class:`~shmtrain.fabric.smb_remote.MemoryServer` in this
+one run per client count: a :class:`~shmtrain.fabric.smb.server.MemoryServer` in this
 process and ``P`` workers as its clients. First the link itself: gloo send/recv of
 the same bytes between the same endpoints, on the server's own process group (server
 to every client at once: ``gloo-read``; every client to the server: ``gloo-write``);
@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from shmtrain.bench.common import bench_buffers, median, timed_rounds
 from shmtrain.fabric.context import ProcessContext
-from shmtrain.fabric.smb_remote import MemoryServer, RemoteBufferService
+from shmtrain.fabric.smb.remote import RemoteBufferService
+from shmtrain.fabric.smb.server import MemoryServer
 from shmtrain.runtime.launcher import launch
 
 OPS = ("read", "write", "readwrite", "accumulate")

@@ -106,8 +106,33 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         )
     num_nodes = world // local_world
     node_rank = _env_int("GROUP_RANK", rank // local_world)
-    wait = timedelta(seconds=timeout)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    _choose_gloo_interface(addr, world, local_rank)
+    store = _open_store(addr, rank, world, timeout)
+    if rank == 0 and not store.check(["run_id"]):  # shmtrain's launcher set it: keep it,
+        store.set("run_id", secrets.token_hex(4))  # so its sweep(prefix) finds our segments
+    run_id = store.get("run_id").decode()
+    host = _host_group(store, node_rank, local_rank, local_world, run_id, timeout)
+    host.control.set_pid(local_rank, os.getpid())
+    leaders = _join_groups(store, rank, world, local_world, num_nodes, timeout)
+    host.barrier("set-up")
+    return ProcessContext(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world=local_world,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        run_id=run_id,
+        store=store,
+        host=host,
+        timeout=timeout,
+        leaders=leaders,
+    )
+
+
+def _choose_gloo_interface(addr: str, world: int, local_rank: int) -> None:
+    """Keep gloo on loopback for a job on loopback; else say which interface it uses."""
     if addr in ("127.0.0.1", "localhost", "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
         # A job on loopback: keep gloo there too instead of resolving the host name.
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -116,6 +141,12 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         if chosen is not None and local_rank == 0:
             print(f"shmtrain: gloo uses interface {chosen[0]} ({chosen[1]}), the one that routes to "
                   f"MASTER_ADDR {addr}; set GLOO_SOCKET_IFNAME to choose another", file=sys.stderr, flush=True)
+
+
+def _open_store(addr: str, rank: int, world: int, timeout: float) -> dist.Store:
+    """The job's store: shmtrain's launcher's, torchrun's (per restart attempt), or one
+    in this process for a job of one."""
+    wait = timedelta(seconds=timeout)
     store_port = _env_int("SHMTRAIN_STORE_PORT", 0)
     port = store_port or _env_int("MASTER_PORT", 29500)
     try:
@@ -130,9 +161,12 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
             store = dist.HashStore()
     except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
         raise rendezvous_error(exc, addr, port, timeout, rank) from None
-    if rank == 0 and not store.check(["run_id"]):  # shmtrain's launcher set it: keep it,
-        store.set("run_id", secrets.token_hex(4))  # so its sweep(prefix) finds our segments
-    run_id = store.get("run_id").decode()
+    return store
+
+
+def _host_group(store: dist.Store, node_rank: int, local_rank: int, local_world: int, run_id: str,
+                timeout: float) -> HostGroup:
+    """This host's workers, on the launcher's control block when it made one."""
     host_store = dist.PrefixStore(f"host{node_rank}/", store)
     control = None
     control_name = os.environ.get("SHMTRAIN_CONTROL")
@@ -141,7 +175,7 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         segment = SharedSegment(control_name, ControlBlock.nbytes(local_world), create=False,
                                 fd=int(fd) if fd else None)
         control = ControlBlock(segment, local_world, init=False)
-    host = HostGroup(
+    return HostGroup(
         host_store,
         local_rank,
         local_world,
@@ -149,7 +183,13 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         control,
         timeout,
     )
-    host.control.set_pid(local_rank, os.getpid())
+
+
+def _join_groups(store: dist.Store, rank: int, world: int, local_world: int, num_nodes: int,
+                 timeout: float) -> dist.ProcessGroup | None:
+    """Join the job's gloo process group (unless already in one); the hosts' leaders'
+    group when the job spans hosts (else None)."""
+    wait = timedelta(seconds=timeout)
     try:
         if not dist.is_initialized():
             dist.init_process_group(
@@ -166,17 +206,4 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
             f"({first_line(exc, 160)}); "
             f"GLOO_SOCKET_IFNAME={ifname}: every host must reach the others on that interface (set it to "
             "the interface on the hosts' shared network)") from None
-    host.barrier("set-up")
-    return ProcessContext(
-        rank=rank,
-        world_size=world,
-        local_rank=local_rank,
-        local_world=local_world,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        run_id=run_id,
-        store=store,
-        host=host,
-        timeout=timeout,
-        leaders=leaders,
-    )
+    return leaders

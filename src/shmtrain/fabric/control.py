@@ -151,6 +151,10 @@ class ControlBlock:
     def pid(self, rank: int) -> int:
         return int(self._i64[self._pid_off(rank) // 8])
 
+    def alive(self, rank: int) -> bool:
+        """False once local rank ``rank``'s process is known gone (True before it registers)."""
+        return _alive(self.pid(rank))
+
     def set_progress(self, rank: int, iterations: int) -> None:
         self._i64[self._progress_off(rank) // 8] = iterations
 

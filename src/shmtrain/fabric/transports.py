@@ -25,7 +25,7 @@ import torch.distributed as dist
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.segment import SharedSegment
 from shmtrain.fabric.smb import BufferService, LocalBufferService
-from shmtrain.fabric.smb_remote import RemoteBufferService, read_secret
+from shmtrain.fabric.smb.remote import RemoteBufferService, read_secret
 
 if TYPE_CHECKING:
     from shmtrain.fabric.accumulator import SharedAccumulator
@@ -80,7 +80,7 @@ def open_buffer_service(ctx: ProcessContext, name: str = "local", address: str =
 
     ``local`` is :class:`LocalBufferService` on the host's shared memory (every worker
     of the host a client); ``remote`` is
-    :class:`~shmtrain.fabric.smb_remote.RemoteBufferService` on the memory server at
+    :class:`~shmtrain.fabric.smb.remote.RemoteBufferService` on the memory server at
     ``address`` (every worker of the job a client; ``secret``, else ``SHMTRAIN_SECRET``).
     The name is checked before ``ctx`` is used.
     """
@@ -160,7 +160,7 @@ class Transports:
     def memory_server(self) -> tuple[str, bytes]:
         """Start this job's memory server next to global rank 0 (collective); its
         ``HOST:PORT`` and the secret the clients prove."""
-        from shmtrain.fabric.smb_remote import start_memory_server
+        from shmtrain.fabric.smb.remote import start_memory_server
 
         return start_memory_server(self.ctx.store, self.ctx.rank, self.ctx.world_size, timeout=self.ctx.timeout)
 

@@ -1,6 +1,6 @@
 """``shmtrain smb-server``: a stand-alone memory server (SMB-REMOTE, ShmCaffe III-B, Fig. 7).
 
-Runs :class:`shmtrain.fabric.smb_remote.MemoryServer` until every client has said
+Runs :class:`shmtrain.fabric.smb.server.MemoryServer` until every client has said
 goodbye, writing the global buffers to ``--out`` every ``--snapshot-every`` seconds
 (atomically); ``--resume FILE`` starts from such a snapshot. SIGINT/SIGTERM write a last
 snapshot (when snapshots are on) and end the server; its clients then fail with an
@@ -21,7 +21,8 @@ SNAPSHOT = "smb-snapshot.pt"
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from shmtrain.fabric.smb_remote import MemoryServer, read_secret
+    from shmtrain.fabric.smb.remote import read_secret
+    from shmtrain.fabric.smb.server import MemoryServer
 
     if args.idle_exit < 0:
         raise ValueError(f"--idle-exit {args.idle_exit}: seconds must be >= 0 (0: never)")

@@ -1,22 +1,22 @@
-"""The shared memory buffer service (SMB-API): named buffers, keys, read, write, accumulate.
+"""The shared memory buffer service on one host (SMB-API over POSIX shared memory).
 
-ShmCaffe's Soft Memory Box (Section III-B, Figs. 2 and 5) in three parts:
+ShmCaffe's Soft Memory Box (Section III-B, Figs. 2 and 5) for the workers of one host,
+behind the :class:`~shmtrain.fabric.smb.api.BufferService` interface:
 
-:class:`BufferService` (the client)
+:class:`LocalBufferService` (the client)
     What a worker calls. The master creates a named buffer and hands out its key;
     other workers attach by key (Fig. 2); everyone reads and writes whole buffers; a
     worker asks the service to *accumulate* one buffer into another and is notified
-    when that has been applied (Fig. 5). :class:`LocalBufferService` implements it
-    over one host's POSIX shared memory.
+    when that has been applied (Fig. 5).
 :class:`BufferServer` (the memory server)
     The one owner that applies accumulations, exclusively, one request at a time. The
     local client of local rank 0 runs it in a thread; it reaches buffers only through a
     ``tensor_of(buffer_id)`` callable, so a memory server on another host can reuse it
     over another transport.
-:class:`ProgressBoard` (the control information of Figs. 3-4, Section III-E)
+:class:`LocalProgressBoard` (the control information of Figs. 3-4, Section III-E)
     Every worker's iterations done, state and liveness, which termination alignment
-    reads. :class:`LocalProgressBoard` keeps them in the host's control block. A
-    service carries its clients' board as ``service.board``.
+    reads, kept in the host's control block. A service carries its clients' board as
+    ``service.board``.
 
 Accumulation is exclusive and done by ONE owner, never by the writer: each worker
 writes its increment into a buffer only it writes (its ``weight_increment``, Fig. 5),
@@ -27,36 +27,26 @@ word. No locks: every shared word has one writer, so an increment can be neither
 nor applied twice, and a worker killed while writing its increment leaves nothing
 half-applied (the owner only reads a slot once its sequence number is published).
 Waiting sleeps on futex words.
-
-Transport neutrality: strategies hold a :class:`Buffer` handle and never touch its
-bytes except through ``read``, ``write`` and ``accumulate``, and read progress through
-a :class:`ProgressBoard`, so the remote service (SMB-REMOTE, another host's memory
-server) can stand in for :class:`LocalBufferService` without a change in the
-strategies. :func:`shmtrain.fabric.transports.open_buffer_service` builds a service by name.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from shmtrain.fabric.control import DIED, ControlBlock, PeerFailure, PeerTimeout, _alive
+from shmtrain.fabric.control import DIED, ControlBlock, PeerFailure, PeerTimeout
 from shmtrain.fabric.futex import futex_wait, futex_wake
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import SharedSegment, align
+from shmtrain.fabric.smb.api import Buffer, BufferKey, BufferService, ProgressBoard, Ticket
 
 LINE = 64
 _SLICE_S = 0.05  # how often a sleeper re-checks liveness and abort
 _MAGIC = 0x534D4231  # "SMB1"
-# worker states in the control block (termination alignment reads them too)
-STATE_SETUP, STATE_TRAINING, STATE_DONE = 0, 1, 2
 
 # -- request words: one writer per cache line ------------------------------------------
 # line 0: magic and world; DOORBELL: written by every requester (a value no other request
@@ -85,80 +75,6 @@ def _words_nbytes(world: int) -> int:
     return LINE * (3 + 3 * world)
 
 
-@dataclass(frozen=True)
-class BufferKey:
-    """What a worker needs to attach a buffer: the paper's SHM key (Fig. 2).
-
-    ``locator`` is transport specific (a segment name here, an address on a memory
-    server later); everything else is the same for every transport.
-    """
-
-    name: str
-    id: int
-    numel: int
-    dtype: str
-    locator: str
-
-    def encode(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def decode(cls, text: str | bytes) -> BufferKey:
-        return cls(**json.loads(text))
-
-
-class Buffer:
-    """A handle on one attached buffer; its bytes are reached through the service only."""
-
-    def __init__(self, key: BufferKey, storage: object) -> None:
-        self.key = key
-        self._storage = storage  # transport-private (a tensor view for the local service)
-
-    @property
-    def numel(self) -> int:
-        return self.key.numel
-
-    def __repr__(self) -> str:
-        return f"Buffer({self.key.name!r}, id={self.key.id}, numel={self.key.numel})"
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """An accumulate request in flight; :meth:`BufferService.wait` blocks until applied."""
-
-    rank: int
-    seq: int
-
-
-class ProgressBoard(ABC):
-    """Progress, state and liveness of every client of a buffer service (ShmCaffe's
-    control information, Figs. 3-4; termination alignment, Section III-E).
-
-    ``rank``/``world`` are the clients (the workers sharing the buffers); every call
-    indexes workers by that rank. Each worker writes only its own entry; any worker may
-    read every entry, without blocking.
-    """
-
-    rank: int
-    world: int
-
-    @abstractmethod
-    def set_progress(self, iterations: int, state: int | None = None) -> None:
-        """Publish this worker's iterations done (and state)."""
-
-    @abstractmethod
-    def progress(self, rank: int) -> int:
-        """Iterations done by worker ``rank``."""
-
-    @abstractmethod
-    def state(self, rank: int) -> int:
-        """``STATE_SETUP``, ``STATE_TRAINING`` or ``STATE_DONE`` of worker ``rank``."""
-
-    @abstractmethod
-    def alive(self, rank: int) -> bool:
-        """False once worker ``rank`` is known to have died."""
-
-
 class LocalProgressBoard(ProgressBoard):
     """The progress board of one host's workers, on the host's control block.
 
@@ -185,59 +101,7 @@ class LocalProgressBoard(ProgressBoard):
         return self.control.state(rank)
 
     def alive(self, rank: int) -> bool:
-        return _alive(self.control.pid(rank))
-
-
-class BufferService(ABC):
-    """The SMB-API every transport implements (ShmCaffe Section III-B, Figs. 2 and 5).
-
-    ``rank``/``world`` are the service's clients (the workers sharing the buffers);
-    ``board`` holds their progress, state and liveness, indexed by the same rank.
-    """
-
-    rank: int
-    world: int
-    board: ProgressBoard
-
-    @abstractmethod
-    def create(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> BufferKey:
-        """Create buffer ``name`` (zero-filled) and publish its key under that name."""
-
-    @abstractmethod
-    def lookup(self, name: str) -> BufferKey:
-        """The key published under ``name`` (waits for the creator, with a timeout)."""
-
-    @abstractmethod
-    def attach(self, key: BufferKey) -> Buffer:
-        """Map the buffer of ``key`` into this worker."""
-
-    @abstractmethod
-    def ready(self) -> None:
-        """Collective: every worker has created and attached its buffers."""
-
-    @abstractmethod
-    def read(self, buffer: Buffer, out: torch.Tensor) -> torch.Tensor:
-        """Copy the whole buffer into ``out`` (returns ``out``)."""
-
-    @abstractmethod
-    def write(self, buffer: Buffer, src: torch.Tensor) -> None:
-        """Copy ``src`` into the whole buffer (waits for an accumulate still reading it)."""
-
-    @abstractmethod
-    def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:
-        """Ask the service to add ``src`` into ``dst`` exclusively; returns at once."""
-
-    @abstractmethod
-    def wait(self, ticket: Ticket, timeout: float | None = None) -> None:
-        """Sleep until ``ticket``'s accumulate has been applied (the update notification)."""
-
-    @abstractmethod
-    def done(self, ticket: Ticket) -> bool:
-        """True once ``ticket``'s accumulate has been applied."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Leave the service; the owner keeps serving until every live peer has left."""
+        return self.control.alive(rank)
 
 
 class BufferServer:

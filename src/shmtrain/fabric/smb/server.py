@@ -1,23 +1,11 @@
-"""SMB-REMOTE: the buffer service for workers on other hosts (ShmCaffe III-B, Figs. 2, 5, 7).
+"""SMB-REMOTE's memory server: the process that owns the global buffers (ShmCaffe III-B, Figs. 5, 7).
 
 ShmCaffe's workers on many nodes reach one *remote* memory server that owns the global
 buffers and applies every accumulation itself, exclusively, one request at a time
-(Fig. 5). :class:`MemoryServer` is that process; :class:`RemoteBufferService` is the
-client, behind the same :class:`~shmtrain.fabric.smb.BufferService` interface as the
-local shared-memory service, so no strategy changes to use it.
-
-Transport: gloo point-to-point on a process group of its own (the server is rank 0,
-job rank ``r`` is ``1 + r``), over a TCP store the server hosts. torch RPC (TensorPipe)
-was measured on the same loopback link and moved 4 MiB in 4-6.5 ms where gloo's
-send/recv took 2.4 ms, so gloo it is (docs/async.md, "The remote buffer service").
-Gloo's any-source receive keeps serving the other clients when one dies (measured).
-
-Protocol: every request is one header (``int64[8]``: op, sequence number, arguments)
-on tag ``REQUEST``; the server answers every header with a status reply (``int64[4]``)
-on tag ``REPLY`` *before* any payload moves, so a refused or malformed request never
-leaves bytes in flight: ``write`` sends its payload after an OK, ``read`` receives the
-buffer after an OK, ``accumulate`` is answered when applied (the update notification of
-Fig. 5). A client's requests are served in the order it sent them.
+(Fig. 5). :class:`MemoryServer` is that process; its clients are
+:class:`~shmtrain.fabric.smb.remote.RemoteBufferService` (which also starts one next to a
+job's global rank 0: ``start_memory_server``), the messages between them
+:mod:`~shmtrain.fabric.smb.wire`'s; ``shmtrain smb-server`` runs one stand-alone.
 
 Security: the server listens on loopback unless told otherwise; a non-loopback bind
 needs a shared secret, and then every client proves it (HMAC-SHA256 of a nonce the
@@ -28,9 +16,7 @@ with a logged reason and nothing changes.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import hmac
-import ipaddress
 import os
 import secrets
 import threading
@@ -41,77 +27,36 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import PeerFailure, PeerTimeout, first_line
-from shmtrain.fabric.netif import route_source
-from shmtrain.fabric.smb import (
-    STATE_SETUP,
-    Buffer,
-    BufferKey,
-    BufferService,
-    ProgressBoard,
-    Ticket,
+from shmtrain.fabric.control import PeerTimeout, first_line
+from shmtrain.fabric.smb.api import BufferKey
+from shmtrain.fabric.smb.wire import (
+    _PAYLOAD_IN,
+    _REPLY,
+    _TO_CLIENT,
+    _VERDICT,
+    BAD_REQUEST,
+    HEADER,
+    OK,
+    OP_ACCUMULATE,
+    OP_BYE,
+    OP_HELLO,
+    OP_READ,
+    OP_WRITE,
+    REFUSED,
+    SECRET_ENV,
+    TAG_LIVENESS,
+    TAG_REQUEST,
+    TAG_TO_SERVER,
+    _gloo,
+    _proof,
+    _tag,
+    is_loopback,
 )
 
-HEADER, REPLY_WORDS = 8, 4
-TAG_REQUEST, TAG_TO_SERVER = 1, 3
-#: the tag of the receive the server keeps posted on each client's link: a client sends
-#: one byte there just before its goodbye; the receive failing first means the link closed,
-#: which is how a lost client is seen
-TAG_LIVENESS = 5
-_REPLY, _TO_CLIENT, _PAYLOAD_IN, _VERDICT = 0, 1, 2, 3
-
-
-def _tag(seq: int, kind: int) -> int:
-    """The tag of request ``seq``'s reply, payload to the client, or payload to the server:
-    one per request, so a client posts its receives before it sends the header (no
-    round trip waits for a receive to be posted) and a receive left posted after a
-    refusal can never take a later message."""
-    return 16 + ((seq % (1 << 22)) << 2) + kind
-OP_HELLO, OP_READ, OP_WRITE, OP_ACCUMULATE, OP_BYE = 1, 2, 3, 4, 5
-OK, REFUSED, BAD_REQUEST = 0, 1, 2
-_STATUS = {REFUSED: "refused: this client has not proven the shared secret",
-           BAD_REQUEST: "malformed request"}
-SECRET_ENV = "SHMTRAIN_SECRET"
 #: the server's group timeout: its any-source receive of the next request must never time
 #: out (gloo loses the messages of a link after a timed-out receive: measured), so it is
 #: effectively unbounded; connecting and every payload have their own bound
 _FOREVER = datetime.timedelta(days=365)
-#: the largest refused or malformed write payload the server receives only to drop it
-_DROP_MAX = 1 << 30
-
-
-def is_loopback(address: str) -> bool:
-    """Whether ``address`` (an IP or ``localhost``) is a loopback address."""
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
-def read_secret(secret_file: str | None) -> bytes | None:
-    """The shared secret from ``secret_file`` or ``$SHMTRAIN_SECRET``; None when neither."""
-    if secret_file:
-        data = Path(secret_file).read_bytes().strip()
-        if not data:
-            raise ValueError(f"--secret-file {secret_file}: the file is empty; write a secret into it "
-                             "(e.g. `openssl rand -hex 32 > FILE`)")
-        return data
-    env = os.environ.get(SECRET_ENV, "")
-    return env.encode() if env else None
-
-
-def _proof(secret: bytes, nonce: str) -> torch.Tensor:
-    digest = hmac.new(secret, nonce.encode(), hashlib.sha256).digest()
-    return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-
-
-def _gloo(store: dist.Store, rank: int, size: int, host: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(dist.PrefixStore("smb/pg/", store), rank, size, options)
 
 
 class MemoryServer:
@@ -481,316 +426,3 @@ class MemoryServer:
         self.log(f"shmtrain smb-server: client {client - 1}: {why}; answered with an error")
         self._reply(client, BAD_REQUEST, seq, int(drained))
 
-
-class StoreProgressBoard(ProgressBoard):
-    """Progress, state and liveness of the remote service's clients, in the server's store
-    (one key per worker: iterations and state; ``smb/dead/<rank>`` once it is known lost).
-    A failure to reach the store is a :class:`PeerFailure` naming the server (``lost``)."""
-
-    def __init__(self, store: dist.Store, rank: int, world: int,
-                 lost: Callable[[RuntimeError, str], Exception] | None = None) -> None:
-        self.store, self.rank, self.world = store, rank, world
-        self._lost = lost
-        self._state = STATE_SETUP
-        self.set_progress(0, STATE_SETUP)
-
-    def _do(self, fn: Callable, what: str):
-        try:
-            return fn()
-        except RuntimeError as exc:
-            if self._lost is None:
-                raise
-            raise self._lost(exc, what) from None
-
-    def set_progress(self, iterations: int, state: int | None = None) -> None:
-        if state is not None:
-            self._state = state
-        self._do(lambda: self.store.set(f"smb/progress/{self.rank}", f"{iterations},{self._state}"),
-                 "publishing progress")
-
-    def _record(self, rank: int) -> tuple[int, int]:
-        key = f"smb/progress/{rank}"
-        text = self._do(lambda: self.store.get(key).decode() if self.store.check([key]) else None,
-                        "reading progress")
-        if text is None:
-            return 0, STATE_SETUP
-        iterations, state = text.split(",")
-        return int(iterations), int(state)
-
-    def progress(self, rank: int) -> int:
-        return self._record(rank)[0]
-
-    def state(self, rank: int) -> int:
-        return self._record(rank)[1]
-
-    def alive(self, rank: int) -> bool:
-        return not self._do(lambda: self.store.check([f"smb/dead/{rank}"]), "reading liveness")
-
-    def mark_dead(self, rank: int) -> None:
-        """Record that worker ``rank`` is lost (its host's launcher saw it die)."""
-        self._do(lambda: self.store.set(f"smb/dead/{rank}", "1"), "recording a lost worker")
-
-
-class RemoteBufferService(BufferService):
-    """The SMB service through a :class:`MemoryServer` (ShmCaffe's remote SMB, Fig. 7).
-
-    Construction connects to the server (collective among the job's workers: the
-    server's process group forms when every client has joined).
-
-    Args:
-        address: ``HOST:PORT`` of the server's store.
-        rank: this worker's rank in the job; world: the job's workers.
-        secret: the shared secret (when the server asks for one).
-        timeout: seconds any request or connection waits before naming the server.
-    """
-
-    def __init__(self, address: str, rank: int, world: int, *, secret: bytes | None = None,
-                 timeout: float = 120.0) -> None:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--smb-server {address!r} must be HOST:PORT, e.g. 127.0.0.1:29600")
-        self.address, self.rank, self.world, self.timeout = address, rank, world, timeout
-        delta = datetime.timedelta(seconds=timeout)
-        try:
-            self.store = dist.TCPStore(host, int(port), None, False, delta)
-        except (RuntimeError, dist.DistError) as exc:
-            raise PeerFailure(f"cannot reach the memory server at {address} ({first_line(exc)}); start it with "
-                              f"`shmtrain smb-server --port {port} --clients {world}` or fix --smb-server") from None
-        clients = int(self.store.get("smb/clients"))
-        if clients != world:
-            raise ValueError(f"the memory server at {address} serves {clients} workers but this job has {world}; "
-                             f"restart it with --clients {world}")
-        self._lock = threading.Lock()
-        self._seq = 0
-        self._pending: list[tuple[Ticket, dist.Work, torch.Tensor]] = []
-        self._done = 0
-        self.board = StoreProgressBoard(self.store, rank, world, self._lost)
-        self.store.add("smb/joined", 1)
-        self.pg = self._call(lambda: _gloo(self.store, 1 + rank, world + 1, route_address(host), delta),
-                             "connecting")
-        if self.store.get("smb/secret") == b"1":
-            try:
-                if secret is None:
-                    raise PermissionError(f"the memory server at {address} requires a shared secret: pass "
-                                          f"--secret-file FILE or set {SECRET_ENV}")
-                self._hello(secret, self.store.get("smb/nonce").decode())
-            except PermissionError:
-                self.close()  # leave, so the server does not wait for this client
-                raise
-
-    # -- requests --------------------------------------------------------------------
-    def _call(self, fn: Callable, what: str):
-        try:
-            return fn()
-        except RuntimeError as exc:
-            raise self._lost(exc, what) from None
-
-    def _lost(self, exc: RuntimeError, what: str) -> Exception:
-        """The error for a failed transfer to or from the server, naming it."""
-        text = str(exc)
-        if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")):
-            return PeerFailure(f"the memory server at {self.address} was lost (its connection closed: it died "
-                               f"or was stopped) while {what}; restart it, with --resume from its "
-                               "snapshot if it wrote one")
-        if "Timed out" in text or "timed out" in text:
-            return PeerTimeout(f"the memory server at {self.address} did not answer within "
-                               f"{self.timeout:.0f} s while {what}")
-        return PeerFailure(f"the memory server at {self.address} failed while {what}: {first_line(exc)}")
-
-    def _request(self, op: int, a: int = 0, b: int = 0, c: int = 0,
-                 landing: torch.Tensor | None = None) -> tuple[int, tuple[dist.Work, torch.Tensor], dist.Work | None]:
-        """Post the receive of the reply (and of a read's payload into ``landing``), then
-        send one header; returns the sequence number, the reply's (work, tensor) and the
-        payload's work (the caller holds the lock)."""
-        self._seq += 1
-        seq = self._seq
-        reply = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-        posted = (self._call(lambda: self.pg.recv([reply], 0, _tag(seq, _REPLY)), "posting a receive"), reply)
-        payload = None
-        if landing is not None:
-            payload = self._call(lambda: self.pg.recv([landing], 0, _tag(seq, _TO_CLIENT)), "posting a receive")
-        header = torch.tensor([op, seq, a, b, c, 0, 0, 0], dtype=torch.int64)
-        self._call(lambda: self.pg.send([header], 0, TAG_REQUEST).wait(), f"sending request #{seq}")
-        return seq, posted, payload
-
-    def _status(self, seq: int, posted: tuple[dist.Work, torch.Tensor], what: str) -> torch.Tensor:
-        work, reply = posted
-        self._call(work.wait, f"waiting for the answer to {what}")
-        self._check(reply, seq, what)
-        return reply
-
-    def _check(self, reply: torch.Tensor, seq: int, what: str) -> None:
-        status, echoed = int(reply[0]), int(reply[1])
-        if echoed != seq:
-            raise PeerFailure(f"the memory server at {self.address} answered request #{echoed} "
-                              f"while this worker expected #{seq} ({what})")
-        if status == REFUSED:
-            raise PermissionError(f"the memory server at {self.address} refused {what}: {_STATUS[REFUSED]}")
-        if status != OK:
-            raise ValueError(f"the memory server at {self.address} rejected {what}: "
-                             f"{_STATUS.get(status, f'status {status}')} (see the server's log)")
-
-    def _drain(self) -> None:
-        """Collect the answers of accumulates in flight (before any other answer)."""
-        while self._pending:
-            self._drain_one()
-
-    def _hello(self, secret: bytes, nonce: str) -> None:
-        with self._lock:
-            seq, posted, _ = self._request(OP_HELLO)
-            self._status(seq, posted, "the greeting")
-            second = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-            verdict = (self._call(lambda: self.pg.recv([second], 0, _tag(seq, _VERDICT)),
-                                  "posting a receive"), second)
-            proof = _proof(secret, nonce)
-            self._call(lambda: self.pg.send([proof], 0, TAG_TO_SERVER).wait(), "proving the secret")
-            self._status(seq, verdict, "the proof of the shared secret")
-
-    # -- the SMB API -----------------------------------------------------------------
-    def create(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> BufferKey:
-        if numel <= 0:
-            raise ValueError(f"buffer {name!r}: numel must be positive, got {numel}")
-        if self.store.add(f"smb/claim/{name}", 1) != 1:
-            raise ValueError(f"buffer name {name!r} is already taken on the memory server at {self.address}")
-        buffer_id = self.store.add("smb/next", 1) - 1
-        key = BufferKey(name, buffer_id, numel, str(dtype).removeprefix("torch."), f"{self.address}/{buffer_id}")
-        self.store.set(f"smb/id/{buffer_id}", key.encode())
-        self.store.set(f"smb/key/{name}", key.encode())
-        return key
-
-    def lookup(self, name: str) -> BufferKey:
-        deadline = time.monotonic() + self.timeout
-        delay = 0.001
-        while not self.store.check([f"smb/key/{name}"]):
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"no worker published SMB buffer {name!r} on {self.address} within {self.timeout:.0f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        return BufferKey.decode(self.store.get(f"smb/key/{name}"))
-
-    def attach(self, key: BufferKey) -> Buffer:
-        return Buffer(key, None)
-
-    def ready(self) -> None:
-        count = self.store.add("smb/ready", 1)
-        deadline = time.monotonic() + self.timeout
-        generation = -(-count // self.world) * self.world
-        while self.store.add("smb/ready", 0) < generation:
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"only {self.store.add('smb/ready', 0) % self.world} of {self.world} workers "
-                                  f"created their buffers on {self.address} within {self.timeout:.0f} s")
-            time.sleep(0.005)
-
-    def read(self, buffer: Buffer, out: torch.Tensor) -> torch.Tensor:
-        # gloo receives into host memory: a GPU ``out`` gets the data through a host landing
-        target = (out if out.is_contiguous() and out.dtype == getattr(torch, buffer.key.dtype)
-                  and out.device.type == "cpu" else None)
-        landing = target if target is not None else torch.empty(buffer.numel, dtype=getattr(torch, buffer.key.dtype))
-        with self._lock:
-            self._drain()
-            seq, posted, payload = self._request(OP_READ, buffer.key.id, buffer.numel, landing=landing.view(-1))
-            self._status(seq, posted, f"read of {buffer.key.name!r}")
-            self._call(payload.wait, f"reading {buffer.key.name!r}")
-        if target is None:
-            out.copy_(landing.view_as(out))
-        return out
-
-    def write(self, buffer: Buffer, src: torch.Tensor) -> None:
-        payload = src.detach().reshape(-1).to("cpu", getattr(torch, buffer.key.dtype)).contiguous()
-        with self._lock:
-            self._drain()
-            seq, posted, _ = self._request(OP_WRITE, buffer.key.id, buffer.numel)
-            # the payload right behind the header: the server posts its receive before the
-            # status, and receives (then drops) the payload of a write it refuses
-            sent = self._call(lambda: self.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)), "sending a payload")
-            try:
-                self._status(seq, posted, f"write of {buffer.key.name!r}")
-            except (PermissionError, ValueError):
-                if int(posted[1][2]):  # the server received (and dropped) the payload
-                    self._call(sent.wait, f"writing {buffer.key.name!r}")
-                raise
-            self._call(sent.wait, f"writing {buffer.key.name!r}")
-
-    def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:
-        if src.numel != dst.numel or src.key.dtype != dst.key.dtype:
-            raise ValueError(f"cannot accumulate {src} into {dst}: sizes or dtypes differ")
-        with self._lock:
-            seq, (work, reply), _ = self._request(OP_ACCUMULATE, src.key.id, dst.key.id)
-            ticket = Ticket(self.rank, seq)
-            self._pending.append((ticket, work, reply))
-        return ticket
-
-    def done(self, ticket: Ticket) -> bool:
-        with self._lock:
-            while self._pending and self._pending[0][1].is_completed():
-                self._drain_one()
-            return self._done >= ticket.seq
-
-    def _drain_one(self) -> None:
-        ticket, work, reply = self._pending.pop(0)
-        self._call(work.wait, f"waiting for accumulate #{ticket.seq}")
-        self._check(reply, ticket.seq, f"accumulate #{ticket.seq}")
-        self._done = ticket.seq
-
-    def wait(self, ticket: Ticket, timeout: float | None = None) -> None:
-        with self._lock:
-            while self._done < ticket.seq and self._pending:
-                self._drain_one()
-
-    def close(self) -> None:
-        """Say goodbye (after the accumulates in flight); the server stops when all have."""
-        with self._lock:
-            try:
-                self._drain()
-                self._call(lambda: self.pg.send([torch.ones(1, dtype=torch.uint8)], 0, TAG_LIVENESS).wait(),
-                           "saying goodbye")  # leaving, not lost
-                seq, posted, _ = self._request(OP_BYE)
-                self._status(seq, posted, "goodbye")
-            except (PeerFailure, PermissionError, ValueError):
-                pass
-
-
-def route_address(peer: str) -> str:
-    """This host's address on the interface that routes to ``peer`` (loopback for a
-    loopback peer): what a server here is reached at, and what a client binds."""
-    return "127.0.0.1" if is_loopback(peer) else route_source(peer)
-
-
-def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: float,
-                        log: str | None = None) -> tuple[str, bytes]:
-    """Start the job's memory server next to global rank 0 (collective; ``torchrun
-    --nnodes N ... --strategy seasgd`` needs nothing else); returns its address and the
-    secret every client proves (generated here, handed out through the job's store: the
-    same trust as the rendezvous itself).
-
-    The server runs in its own session, so it outlives the loss of rank 0; it ends when
-    every client has said goodbye, or after ``timeout`` seconds without any request (a
-    job whose workers are all gone), writing its log to ``log`` (removed when it ended
-    cleanly).
-    """
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
-    if rank == 0:
-        bind = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        secret = secrets.token_hex(32)
-        log = log or os.path.join(tempfile.gettempdir(), f"shmtrain-smb-{os.getpid()}.log")
-        with open(log, "ab") as sink:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "shmtrain", "smb-server", "--clients", str(world), "--bind", bind,
-                 "--port", "0", "--timeout", str(timeout), "--idle-exit", str(timeout), "--address-file", log + ".addr",
-                 "--log-file", log],
-                env={**os.environ, SECRET_ENV: secret}, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
-                start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(log + ".addr"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise PeerFailure(f"the memory server did not start (exit status {proc.poll()}); see {log}")
-            time.sleep(0.05)
-        address = Path(log + ".addr").read_text().strip()
-        os.unlink(log + ".addr")
-        store.set("smb/auto", json.dumps({"address": address, "secret": secret, "log": log}))
-    info = json.loads(store.get("smb/auto"))
-    return info["address"], info["secret"].encode()
