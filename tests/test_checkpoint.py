@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from conftest import descendants, worker_process
 from shmtrain.cli import main
-from shmtrain.runtime import checkpoint
-from shmtrain.runtime.checkpoint import Checkpointer, CheckpointError
+from shmtrain.runtime import checkpoint_files
+from shmtrain.runtime.checkpoint import Checkpointer
+from shmtrain.runtime.checkpoint_files import CheckpointError
 from shmtrain.runtime.config import resolve
 
 #: a small job: exactness does not depend on the model, and a worker launch costs ~3-5 s
@@ -136,7 +137,7 @@ def test_seasgd_two_workers_stop_and_resume(tmp_path: Path) -> None:
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 143, err
     assert "SIGTERM" in err and f"shmtrain train --resume {run}" in err, err
-    point = checkpoint.resume_point(run, print)
+    point = checkpoint_files.resume_point(run, print)
     assert point is not None and "global_weights" in torch.load(point / "rank-0.pt", weights_only=False)["strategy"]
     assert train("--resume", str(run)) == 0
     summary = json.loads((run / "summary.json").read_text())
@@ -156,8 +157,8 @@ def test_ctrl_c_saves_and_the_resume_equals_the_straight_run(straight: Path, tmp
     assert time.monotonic() - sent < 15
     assert "interrupted" in err and f"shmtrain train --resume {run}" in err, err
     assert not [p for p in workers if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    point = checkpoint.resume_point(run, print)
-    stopped_at = checkpoint.step_of(point)
+    point = checkpoint_files.resume_point(run, print)
+    stopped_at = checkpoint_files.step_of(point)
     assert 200 < stopped_at < 3000 and iterations_logged(run, 1)[-1] == stopped_at
     assert not (run / "model.pt").exists()  # the run is not finished
     assert train("--resume", str(run)) == 0
@@ -169,7 +170,7 @@ def test_ctrl_c_saves_and_the_resume_equals_the_straight_run(straight: Path, tmp
 def test_killed_worker_restarts_from_the_latest_checkpoint(straight: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     launcher = start([*LONG, "--max-restarts", "1", "--out", str(run)])
-    wait_for(lambda: checkpoint.latest(run) is not None and rows_written(run, 1) > 300, launcher, "a checkpoint")
+    wait_for(lambda: checkpoint_files.latest(run) is not None and rows_written(run, 1) > 300, launcher, "a checkpoint")
     victim = worker_process(launcher.pid, 1)
     os.kill(victim.pid, signal.SIGKILL)
     _, err = launcher.communicate(timeout=120)
@@ -204,9 +205,9 @@ def test_a_corrupt_file_is_named(straight: Path, tmp_path: Path, capsys) -> None
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
     file.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=re.escape(str(file))):
-        checkpoint.load_rank(folder, 0, 2)
+        checkpoint_files.load_rank(folder, 0, 2)
     with pytest.raises(CheckpointError, match="holds 2 ranks, this job has 4"):
-        checkpoint.load_rank(folder, 1, 4)
+        checkpoint_files.load_rank(folder, 1, 4)
     # every checkpoint damaged: a clear error, exit 2
     run = tmp_path / "run"
     shutil.copytree(straight, run)
@@ -236,7 +237,7 @@ def test_conflicting_resume_is_refused(straight: Path, flags: list[str], words: 
 def test_checkpoint_config_must_match(straight: Path) -> None:
     other = resolve({**straight_values(straight), "lr": 0.5})
     with pytest.raises(ValueError, match="lr = 0.05, this run has lr = 0.5"):
-        checkpoint.check_compatible(straight / "checkpoints" / "step-3000", other)
+        checkpoint_files.check_compatible(straight / "checkpoints" / "step-3000", other)
 
 
 def straight_values(run: Path) -> dict:
@@ -275,7 +276,7 @@ def test_a_failed_write_names_the_path_and_keeps_the_previous_checkpoint(tmp_pat
     message = str(exc.value)
     assert str(tmp_path / "checkpoints" / "step-20.tmp") in message and "step-10 is intact" in message
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-10"
-    assert checkpoint.validate(tmp_path / "checkpoints" / "step-10")["step"] == 10
+    assert checkpoint_files.validate(tmp_path / "checkpoints" / "step-10")["step"] == 10
 
 
 def test_second_signal_stops_at_once_and_duplicates_do_not() -> None:

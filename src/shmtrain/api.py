@@ -108,6 +108,27 @@ class DataParallel(nn.Module):
     def should_stop(self) -> bool:
         return self.strategy.should_stop()
 
+    @property
+    def iteration(self) -> int:
+        """Iterations of the run so far (restored with a checkpoint)."""
+        return self.strategy.iteration
+
+    @property
+    def target_iterations(self) -> int | None:
+        """Iterations this worker is asked to run (None: no limit); asynchronous
+        strategies align their ends around it (TERM)."""
+        return self.strategy.target_iterations
+
+    @target_iterations.setter
+    def target_iterations(self, value: int | None) -> None:
+        self.strategy.target_iterations = value
+
+    @property
+    def lost_peers(self) -> dict[int, int]:
+        """Peers lost during the run (rank -> iterations they had published), for the
+        strategies that train on without them."""
+        return dict(self.strategy.lost_peers)
+
     def close(self) -> None:
         """End the strategy; leave the job if this wrapper joined it."""
         self.strategy.finish()

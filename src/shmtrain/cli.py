@@ -130,7 +130,7 @@ def _train(args: argparse.Namespace) -> int:
     merged = read_toml(config_file) if config_file else {}
     merged.update(values)
     if resume_dir is not None:
-        from shmtrain.runtime.checkpoint import resume_config
+        from shmtrain.runtime.checkpoint_files import resume_config
 
         config = resume_config(resume_dir, merged)  # RUN_DIR/config.toml + the run length
     else:
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
-    from shmtrain.runtime.checkpoint import CheckpointError
+    from shmtrain.runtime.checkpoint_files import CheckpointError
     from shmtrain.runtime.files import OutputError
     from shmtrain.runtime.launcher import WorkerFailed
     from shmtrain.runtime.run import RunStopped

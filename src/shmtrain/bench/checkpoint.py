@@ -97,7 +97,7 @@ def _slowest(results: list[dict[str, Any]], key: str) -> float:
 
 
 def run(models: list[str], payload: dict[str, Any], base: Path) -> list[dict[str, Any]]:
-    from shmtrain.runtime.checkpoint import validate
+    from shmtrain.runtime.checkpoint_files import validate
 
     rows = []
     for name in models:

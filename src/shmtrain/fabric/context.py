@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shmtrain.fabric.control import ControlBlock, PeerFailure, _alive, first_line
+from shmtrain.fabric.control import ControlBlock, PeerFailure, alive, first_line
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.netif import choose_interface, rendezvous_error
 from shmtrain.fabric.segment import PREFIX, SharedSegment
@@ -63,7 +63,7 @@ class ProcessContext:
             return
         control = self.host.control
         healthy = control.aborted() is None and all(
-            _alive(control.pid(r)) for r in range(self.local_world) if r != self.local_rank
+            alive(control.pid(r)) for r in range(self.local_world) if r != self.local_rank
         )
         if healthy and dist.is_initialized() and dist.get_world_size() > 1:
             try:

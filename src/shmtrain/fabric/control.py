@@ -81,7 +81,8 @@ def process_state(pid: int) -> bytes | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (0 or less: not yet registered, taken as alive)."""
     if pid <= 0:
         return True  # not yet registered
     try:
@@ -153,7 +154,7 @@ class ControlBlock:
 
     def alive(self, rank: int) -> bool:
         """False once local rank ``rank``'s process is known gone (True before it registers)."""
-        return _alive(self.pid(rank))
+        return alive(self.pid(rank))
 
     def set_progress(self, rank: int, iterations: int) -> None:
         self._i64[self._progress_off(rank) // 8] = iterations
@@ -316,7 +317,7 @@ class ControlBlock:
             raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) failed (code {code}) during {what}",
                               peer=who)
         for peer in range(self.local_world):
-            if peer != me and not _alive(self.pid(peer)):
+            if peer != me and not alive(self.pid(peer)):
                 self.abort(peer, DIED)
                 raise PeerFailure(f"local rank {peer} (pid {self.pid(peer)}) died during {what}", peer=peer)
 
@@ -327,7 +328,7 @@ class ControlBlock:
             how = "died" if code == DIED else (f"was killed by signal {code - 128}" if code > 128 else f"failed (exit status {code})")
             raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) {how} while this worker waited for {what}",
                               peer=who)
-        if not _alive(self.pid(rank)):
+        if not alive(self.pid(rank)):
             # Record the dead peer as the first failure before this worker's own error
             # does (first writer wins), so every other waiter names the root cause.
             self.abort(rank, DIED)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from shmtrain.fabric.control import DIED, LINE, PeerFailure, PeerTimeout, _alive
+from shmtrain.fabric.control import DIED, LINE, PeerFailure, PeerTimeout, alive
 from shmtrain.fabric.futex import futex_wait, futex_wake
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import align
@@ -179,7 +179,7 @@ class OneSidedWindow:
                 f"worker waited for {what}"
             )
         for peer in senders:
-            if not _alive(control.pid(peer)):
+            if not alive(control.pid(peer)):
                 control.abort(peer, DIED)  # the root cause, before this worker's own failure
                 raise PeerFailure(
                     f"local rank {peer} (pid {control.pid(peer)}) died while this worker "

@@ -103,73 +103,20 @@ def launch(
     """
     if nprocs < 1:
         raise ValueError(f"--workers {nprocs}: at least 1 worker is needed")
-    run_id = secrets.token_hex(4)
-    prefix = f"{PREFIX}-{run_id}"
-    store = dist.TCPStore(
-        "127.0.0.1", 0, nprocs + 1, is_master=True, timeout=timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )
-    store.set("run_id", run_id)
-    store.set("payload", pickle.dumps(payload))
-    control_segment = SharedSegment(f"{prefix}-h0-control", ControlBlock.nbytes(nprocs), create=True)
-    control = ControlBlock(control_segment, nprocs, init=True)
-    # Workers inherit the descriptor, so the name can go at once: no window in which a
-    # crash (or anyone sweeping /dev/shm) could leave or lose it.
-    control_segment.unlink()
-    base_env = dict(os.environ)
-    base_env.update(env or {})
-    base_env.update(
-        WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), SHMTRAIN_STORE_PORT=str(store.port),
-        SHMTRAIN_CONTROL=control_segment.name, SHMTRAIN_CONTROL_FD=str(control_segment.fd),
-        SHMTRAIN_TIMEOUT=str(timeout),
-        OMP_NUM_THREADS=str(threads), SHMTRAIN_THREADS=str(threads),
-    )
+    job = _JobSetup(nprocs, payload, threads=threads, timeout=timeout, env=env)
     children: list[Any] = []  # subprocess.Popen, or zygote.Worker (the same calls)
     logs = _WorkerLogs(log_dir, nprocs, verbose)
-    failure: WorkerFailed | None = None
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there
-    stopping = _StopRelay(control) if graceful_stop and in_main else None
+    stopping = _StopRelay(job.control) if graceful_stop and in_main else None
     force = False
     try:
         for rank in range(nprocs):
-            child_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank), **logs.env())
-            children.append(_start(target, child_env, (control_segment.fd, *logs.fds()), logs.path(rank),
+            child_env = dict(job.env, RANK=str(rank), LOCAL_RANK=str(rank), **logs.env())
+            children.append(_start(target, child_env, (job.segment.fd, *logs.fds()), logs.path(rank),
                                    timeout))
-        lost: dict[int, int] = {}  # tolerated deaths: rank -> exit code
-        while True:
-            codes = [c.poll() for c in children]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in lost]
-            if bad and stopping is not None and stopping.signum and bad[0][1] in _STOP_CODES:
-                _end(children, 3.0)  # the signal reached a worker before its loop: nothing saved
-                raise KeyboardInterrupt
-            if bad and failure is None and tolerate_worker_loss and control.aborted() is None \
-                    and control.state(bad[0][0]) != 0:
-                lost[bad[0][0]] = bad[0][1]
-            elif bad and failure is None:
-                rank, code = bad[0]
-                control.abort(rank, code if code > 0 else 128 - code)
-                record = _error_record(store, rank, code)
-                stuck = _end(children, GRACE_S)
-                failure = _root_cause(children, rank, code, record, stuck, lost, logs, store)
-                failure.stop_signal = stopping.signum if stopping is not None else 0
-                break
-            if all(c == 0 or (c is not None and r in lost) for r, c in enumerate(codes)):
-                break
-            time.sleep(0.05)
-        if failure is not None:
-            raise failure
-        if lost:
-            rank, code = next(iter(lost.items()))
-            failure = WorkerFailed(
-                f"worker rank {rank} (pid {children[rank].pid}) died: {describe_exit(code)}; "
-                "the other workers trained on to the end", rank, code,
-            )
-            failure.results = {
-                r: pickle.loads(store.get(f"result/{r}")) for r in range(nprocs) if r not in lost
-            }
-            raise failure
-        return [pickle.loads(store.get(f"result/{r}")) for r in range(nprocs)]
+        supervisor = _Supervisor(children, job, logs, stopping, tolerate_worker_loss)
+        supervisor.watch()
+        return supervisor.results()
     except KeyboardInterrupt:
         force = stopping is not None  # a second signal: stop at once
         _end(children, 1.0 if force else 3.0, kill=force)
@@ -179,9 +126,100 @@ def launch(
             stopping.close()
         _end(children, 0.0, kill=force)
         logs.close()
-        control_segment.unlink()
-        sweep(prefix)
-        del store
+        job.close()
+
+
+class _JobSetup:
+    """What a local launch sets up before any worker starts: the job's store (the
+    payload and, later, every result), the host's control block (its name unlinked at
+    once: the workers inherit the descriptor) and the workers' environment."""
+
+    def __init__(self, nprocs: int, payload: Any, *, threads: int, timeout: float,
+                 env: dict[str, str] | None) -> None:
+        self.nprocs = nprocs
+        run_id = secrets.token_hex(4)
+        self.prefix = f"{PREFIX}-{run_id}"
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, nprocs + 1, is_master=True, timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        self.store.set("run_id", run_id)
+        self.store.set("payload", pickle.dumps(payload))
+        self.segment = SharedSegment(f"{self.prefix}-h0-control", ControlBlock.nbytes(nprocs), create=True)
+        self.control = ControlBlock(self.segment, nprocs, init=True)
+        # Workers inherit the descriptor, so the name can go at once: no window in which a
+        # crash (or anyone sweeping /dev/shm) could leave or lose it.
+        self.segment.unlink()
+        self.env = dict(os.environ)
+        self.env.update(env or {})
+        self.env.update(
+            WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port), SHMTRAIN_STORE_PORT=str(self.store.port),
+            SHMTRAIN_CONTROL=self.segment.name, SHMTRAIN_CONTROL_FD=str(self.segment.fd),
+            SHMTRAIN_TIMEOUT=str(timeout),
+            OMP_NUM_THREADS=str(threads), SHMTRAIN_THREADS=str(threads),
+        )
+
+    def result(self, rank: int) -> Any:
+        return pickle.loads(self.store.get(f"result/{rank}"))
+
+    def close(self) -> None:
+        self.segment.unlink()
+        sweep(self.prefix)
+        del self.store
+
+
+class _Supervisor:
+    """The supervision policy of a local launch: poll the workers until every one has
+    returned; the first to fail ends the others (its root cause named, :func:`_root_cause`);
+    under ``tolerate_worker_loss`` a worker that dies after it started training is
+    recorded and the others train on; under a graceful stop a worker ended by the signal
+    before its loop ends the launch as a KeyboardInterrupt."""
+
+    def __init__(self, children: list[Any], job: _JobSetup, logs: _WorkerLogs,
+                 stopping: _StopRelay | None, tolerate_worker_loss: bool) -> None:
+        self.children, self.job, self.logs, self.stopping = children, job, logs, stopping
+        self.tolerate = tolerate_worker_loss
+        self.lost: dict[int, int] = {}  # tolerated deaths: rank -> exit code
+
+    def watch(self) -> None:
+        """Return once every worker has ended well (or was lost, tolerated); raise the
+        first failure otherwise."""
+        children, control = self.children, self.job.control
+        while True:
+            codes = [c.poll() for c in children]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in self.lost]
+            if bad and self.stopping is not None and self.stopping.signum and bad[0][1] in _STOP_CODES:
+                _end(children, 3.0)  # the signal reached a worker before its loop: nothing saved
+                raise KeyboardInterrupt
+            if bad and self.tolerate and control.aborted() is None and control.state(bad[0][0]) != 0:
+                self.lost[bad[0][0]] = bad[0][1]
+            elif bad:
+                raise self._failure(*bad[0])
+            if all(c == 0 or (c is not None and r in self.lost) for r, c in enumerate(codes)):
+                return
+            time.sleep(0.05)
+
+    def _failure(self, rank: int, code: int) -> WorkerFailed:
+        self.job.control.abort(rank, code if code > 0 else 128 - code)
+        record = _error_record(self.job.store, rank, code)
+        stuck = _end(self.children, GRACE_S)
+        failure = _root_cause(self.children, rank, code, record, stuck, self.lost, self.logs, self.job.store)
+        failure.stop_signal = self.stopping.signum if self.stopping is not None else 0
+        return failure
+
+    def results(self) -> list[Any]:
+        """Every worker's return value by rank; :class:`WorkerFailed` (with the survivors'
+        ``.results``) when one was lost."""
+        if self.lost:
+            rank, code = next(iter(self.lost.items()))
+            failure = WorkerFailed(
+                f"worker rank {rank} (pid {self.children[rank].pid}) died: {describe_exit(code)}; "
+                "the other workers trained on to the end", rank, code,
+            )
+            failure.results = {r: self.job.result(r) for r in range(self.job.nprocs) if r not in self.lost}
+            raise failure
+        return [self.job.result(r) for r in range(self.job.nprocs)]
 
 
 #: exit codes of a worker ended by SIGINT or SIGTERM (its own status, or the signal's)

@@ -58,24 +58,37 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 25
     return correct / max(1, len(x))
 
 
-def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    """Train this worker's shard; return its summary (rank 0 adds accuracy)."""
-    config: TrainConfig = payload["config"]
-    out = Path(payload["out"])
+def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of the run, from the config's optimisation section (SGD with
+    momentum and weight decay: the papers' optimizer)."""
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                           weight_decay=config.weight_decay)
+
+
+def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[Any, torch.device, nn.Module, DataParallel,
+                                                              Trainer, PhaseTimer, int]:
+    """This worker's data, device, model, DataParallel, Trainer, timer and planned
+    iterations."""
     torch.manual_seed(config.seed)
     data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
                      image_size=config.image_size, skip_bad_files=config.skip_bad_files)
     device = worker_device(config.device, ctx.host.local_rank)  # GPU local_rank % count, or the CPU
     model = build_model(config.model, data.input_shape, data.num_classes).to(device)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
+    optimizer = build_optimizer(config, model)
     timer = PhaseTimer(device)  # on a GPU: forward, backward, update timed by CUDA events
     dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer)
     total = planned_iterations(config, data, ctx.world_size)
     trainer = Trainer(dp, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total),
                       sub_batch=config.sub_batch, amp=config.amp)  # --sub-batch K: K threads per worker (SUB-BATCH)
-    dp.strategy.target_iterations = total
+    dp.target_iterations = total
+    return data, device, model, dp, trainer, timer, total
+
+
+def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
+    """Train this worker's shard; return its summary (rank 0 adds accuracy)."""
+    config: TrainConfig = payload["config"]
+    out = Path(payload["out"])
+    data, device, model, dp, trainer, timer, total = _build(ctx, config)
     # checkpoints (runtime/checkpoint.py): a resumed run loads every rank's state here,
     # collectively, before the data position is used
     checkpoints = Checkpointer(ctx, config, out, len(data.train_x) // (config.batch_size * ctx.world_size))
@@ -100,18 +113,18 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
             phases["iteration"] = time.perf_counter() - iter_start
             value = float(loss.detach())
             losses.append(value)
-            row = {"iteration": dp.strategy.iteration, "loss": value, "lr": trainer.lr,
+            row = {"iteration": dp.iteration, "loss": value, "lr": trainer.lr,
                    "t0": monitor.stamp(iter_start), "time": phases, **timer.take_details()}
             log.write(json.dumps(row) + "\n")
             monitor.after_iteration(row, log)  # outside the iteration's time
-            progress.update(dp.strategy.iteration, value)
-            if stop.check(dp.strategy.iteration):
+            progress.update(dp.iteration, value)
+            if stop.check(dp.iteration):
                 break
-            if checkpoints.due(dp.strategy.iteration, total):
+            if checkpoints.due(dp.iteration, total):
                 log.flush()  # rows up to the checkpoint are on disk before it is
-                checkpoints.save(trainer, dp.strategy.iteration)
-        stop.finished(dp.strategy.iteration)
-        monitor.finish(dp.strategy.iteration, log)
+                checkpoints.save(trainer, dp.iteration)
+        stop.finished(dp.iteration)
+        monitor.finish(dp.iteration, log)
         progress.close()
         wall = time.perf_counter() - start
         log.flush()
@@ -125,7 +138,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         log.close()
     result: dict[str, Any] = {
         "rank": ctx.rank,
-        "iterations": dp.strategy.iteration,
+        "iterations": dp.iteration,
         "wall_s": wall,
         "final_loss": losses[-1] if losses else None,
         "planned_iterations": total,
@@ -134,7 +147,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         "checkpoint": str(saved) if saved is not None else None,
         "skipped_files": data.skipped,
         # asynchronous strategies: workers lost during the run (rank -> iterations done)
-        "lost": dict(dp.strategy.lost_peers),
+        "lost": dp.lost_peers,
         "device": str(device),
     }
     if ctx.rank == 0 and not stop.stopped:

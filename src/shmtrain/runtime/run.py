@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
-from shmtrain.runtime import checkpoint, report
+from shmtrain.runtime import checkpoint_files, report
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launcher import WorkerFailed, launch
 from shmtrain.runtime.preflight import preflight
@@ -70,7 +70,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     """Train as ``config`` says; return the summary (None on non-zero ranks of torchrun).
 
     ``resume``: continue the run in ``config.out`` from its newest whole checkpoint
-    (``config`` comes from :func:`shmtrain.runtime.checkpoint.resume_config`).
+    (``config`` comes from :func:`shmtrain.runtime.checkpoint_files.resume_config`).
 
     Raises:
         ValueError: bad input, before any worker starts (exit status 2).
@@ -86,7 +86,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     out = Path(config.out) if config.out else default_out(config)
     preflight(config, out)  # before any folder or worker: one clear line, exit 2
     start_from = _starting_point(out, config, resume)
-    checkpoint.prepare_run_folder(out, config)  # config.toml; refuses an unwritable folder
+    checkpoint_files.prepare_run_folder(out, config)  # config.toml; refuses an unwritable folder
     echo(f"shmtrain: {config.strategy}, {config.workers} workers x {config.threads} thread(s), "
          f"{config.model} on {config.data}; run folder {out}"
          + (f"; resuming from {start_from.name}" if start_from else ""))
@@ -105,8 +105,8 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
         except WorkerFailed as exc:
             if not exc.stop_signal and restarts < config.max_restarts:
                 restarts += 1
-                start_from = checkpoint.resume_point(out, _warn)
-                checkpoint.clean_partial(out)
+                start_from = checkpoint_files.resume_point(out, _warn)
+                checkpoint_files.clean_partial(out)
                 where = start_from if start_from else "the beginning (no checkpoint yet)"
                 _warn(f"shmtrain: {exc}; restarting every worker from {where} "
                       f"(restart {restarts} of {config.max_restarts})")
@@ -119,7 +119,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
                 exc.args = (f"{exc} (after {restarts} restart(s), the last cause)",)
             raise
         except KeyboardInterrupt:
-            last = checkpoint.latest(out)
+            last = checkpoint_files.latest(out)
             hint = (f"the latest checkpoint is {last}; continue with: shmtrain train --resume {out}"
                     if last else "no checkpoint was written")
             raise RunStopped(f"interrupted; every worker has been stopped without saving; {hint}", 130) from None
@@ -133,21 +133,21 @@ def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None
     """The checkpoint a local run starts from: the newest whole one with ``resume``
     (checked against ``config``); none for a new run, whose folder must hold none."""
     if not resume:
-        existing = checkpoint.latest(out)
+        existing = checkpoint_files.latest(out)
         if existing is not None:
             raise ValueError(
                 f"--out {out} already holds a run with checkpoints ({existing}); continue it with: "
                 f"shmtrain train --resume {out}, or give a new folder with --out"
             )
         return None
-    point = checkpoint.resume_point(out, _warn)
+    point = checkpoint_files.resume_point(out, _warn)
     if point is None:
         raise ValueError(
-            f"--resume {out}: no complete checkpoint in {out / checkpoint.CHECKPOINTS} (the run "
+            f"--resume {out}: no complete checkpoint in {out / checkpoint_files.CHECKPOINTS} (the run "
             "ended before its first one); start it again with another --out"
         )
-    checkpoint.check_compatible(point, config)
-    done = max(r["iteration"] for r in checkpoint.read_meta(point)["ranks"])
+    checkpoint_files.check_compatible(point, config)
+    done = max(r["iteration"] for r in checkpoint_files.read_meta(point)["ranks"])
     if config.iterations is not None and config.iterations < done:
         raise ValueError(
             f"--iterations {config.iterations}: the run has done {done} iterations already "
@@ -161,7 +161,7 @@ def _stopped_message(out: Path, results: list[dict[str, Any]], signum: int) -> s
     name = signal.Signals(signum).name
     its = sorted({r["iterations"] for r in results})
     at = f"iteration {its[0]}" if len(its) == 1 else f"iterations {its[0]}-{its[-1]}"
-    saved = checkpoint.latest(out)
+    saved = checkpoint_files.latest(out)
     return (f"interrupted by {name}: every worker stopped after {at} and saved {saved}; "
             f"continue with: shmtrain train --resume {out}")
 
@@ -298,12 +298,12 @@ def _torchrun_folder(config: TrainConfig, echo) -> dict[str, Any]:
     run again); an error message instead when that cannot be."""
     out = Path(config.out) if config.out else default_out(config)
     try:
-        point = checkpoint.resume_point(out, _warn) if out.is_dir() else None
+        point = checkpoint_files.resume_point(out, _warn) if out.is_dir() else None
         if point is not None:
-            checkpoint.check_compatible(point, config)
+            checkpoint_files.check_compatible(point, config)
             echo(f"shmtrain: resuming {out} from {point.name} (torchrun restart "
                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
-        checkpoint.prepare_run_folder(out, config)
+        checkpoint_files.prepare_run_folder(out, config)
     except ValueError as exc:
         return {"out": None, "resume": None, "error": str(exc)}
     return {"out": str(out.resolve()), "resume": str(point.resolve()) if point else None, "error": None}

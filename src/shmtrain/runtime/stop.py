@@ -35,8 +35,7 @@ import threading
 import time
 from typing import Any
 
-from shmtrain.fabric.control import PeerFailure, PeerTimeout
-from shmtrain.fabric.control import _alive as alive
+from shmtrain.fabric.control import PeerFailure, PeerTimeout, alive
 
 #: seconds between polls of the store's ``stop`` key, in jobs across hosts only
 POLL_S = 0.5

@@ -37,7 +37,7 @@ def _terminate(signum, frame):  # noqa: ARG001
 def _says_it_all(exc: BaseException) -> bool:
     """shmtrain's own errors, whose message alone names the cause (no type name needed)."""
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
-    from shmtrain.runtime.checkpoint import CheckpointError
+    from shmtrain.runtime.checkpoint_files import CheckpointError
     from shmtrain.runtime.files import OutputError
 
     return isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | OutputError | ValueError) and bool(str(exc))
@@ -98,7 +98,7 @@ def main() -> int:
             ctx.fail(1)
             _report(ctx, exc)
         from shmtrain.fabric.control import PeerFailure, PeerTimeout
-        from shmtrain.runtime.checkpoint import CheckpointError
+        from shmtrain.runtime.checkpoint_files import CheckpointError
 
         # a peer's failure or a checkpoint file: this worker's traceback would say nothing more;
         # anything else (a bad image deep in the data, a full disk) keeps its traceback in the log

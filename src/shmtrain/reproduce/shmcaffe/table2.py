@@ -41,14 +41,14 @@ TWO = ("seasgd-2", "ps_grad-2", "ssgd-2")
 
 def _train(values: dict[str, Any], folder: Path) -> dict[int, list[dict[str, Any]]]:
     """One ``shmtrain train`` launch (no summary or plot); every rank's metrics rows."""
-    from shmtrain.runtime import checkpoint
+    from shmtrain.runtime import checkpoint_files
     from shmtrain.runtime.config import resolve
     from shmtrain.runtime.launcher import launch
     from shmtrain.runtime.report import read_rows
     from shmtrain.runtime.run import TARGET
 
     config = resolve({"device": "cpu", **values, "out": str(folder), "progress": False, "checkpoint_every": 0})
-    checkpoint.prepare_run_folder(folder, config)
+    checkpoint_files.prepare_run_folder(folder, config)
     launch(TARGET, config.workers, {"config": config, "out": str(folder), "resume": None},
            threads=config.threads, timeout=config.timeout, log_dir=folder / "logs")
     return read_rows(folder)
