@@ -102,14 +102,19 @@ class Strategy:
 
     @classmethod
     def check_device(cls, params: list[torch.Tensor]) -> None:
-        """Refuse parameters on a device the strategy does not support (``devices``)."""
+        """Refuse parameters on a device the strategy does not support (``devices``), with
+        :meth:`device_refusal`'s message."""
         found = sorted({p.device.type for p in params} - cls.devices)
         if found:
-            raise ValueError(
-                f"--strategy {cls.name} supports parameters on {', '.join(sorted(cls.devices))}, "
+            raise ValueError(cls.device_refusal(found))
+
+    @classmethod
+    def device_refusal(cls, found: list[str]) -> str:
+        """Why parameters on the devices ``found`` cannot run here, and the fix (a variant
+        that chose its devices says it in its own words)."""
+        return (f"--strategy {cls.name} supports parameters on {', '.join(sorted(cls.devices))}, "
                 f"but the model has parameters on {', '.join(found)}; move the model to "
-                f"{'the CPU' if cls.devices == {'cpu'} else ' or '.join(sorted(cls.devices))}"
-            )
+                f"{'the CPU' if cls.devices == {'cpu'} else ' or '.join(sorted(cls.devices))}")
 
     @classmethod
     def check_world(cls, config: StrategyConfig, workers: int, num_nodes: int = 1) -> None:

@@ -34,13 +34,11 @@ class NcclSSGD(Strategy):
     variant_reason = "the NCCL baseline is one allreduce of the float32 gradients after backward, as DDP's"
 
     @classmethod
-    def check_device(cls, params: list[torch.Tensor]) -> None:
-        found = sorted({p.device.type for p in params} - cls.devices)
-        if found:
-            raise ValueError(
-                f"--allreduce nccl reduces GPU tensors, but the model is on {found[0]}; use "
-                "--device cuda, or another --allreduce (shm, the default, runs on the CPU and "
-                "stages GPU gradients through host memory)")
+    def device_refusal(cls, found: list[str]) -> str:
+        return (
+            f"--allreduce nccl reduces GPU tensors, but the model is on {found[0]}; use "
+            "--device cuda, or another --allreduce (shm, the default, runs on the CPU and "
+            "stages GPU gradients through host memory)")
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)

@@ -58,13 +58,11 @@ class ShardedSSGD(SlotGradients, Strategy):
                       "the chunk it reduced)")
 
     @classmethod
-    def check_device(cls, params: list[torch.Tensor]) -> None:
-        found = sorted({p.device.type for p in params} - cls.devices)
-        if found:
-            raise ValueError(
-                f"--sharded-update keeps the host's one copy of the weights in shared memory and "
-                f"updates it on the CPU, but the model is on {found[0]}; drop --sharded-update "
-                "(plain ssgd stages its gradients through host memory) or use --device cpu")
+    def device_refusal(cls, found: list[str]) -> str:
+        return (
+            f"--sharded-update keeps the host's one copy of the weights in shared memory and "
+            f"updates it on the CPU, but the model is on {found[0]}; drop --sharded-update "
+            "(plain ssgd stages its gradients through host memory) or use --device cpu")
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
