@@ -140,9 +140,13 @@ def test_ssgd_on_in_process_peers_through_a_fake_transports_equals_single_proces
     asked: list[list[str]] = [[] for _ in range(peers)]
     errors: list[BaseException] = []
 
+    # built here, one after another: torch's RNG is global, and threads seeding it at once
+    # would draw each other's numbers (the peers would start from different weights)
+    models = [_net() for _ in range(peers)]
+
     def peer(rank: int) -> None:
         try:
-            model = _net()
+            model = models[rank]
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1)
             transports = FakeTransports(world, rank)
