@@ -43,6 +43,7 @@ FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: abort codes beside :data:`~shmtrain.fabric.control.DIED`: the rank named did not answer
 #: within the timeout (recorded by the peer that gave up on it), or failed on its own
 TIMED_OUT, FAILED = 254, 1
+_WHAT_TO_DO = "Destroy it (dist.destroy_process_group) and create a new one"
 _LINE = 256  # header bytes per local rank: two slots of 4 int64, then the reason text
 _REASON_AT = 64
 
@@ -118,6 +119,7 @@ class HostReducer:
         self.host.barrier("the shm backend's set-up")
         self.calls = 0  # allreduce calls so far (every rank counts alike: the header's number)
         self.failure: ShmBackendError | None = None
+        self._cause = ""
         self._phase = ""
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -140,9 +142,8 @@ class HostReducer:
     def check(self) -> None:
         """Raise if the group failed earlier (every later call of the group says so)."""
         if self.failure is not None:
-            raise ShmBackendError(
-                f"{self.who}: the group failed earlier and cannot continue ({first_line(self.failure, 400)}). "
-                "Destroy it (dist.destroy_process_group) and create a new one")
+            raise ShmBackendError(f"{self.who}: the group failed earlier and cannot continue "
+                                  f"({self._cause}). {_WHAT_TO_DO}")
 
     def _run(self) -> None:
         while True:
@@ -231,6 +232,7 @@ class HostReducer:
         local ranks' waits end (the control block's abort, with this rank's reason)."""
         me, n = self.host.local_rank, self.calls
         aborted = self.control.aborted()
+        blame: tuple[int, int] | None = None  # (local rank, code) to record in the control block
         if isinstance(exc, _Mismatch):
             text = str(exc)  # every rank saw the headers: each raises its own
         elif isinstance(exc, PeerTimeout) and exc.peer is not None:
@@ -238,7 +240,7 @@ class HostReducer:
             text = (f"{self.who}: all_reduce #{n} failed: {self._local(peer)} did not {self._phase} within "
                     f"{self.timeout:g} s (the group's timeout): it is alive but did not call the collective, "
                     "or is stuck")
-            self.control.abort(peer, TIMED_OUT)
+            blame = (peer, TIMED_OUT)
         elif isinstance(exc, PeerFailure) and aborted is not None:
             who, code = aborted
             if code == DIED:
@@ -252,10 +254,12 @@ class HostReducer:
             text = f"{self.who}: all_reduce #{n} failed: {cause}"
         else:
             text = f"{self.who}: all_reduce #{n} failed on this rank: {type(exc).__name__}: {first_line(exc, 400)}"
-            self.control.abort(me, FAILED)
-        error = ShmBackendError(text + ". The group cannot continue: destroy it (dist.destroy_process_group) "
-                                "and create a new one")
-        self._write_reason(text)
+            blame = (me, FAILED)
+        error = ShmBackendError(f"{text}. The group cannot continue: {_WHAT_TO_DO[0].lower()}{_WHAT_TO_DO[1:]}")
+        self._write_reason(text)  # before the abort: a peer woken by it reads the reason
+        if blame is not None:
+            self.control.abort(*blame)
+        self._cause = text.split(": ", 1)[-1]
         self.failure = error
         return error
 

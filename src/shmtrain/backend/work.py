@@ -1,10 +1,23 @@
 """The ``Work`` of the ``shm`` backend and its error type.
 
-``_create_work_from_future`` of a Python future that holds an exception reports success in
-this torch (``wait()`` returns, ``is_success()`` is true): an error in a reduction became a
-silently unreduced tensor. :class:`ShmWork` is a ``Work`` subclass of its own (c10d's
-``Work`` may be subclassed in Python) whose ``wait()`` raises the error, whose
-``is_success()`` is false and whose future (what DDP's reducer waits on) holds the error.
+Why a Work of its own. ``torch.futures.Future.set_exception`` does not fail the future in
+C++: it completes it *successfully* with the exception object as its value, and only the
+Python wrapper's ``wait()`` raises it. ``_create_work_from_future`` of such a future then
+reports success (``wait()`` returns, ``is_success()`` is true), and DDP's reducer, in C++,
+took the exception object for the bucket's tensors (the SIGSEGV of ``test_ddp_create_graph``):
+an error became a silently unreduced tensor or a crash.
+
+:class:`ShmWork` subclasses c10d's ``Work`` in Python: ``wait()`` raises the error itself
+(:class:`ShmBackendError`, type kept), ``is_success()`` is false, and its future is the
+source future chained through a callback that re-raises, which fails the chained future in
+C++ (its error reads ``... ShmBackendError: <message>``), so DDP's reducer raises.
+
+torch wraps a Python backend's ``Work`` in its ``PyWorkHolder`` before handing it to the
+caller of ``dist.all_reduce(..., async_op=True)``: the holder forwards ``wait()`` and
+``get_future()`` only, so on that object ``is_completed()`` stays false and
+``is_success()`` true (for gloo's works handed through a Python backend too). ``wait()``
+and the future are what DDP and ``dist.*`` use; the rest is right on the backend's own
+``ShmWork`` (``backend.allreduce(...)``).
 """
 
 from __future__ import annotations
@@ -41,7 +54,9 @@ class ShmWork(Work):
         self._gloo = list(gloo)
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._own: torch.futures.Future = torch.futures.Future()
+        self._source: torch.futures.Future = torch.futures.Future()
+        # the callback re-raises a set_exception: that fails the chained future in C++
+        self._own: torch.futures.Future = self._source.then(_value)
         self._future: torch.futures.Future | None = None
         if not pending:
             self.finish()
@@ -49,11 +64,11 @@ class ShmWork(Work):
     def finish(self, error: BaseException | None = None) -> None:
         """The shared-memory part is done (``error``: it failed)."""
         self._error = error
-        if error is None:
-            self._own.set_result(self._tensors)
-        else:
-            self._own.set_exception(error)
         self._done.set()
+        if error is None:
+            self._source.set_result(self._tensors)
+        else:
+            self._source.set_exception(error)
 
     # -- c10d's Work interface -----------------------------------------------------------
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -98,6 +113,10 @@ class ShmWork(Work):
 
     def synchronize(self) -> None:
         """CPU work: nothing to synchronise with."""
+
+
+def _value(source: torch.futures.Future) -> list[torch.Tensor]:
+    return source.value()
 
 
 def _all_or_raise(done: torch.futures.Future, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
