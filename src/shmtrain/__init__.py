@@ -32,16 +32,11 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-# -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend.py) ---------------
-def _create_shm_group(store, rank, size, timeout):
-    from shmtrain.backend import ShmProcessGroup
-
-    return ShmProcessGroup(store, rank, size, timeout)
-
-
+# -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend/) ----------------
 def _register_backend(dist) -> None:
-    if "shm" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("shm", _create_shm_group, devices=["cpu"])
+    from shmtrain.backend import register  # imports neither torch nor the backend's modules
+
+    register(dist)
 
 
 class _RegisterWhenImported(importlib.abc.MetaPathFinder):
