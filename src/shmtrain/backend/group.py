@@ -15,6 +15,7 @@ buffer), sparse tensors, and every other collective.
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, Work
 
 from shmtrain.backend.reducer import FLOATS, HostReducer
-from shmtrain.backend.work import ShmWork
+from shmtrain.backend.work import ShmBackendError, ShmWork
 
 NAME = "shm"
 _live: set[ShmBackend] = set()  # groups not yet shut down (c10d holds them through C++ only)
@@ -125,6 +126,8 @@ class ShmBackend(Backend):
     # -- everything else: gloo ---------------------------------------------------------
     def _gloo(self, name: str, *args: Any) -> Work:
         self.reducer.check()
+        if self.gloo is None:
+            raise ShmBackendError(f"{self.who}: the group was destroyed; create a new one")
         return getattr(self.gloo, name)(*args)
 
     def broadcast(self, tensors, opts=None):
@@ -218,7 +221,12 @@ class ShmBackend(Backend):
         self._closed = True
         _live.discard(self)
         self.reducer.close()
-        self.gloo.shutdown()
+        # dropped, not only shut down: its destructor joins its threads now, before the
+        # interpreter's finalization (a gloo thread that frees a work's tensors later needs
+        # the GIL then, and aborts the process: "terminate called without an active exception")
+        gloo, self.gloo = self.gloo, None
+        gloo.shutdown()
+        del gloo
 
     def abort(self) -> None:
         """``dist.abort``-like teardown: the peers' waits end with this rank's failure."""
@@ -230,6 +238,17 @@ class ShmBackend(Backend):
         try:
             self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter shutdown: best effort
+            pass
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    """Groups never destroyed are shut down before the interpreter finalizes (their gloo
+    threads would otherwise free tensors then, which needs the GIL, and abort)."""
+    for backend in list(_live):
+        try:
+            backend.shutdown()
+        except Exception:  # noqa: BLE001 - exiting: best effort
             pass
 
 

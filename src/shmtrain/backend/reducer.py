@@ -292,6 +292,10 @@ class HostReducer:
                 self.control.abort(self.host.local_rank, FAILED)
             self._queue.put(None)
             self._thread.join(timeout=10)
+        if self.leaders is not None:  # joined now, not at the interpreter's finalization
+            leaders, self.leaders = self.leaders, None
+            leaders.shutdown()
+            del leaders
         self.pipeline.close()
         self._header_segment.close()
         self.control.segment.close()
