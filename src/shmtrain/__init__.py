@@ -32,11 +32,16 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-# -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend/) ----------------
-def _register_backend(dist) -> None:
-    from shmtrain.backend import register  # imports neither torch nor the backend's modules
+# -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend.py) ---------------
+def _create_shm_group(store, rank, size, timeout):
+    from shmtrain.backend import ShmProcessGroup
 
-    register(dist)
+    return ShmProcessGroup(store, rank, size, timeout)
+
+
+def _register_backend(dist) -> None:
+    if "shm" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("shm", _create_shm_group, devices=["cpu"])
 
 
 class _RegisterWhenImported(importlib.abc.MetaPathFinder):
