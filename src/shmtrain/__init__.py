@@ -34,12 +34,14 @@ def __getattr__(name: str):
 
 # -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend.py) ---------------
 def _create_shm_group(store, rank, size, timeout):
-    from shmtrain.backend import ShmProcessGroup
+    from shmtrain.backend import create_group  # only when a group is made: no import cycle
 
-    return ShmProcessGroup(store, rank, size, timeout)
+    return create_group(store, rank, size, timeout)
 
 
 def _register_backend(dist) -> None:
+    # not shmtrain.backend's register(): importing it here, while torch.distributed is
+    # being imported, would import the fabric half-way through its own imports
     if "shm" not in dist.Backend.backend_list:
         dist.Backend.register_backend("shm", _create_shm_group, devices=["cpu"])
 

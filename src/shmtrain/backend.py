@@ -245,9 +245,15 @@ def _ours(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype in _FLOAT
 
 
-def register() -> None:
-    """Register the ``shm`` backend with torch.distributed (idempotent; ``import shmtrain``
-    already does, see ``shmtrain/__init__.py``)."""
-    from shmtrain import _register_backend
+def create_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ShmProcessGroup:
+    """The ``shm`` backend's constructor, as torch.distributed calls it."""
+    return ShmProcessGroup(store, rank, size, timeout)
 
-    _register_backend(dist)
+
+def register(module: Any = None) -> None:
+    """Register the ``shm`` backend with torch.distributed (idempotent; ``import shmtrain``
+    already does, see ``shmtrain/__init__.py``). ``module``: torch.distributed itself,
+    when it is handed over while being imported."""
+    module = module if module is not None else dist
+    if NAME not in module.Backend.backend_list:
+        module.Backend.register_backend(NAME, create_group, devices=["cpu"])
