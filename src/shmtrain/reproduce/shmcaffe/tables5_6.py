@@ -32,7 +32,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "vgg16": {"paper": "VGG16", "A2": (214.1, 727.7), "S2xA1": (237.0, 777.8), "S2": (206.3, 110)},
 }
 HEAVY, LIGHT = ("alexnet", "vgg16"), ("googlenet", "resnet50")
-TABLES56_QUICK = {"input_shape": "3x64x64", "batch_size": 4, "iterations": 5, "skip": 2,
+TABLES56_QUICK = {"input_shape": "3x64x64", "batch_size": 4, "iterations": 8, "skip": 2,
                   "models": ["googlenet", "alexnet"], "layouts": ["A2"]}
 TABLES56_FULL = dict(TABLES56_QUICK, models=list(MODELS), layouts=list(LAYOUTS))
 
@@ -65,7 +65,9 @@ def breakdown_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _breakdown(model: str, layout: str, setting: dict[str, Any], log) -> dict[str, Any]:
-    """One launch: the mean phases per iteration over ranks and iterations (warm-up left out)."""
+    """One launch: the median phases per iteration over ranks and iterations (warm-up left
+    out; a median, because one stalled iteration on a loaded 2-core host moves a mean of a
+    few samples by more than the difference the claims look at)."""
     from shmtrain.runtime.launcher import launch
 
     strategy, workers, options, _ = LAYOUTS[layout]
@@ -75,7 +77,7 @@ def _breakdown(model: str, layout: str, setting: dict[str, Any], log) -> dict[st
     results = launch("shmtrain.reproduce.shmcaffe.tables5_6:breakdown_worker", workers, payload, threads=1, timeout=600)
     kept = [row for r in results for row in r["rows"][setting["skip"]:]]
     names = sorted({k for row in kept for k in row})
-    phases = {k: statistics.fmean(row.get(k, 0.0) for row in kept) * 1e3 for k in names}
+    phases = {k: statistics.median(row.get(k, 0.0) for row in kept) * 1e3 for k in names}
     comp, comm = phases["compute"], phases["comm"]
     return {"model": model, "layout": layout, "parameter_MB": results[0]["parameters"] * 4 / 1e6,
             "phases_ms": phases, "comp_ms": comp, "comm_ms": comm, "comm_share": comm / (comp + comm)}
@@ -192,7 +194,7 @@ def _tables56_notes(setting: dict[str, Any]) -> list[str]:
         f"Setting: {setting}; 1 thread per worker; one synthetic batch per rank; T_comp = forward "
         "+ backward + the local update; T_comm = the main thread's exposed communication (SEASGD: "
         "wait + rgw + ulw; HSGD adds the group's allreduce and the root's broadcast; SSGD: the "
-        "allreduce; an allreduce includes the wait for the other worker); means over ranks and "
+        "allreduce; an allreduce includes the wait for the other worker); medians over ranks and "
         "iterations. The verdict rests on the ShmCaffe layouts (Tables V-VI's subject); the "
         "synchronous layout is a reference.",
         "Layouts (Table III's SxA: S synchronous workers per group, A asynchronous groups): "
