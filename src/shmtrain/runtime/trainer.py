@@ -19,10 +19,14 @@ run continues as if it had not stopped.
 
 from __future__ import annotations
 
+import json
 import random
+import time
+from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -32,6 +36,12 @@ from torch.optim.lr_scheduler import LRScheduler
 from shmtrain.runtime.schedule import check_state, current_lr, step_scheduler
 from shmtrain.runtime.subbatch import SubBatch
 from shmtrain.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from shmtrain.runtime.checkpoint import Checkpointer
+    from shmtrain.runtime.monitor import Monitor
+    from shmtrain.runtime.progress import Progress
+    from shmtrain.runtime.stop import StopRequest
 
 
 class Steppable(Protocol):
@@ -73,6 +83,33 @@ class TrainState:
             if "cuda" in self.rng and torch.cuda.is_available():  # as many GPUs as both have
                 for index, rng in enumerate(self.rng["cuda"][: torch.cuda.device_count()]):
                     torch.cuda.set_rng_state(rng, index)
+
+
+@dataclass
+class RunServices:
+    """What a run of ``shmtrain train`` keeps around its iterations, handed to
+    :meth:`Trainer.train`: the checkpointer (``runtime/checkpoint.py``), the stop request
+    (Ctrl-C / SIGTERM, ``runtime/stop.py``), the monitor (rank 0's evaluation and
+    TensorBoard, ``runtime/monitor.py``), this rank's metrics file and the progress line.
+    Their owner (``runtime/loop.py``) opens and closes them."""
+
+    checkpoints: Checkpointer
+    stop: StopRequest
+    monitor: Monitor
+    log: IO[str]
+    progress: Progress
+
+
+@dataclass
+class TrainOutcome:
+    """What :meth:`Trainer.train` ends with."""
+
+    #: seconds from the first iteration to the last checkpoint's start
+    wall_s: float
+    #: the last iteration's loss (None when no iteration ran)
+    final_loss: float | None
+    #: the checkpoint the run ended with (None: no checkpoints)
+    checkpoint: Path | None
 
 
 class Trainer:
@@ -169,6 +206,44 @@ class Trainer:
             step_scheduler(self.scheduler)
         self.state.iteration += 1
         return loss
+
+    def train(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], run: RunServices,
+              total: int) -> TrainOutcome:
+        """The loop of ``shmtrain train``, until the engine says stop (its target, or a
+        termination policy, TERM) or a stop is requested: per iteration the next batch
+        (phase ``data``), :meth:`step`, one JSON line in ``run.log`` (loss, lr, start
+        ``t0``, phases), the monitor and progress line outside the iteration's time, a
+        checkpoint when due; then the last evaluation and the final checkpoint."""
+        engine, timer = self.engine, self.timer
+        start = time.perf_counter()
+        value: float | None = None
+        while not engine.should_stop():  # type: ignore[attr-defined]
+            iter_start = time.perf_counter()
+            with timer.phase("data"):
+                x, y = next_batch()
+            loss = self.step(x, y)
+            phases = timer.finish_iteration()
+            phases["iteration"] = time.perf_counter() - iter_start
+            value = float(loss.detach())
+            iteration = engine.iteration  # type: ignore[attr-defined]
+            row = {"iteration": iteration, "loss": value, "lr": self.lr,
+                   "t0": run.monitor.stamp(iter_start), "time": phases, **timer.take_details()}
+            run.log.write(json.dumps(row) + "\n")
+            run.monitor.after_iteration(row, run.log)  # outside the iteration's time
+            run.progress.update(iteration, value)
+            if run.stop.check(iteration):
+                break
+            if run.checkpoints.due(iteration, total):
+                run.log.flush()  # rows up to the checkpoint are on disk before it is
+                run.checkpoints.save(self, iteration)
+        iteration = engine.iteration  # type: ignore[attr-defined]
+        run.stop.finished(iteration)
+        run.monitor.finish(iteration, run.log)
+        run.progress.close()
+        wall = time.perf_counter() - start
+        run.log.flush()
+        saved = run.checkpoints.save_final(self, run.stop.target if run.stop.stopped else total)
+        return TrainOutcome(wall, value, saved)
 
     def close(self) -> None:
         """End the sub-batch threads, if any (the engine is closed by its owner)."""
