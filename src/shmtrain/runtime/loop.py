@@ -28,6 +28,7 @@ from shmtrain.runtime.data import Dataset, Prefetcher, ShardSampler, load_data
 from shmtrain.runtime.device import worker_device
 from shmtrain.runtime.files import save_output
 from shmtrain.runtime.monitor import Monitor
+from shmtrain.runtime.optimizers import build_optimizer
 from shmtrain.runtime.progress import Progress
 from shmtrain.runtime.stop import StopRequest
 from shmtrain.runtime.trainer import RunServices, Trainer
@@ -55,13 +56,6 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 25
     return correct / max(1, len(x))
 
 
-def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer of the run, from the config's optimisation section (SGD with
-    momentum and weight decay: the papers' optimizer)."""
-    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                           weight_decay=config.weight_decay)
-
-
 def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[Any, torch.device, nn.Module, DataParallel,
                                                               Trainer, PhaseTimer, int]:
     """This worker's data, device, model, DataParallel, Trainer, timer and planned
@@ -71,12 +65,13 @@ def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[Any, torch.device,
                      image_size=config.image_size, skip_bad_files=config.skip_bad_files)
     device = worker_device(config.device, ctx.host.local_rank)  # GPU local_rank % count, or the CPU
     model = build_model(config.model, data.input_shape, data.num_classes).to(device)
-    optimizer = build_optimizer(config, model)
+    optimizer = build_optimizer(config, model.parameters())  # --optimizer (runtime/optimizers.py)
     timer = PhaseTimer(device)  # on a GPU: forward, backward, update timed by CUDA events
-    dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer)
+    dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer,
+                      grad_clip=config.grad_clip)
     total = planned_iterations(config, data, ctx.world_size)
     trainer = Trainer(dp, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total),
-                      sub_batch=config.sub_batch, amp=config.amp)  # --sub-batch K: K threads per worker (SUB-BATCH)
+                      sub_batch=config.sub_batch, amp=config.amp, accumulate=config.accumulate)  # --sub-batch K: K threads per worker (SUB-BATCH)
     dp.target_iterations = total
     return data, device, model, dp, trainer, timer, total
 
