@@ -143,3 +143,38 @@ def test_cli_trains_with_adamw_clipping_and_micro_batches_and_checkpoints_its_st
     optimizer = state["optimizer"]
     assert optimizer["param_groups"][0]["betas"] == (0.9, 0.95)
     assert "exp_avg" in next(iter(optimizer["state"].values()))
+
+
+@pytest.mark.timeout(150)
+def test_a_model_of_ones_own_trains_and_resumes_from_the_cli(tmp_path: Path, monkeypatch) -> None:
+    """--model module:callable with --model-args: built in every worker, in config.toml,
+    and a resumed run continues it."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # examples/ is importable from the root
+    out = tmp_path / "own"
+    args = ["train", "--model", "examples.mynet:Net", "--model-args", "width=8", "--workers", "2",
+            "--batch-size", "8", "--optimizer", "adamw", "--lr", "3e-3", "--out", str(out), "--no-progress"]
+    assert main([*args, "--iterations", "4"]) == 0
+    config = (out / "config.toml").read_text()
+    assert 'model = "examples.mynet:Net"' in config and 'model-args = "width=8"' in config
+    weights = torch.load(out / "model.pt")
+    assert weights["features.0.weight"].shape == (8, 1, 3, 3) and weights["head.weight"].shape == (10, 16)
+    assert main(["train", "--resume", str(out), "--iterations", "6", "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 6
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--model", "nosuchmodule:Net"], ["--model 'nosuchmodule:Net'", "cannot import nosuchmodule", "PYTHONPATH"]),
+        (["--model", "examples.mynet:Nope"], ["examples.mynet has no Nope"]),
+        (["--model", "examples.mynet:Net", "--model-args", "width"], ["--model-args 'width'", "is not k=v"]),
+        (["--model", "smallcnn", "--model-args", "width=2"], ["--model-args 'width=2' with --model smallcnn",
+                                                              "takes no arguments"]),
+    ],
+)
+def test_a_bad_model_spec_is_named(args: list[str], words: list[str], capsys, monkeypatch) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, (word, err)

@@ -35,13 +35,14 @@ else:  # pragma: no cover
 
 from shmtrain import strategies
 from shmtrain.models import model_names
+from shmtrain.models.user import is_user_spec, resolve_callable
 from shmtrain.runtime.device import cuda_count, resolve_device
 from shmtrain.runtime.optim_options import OptimOptions
 from shmtrain.runtime.options import SECTIONS as SECTIONS  # re-exported: the sections of --help
 from shmtrain.runtime.options import need as _need
 from shmtrain.runtime.options import option
 from shmtrain.strategies.base import StrategyConfig, build_config, own_config, plan
-from shmtrain.typed_options import coerce, hint_kind, type_rule
+from shmtrain.typed_options import coerce, hint_kind, parse_kwargs, type_rule
 from shmtrain.typed_options import example as example_value
 from shmtrain.typed_options import hints as type_hints
 
@@ -108,7 +109,10 @@ class DataOptions:
 
     __slots__ = ()
 
-    model: str = option("smallcnn", "the network", "data", names=model_names)
+    model: str = option("smallcnn", "the network: a built-in name, or module:callable, your own (a class or "
+                        "function returning an nn.Module; docs/own_model.md)", "data", names=model_names)
+    model_args: str = option("", "keyword arguments of --model module:callable, as k=v separated by ';' "
+                             "(Python literals), e.g. --model-args 'width=64; depth=3'", "data", metavar="K=V;...")
     data: str = option("digits", "digits, synthetic, or a folder with one sub-folder of images per class", "data")
     input_shape: str = option("3x64x64", "CxHxW of synthetic data", "data")
     samples: int = option(1024, "synthetic samples", "data")
@@ -122,8 +126,15 @@ class DataOptions:
         _need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched", "use e.g. --prefetch 10")
         _need(self.samples >= 2, "samples", self.samples, "synthetic data needs at least 2 samples", "use e.g. --samples 1024")
         _need(self.image_size >= 1, "image-size", self.image_size, "must be positive", "use e.g. --image-size 32")
-        if self.model not in model_names():
-            raise ValueError(f"--model {self.model!r} is unknown; choose one of: {', '.join(model_names())}")
+        if is_user_spec(self.model):
+            resolve_callable(self.model)  # importable here, so not only in the workers
+            parse_kwargs(self.model_args, "--model-args")
+        elif self.model not in model_names():
+            raise ValueError(f"--model {self.model!r} is unknown; choose one of: {', '.join(model_names())}, "
+                             "or module:callable for your own")
+        elif self.model_args:
+            raise ValueError(f"--model-args {self.model_args!r} with --model {self.model}: a built-in model takes "
+                             "no arguments; leave --model-args out, or give --model module:callable")
         if self.data not in ("digits", "synthetic") and not Path(self.data).is_dir():
             raise ValueError(
                 f"--data {self.data!r}: not 'digits' or 'synthetic', and no such folder; "

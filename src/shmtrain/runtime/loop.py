@@ -64,7 +64,7 @@ def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[Any, torch.device,
     data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
                      image_size=config.image_size, skip_bad_files=config.skip_bad_files)
     device = worker_device(config.device, ctx.host.local_rank)  # GPU local_rank % count, or the CPU
-    model = build_model(config.model, data.input_shape, data.num_classes).to(device)
+    model = build_model(config.model, data.input_shape, data.num_classes, config.model_args).to(device)
     optimizer = build_optimizer(config, model.parameters())  # --optimizer (runtime/optimizers.py)
     timer = PhaseTimer(device)  # on a GPU: forward, backward, update timed by CUDA events
     dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer,

@@ -14,12 +14,13 @@ docs/optimizers.md; a strategy that cannot honour one says so
 
 from __future__ import annotations
 
-import ast
 import inspect
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from shmtrain.typed_options import parse_kwargs
 
 #: the names ``--optimizer`` shows in ``--help`` first (every torch.optim class is accepted)
 COMMON = ("sgd", "adamw", "adam", "rmsprop", "adagrad")
@@ -51,21 +52,7 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 def parse_optimizer_args(text: str) -> dict[str, Any]:
     """``'k=v; k=v'`` -> keyword arguments (values are Python literals)."""
-    args: dict[str, Any] = {}
-    for item in (part.strip() for part in text.split(";")):
-        if not item:
-            continue
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--optimizer-args {text!r}: {item!r} is not k=v; write e.g. "
-                             "--optimizer-args 'betas=(0.9, 0.95); eps=1e-8'")
-        try:
-            args[key] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            raise ValueError(f"--optimizer-args {text!r}: the value of {key} ({raw.strip()!r}) is not a "
-                             "Python literal; write numbers, tuples, True/False or quoted strings") from None
-    return args
+    return parse_kwargs(text, "--optimizer-args")
 
 
 def _accepted(cls: type[torch.optim.Optimizer]) -> set[str]:
