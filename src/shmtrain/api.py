@@ -143,6 +143,20 @@ class DataParallel(nn.Module):
         strategies that train on without them."""
         return dict(self.strategy.lost_peers)
 
+    def global_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """After :meth:`close`, on the worker that held them: the module's state with its
+        parameters replaced by the job's global weights (W_g, the centre variable the
+        asynchronous methods converge to; the buffers, e.g. batch-norm statistics, are this
+        worker's). None for strategies whose workers' weights are the job's model."""
+        flat = self.strategy.final_global_weights
+        if flat is None:
+            return None
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for param, view in zip(self.strategy.layout.params, self.strategy.layout.views(flat), strict=True):
+            state[names[id(param)]] = view.clone().to(param.device)
+        return state
+
     def close(self) -> None:
         """End the strategy; leave the job if this wrapper joined it."""
         self.strategy.finish()

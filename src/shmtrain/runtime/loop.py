@@ -117,6 +117,13 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         "device": str(device),
     }
     if ctx.rank == 0 and not stop.stopped:
+        global_state = dp.global_state_dict()  # asynchronous strategies: W_g is the job's model
+        if global_state is not None:
+            result["accuracy_rank0_local"] = accuracy(model, data.test_x, data.test_y)
+            save_output(out / "model-rank0.pt", model.state_dict())
+            with torch.no_grad():
+                model.load_state_dict(global_state)
+            result["model"] = "global weights (W_g); rank 0's own in model-rank0.pt"
         result["accuracy"] = accuracy(model, data.test_x, data.test_y)
         save_output(out / "model.pt", model.state_dict())
     return result

@@ -189,6 +189,10 @@ class Strategy:
         self.steps = 0
         #: iterations this worker is asked to run (set by the training loop; None = no limit)
         self.target_iterations: int | None = None
+        #: the job's global weights (flat, in ``layout`` order) read at ``finish`` by the
+        #: worker that holds them, for strategies whose workers' own weights are not the
+        #: job's model (SEASGD, EASGD, Downpour, HSGD: W_g); None otherwise
+        self.final_global_weights: torch.Tensor | None = None
         self._hooks: list[Any] = []
         if type(self).on_gradient_ready is not Strategy.on_gradient_ready:
             self.register_gradient_hooks()
