@@ -378,3 +378,29 @@ def test_the_options_are_flags_and_toml_keys(tmp_path) -> None:
         build_parser().parse_args(["train", "--outer-dtype", "fp16"])
     with pytest.raises(ValueError, match=r"--sync-every 2.5"):
         resolve({"strategy": "diloco", "sync_every": 2.5})
+
+
+# -- two hosts (two torchrun launches on this machine) -----------------------------------
+@pytest.mark.timeout(420)
+def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
+    """Real processes: diloco on 2 hosts x 2 (the pseudo-gradients summed in each host's
+    shared memory, then between the leaders over gloo) equals one host of 4; the hybrid
+    on 2 hosts x 2 with batch 8 equals diloco of 2 lone workers with batch 16 (a host
+    that averages its members' gradients every step is one worker on their union)."""
+    import subprocess
+    import sys
+
+    from shmtrain.fabric.segment import leftover
+    from test_torchrun import _same_weights, _two_hosts, env
+
+    common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress", "--sync-every", "3"]
+    streaming = [*common, "--batch-size", "8", "--fragments", "3", "--outer-momentum", "0.9"]
+    _two_hosts(tmp_path / "2x2", streaming)
+    subprocess.run([sys.executable, "-m", "shmtrain", "train", *streaming, "--workers", "4", "--out",
+                    str(tmp_path / "1x4")], check=True, timeout=150, env=env(), capture_output=True)
+    _same_weights(tmp_path / "1x4", tmp_path / "2x2")
+    _two_hosts(tmp_path / "hybrid-2x2", [*common, "--batch-size", "8", "--inner", "host-sync"])
+    subprocess.run([sys.executable, "-m", "shmtrain", "train", *common, "--batch-size", "16", "--workers", "2",
+                    "--out", str(tmp_path / "lone-2")], check=True, timeout=150, env=env(), capture_output=True)
+    _same_weights(tmp_path / "lone-2", tmp_path / "hybrid-2x2")
+    assert not leftover()
