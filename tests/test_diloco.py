@@ -313,6 +313,21 @@ def test_bf16_outer_gradients_stay_close_to_fp32() -> None:
     assert 0 < _relative(bf16[0], fp32) < 1e-2
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("inner", ["local", "host-sync"])
+def test_the_staged_path_equals_the_zero_copy_one(inner: str, monkeypatch) -> None:
+    """``SHMTRAIN_STAGING=copy``: the GPU data flow on the CPU (Δ_i copied to the host
+    slot, the mean copied back; the hybrid's gradients through ssgd's staged slots)."""
+    options = {"sync_every": 2, "fragments": 2, "inner": inner}
+    plain = run_peers("diloco", options, 2, 5, hosts=2 if inner == "host-sync" else 1)
+    monkeypatch.setenv("SHMTRAIN_STAGING", "copy")
+    staged = run_peers("diloco", options, 2, 5, hosts=2 if inner == "host-sync" else 1)
+    assert staged["engines"][0].staged and not plain["engines"][0].staged
+    assert "copy_to_host" in staged["engines"][0].timer.current
+    for a, b in zip(plain["finals"], staged["finals"], strict=True):
+        assert torch.equal(a, b)
+
+
 # -- checkpoints -------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("options", [

@@ -160,16 +160,21 @@ class DiLoCo(Strategy):
         lo, hi = self.bounds[f]
         local, global_ = self.local[lo:hi], self.global_fragments[f]
         exchange = self.exchanges[f]
+        timer, slot = self.timer, exchange.input()
         with torch.no_grad():
-            with self.timer.phase("comm"):
-                slot = exchange.input()
-                if slot.dtype == global_.dtype and slot.device == global_.device:
-                    torch.sub(global_, local, out=slot)  # Δ_i = θ^(t-1) − θ_i, into the slot
-                else:  # cast to the exchange's dtype, or copied from the GPU
+            # Δ_i = θ^(t-1) − θ_i into this worker's slot (cast to the exchange's dtype)
+            if self.staged:  # a GPU: the difference is taken there, and crosses once
+                with timer.phase("copy_to_host"):
                     slot.copy_(global_ - local)
+            elif slot.dtype == global_.dtype:
+                torch.sub(global_, local, out=slot)
+            else:
+                slot.copy_(global_ - local)
+            with timer.phase("comm"):
                 mean = exchange()
-            with self.timer.phase("outer_update"):
+            with timer.phase("copy_to_device" if self.staged else "outer_update"):
                 global_.grad = mean.to(device=global_.device, dtype=global_.dtype, copy=True)
+            with timer.phase("outer_update"):
                 self.outer_optimizer.step()
                 global_.grad = None
                 local.copy_(global_)
