@@ -174,11 +174,12 @@ def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, ho
 
 
 def reference(steps: int, groups: list[list[int]], sync_every: int, fragments: int, outer_lr: float,
-              outer_momentum: float) -> list[torch.Tensor]:
+              outer_momentum: float, overlap_steps: int = 0, mixing: float = 0.0) -> list[torch.Tensor]:
     """DiLoCo Algorithm 1 in one process, written from the equations: one model per
     group (a worker, or a host that averages its members' gradients every step), its
-    own inner SGD; fragment f's outer step after n inner steps with n mod H = f·H/F:
-    Δ = mean_i(θ − θ_i), m ← μ m + Δ, θ ← θ − lr (Δ + μ m) (Nesterov), θ_i ← θ.
+    own inner SGD; fragment f's Δ = mean_i(θ − θ_i) after n inner steps with
+    n mod H = f·H/F, applied τ steps later: m ← μ m + Δ, θ ← θ − lr (Δ + μ m)
+    (Nesterov), θ_i ← α θ_i + (1 − α) θ (Streaming DiLoCo's overlap and mixing).
     Returns each group's final weights."""
     peers = sum(len(g) for g in groups)
     xs, ys = _data(steps, peers)
@@ -188,6 +189,17 @@ def reference(steps: int, groups: list[list[int]], sync_every: int, fragments: i
     numel = theta.numel()
     cuts = [numel * f // fragments for f in range(fragments + 1)]
     momentum = torch.zeros(numel)
+    pending: tuple[int, int, torch.Tensor] | None = None
+
+    def apply(f: int, delta: torch.Tensor) -> None:
+        lo, hi = cuts[f], cuts[f + 1]
+        momentum[lo:hi] = outer_momentum * momentum[lo:hi] + delta
+        theta[lo:hi] -= outer_lr * (delta + outer_momentum * momentum[lo:hi])
+        for model in models:
+            flat = _flat(model)
+            flat[lo:hi] = mixing * flat[lo:hi] + (1 - mixing) * theta[lo:hi]
+            torch.nn.utils.vector_to_parameters(flat, model.parameters())
+
     for step in range(steps):
         for model, opt, members in zip(models, optimizers, groups, strict=True):
             opt.zero_grad()
@@ -195,17 +207,18 @@ def reference(steps: int, groups: list[list[int]], sync_every: int, fragments: i
             nn.functional.cross_entropy(model(x), y).backward()  # the mean over the group's batches
             opt.step()
         done = step + 1
+        if pending is not None and pending[1] == done:
+            apply(pending[0], pending[2])
+            pending = None
         for f in range(fragments):
             if done % sync_every != f * sync_every // fragments:
                 continue
             lo, hi = cuts[f], cuts[f + 1]
             delta = torch.stack([theta[lo:hi] - _flat(m)[lo:hi] for m in models]).mean(0)
-            momentum[lo:hi] = outer_momentum * momentum[lo:hi] + delta
-            theta[lo:hi] -= outer_lr * (delta + outer_momentum * momentum[lo:hi])
-            for model in models:
-                flat = _flat(model)
-                flat[lo:hi] = theta[lo:hi]
-                torch.nn.utils.vector_to_parameters(flat, model.parameters())
+            if overlap_steps:
+                pending = (f, done + overlap_steps, delta)
+            else:
+                apply(f, delta)
     return [_flat(m) for m in models]
 
 
@@ -241,6 +254,25 @@ def test_outer_steps_equal_the_equations(sync_every: int, fragments: int) -> Non
     averaged = reference(steps, [[r] for r in range(peers)], sync_every, fragments, 1.0, 0.0)
     assert _relative(averaged[0], expected[0]) > 1e-3
     assert run["engines"][0].outer_steps == 2 * fragments
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("overlap_steps", "mixing"), [(1, 0.0), (2, 0.5)])
+def test_overlapped_fragments_equal_the_equations(overlap_steps: int, mixing: float) -> None:
+    """Streaming DiLoCo's overlap: each fragment's exchange runs on a helper thread during
+    the next τ inner steps and is applied after them, mixed with α; H = 6, F = 2."""
+    peers, steps, H, F = 3, 14, 6, 2
+    options = {"sync_every": H, "fragments": F, "overlap_steps": overlap_steps, "mixing": mixing,
+               "outer_lr": 0.7, "outer_momentum": 0.9}
+    run = run_peers("diloco", options, peers, steps)
+    expected = reference(steps, [[r] for r in range(peers)], H, F, 0.7, 0.9, overlap_steps, mixing)
+    for rank in range(peers):
+        assert _relative(run["finals"][rank], expected[rank]) < 1e-5, rank
+    unlapped = reference(steps, [[r] for r in range(peers)], H, F, 0.7, 0.9, 0, mixing)
+    assert _relative(unlapped[0], expected[0]) > 1e-4  # the delay is not a no-op
+    engine = run["engines"][0]
+    # exchanges started at 3, 6, 9, 12; the one of 12 is applied after 12 + τ <= 14
+    assert engine.outer_steps == 4 and engine.pending is None
 
 
 @pytest.mark.timeout(60)
@@ -332,6 +364,7 @@ def test_the_staged_path_equals_the_zero_copy_one(inner: str, monkeypatch) -> No
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("options", [
     {"sync_every": 4, "fragments": 2, "outer_lr": 0.7, "outer_momentum": 0.9},
+    {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "mixing": 0.5},
     {"sync_every": 4, "inner": "host-sync", "outer_dtype": "bf16"},
 ])
 def test_resume_mid_period_is_exact(options: dict[str, Any]) -> None:
@@ -344,6 +377,8 @@ def test_resume_mid_period_is_exact(options: dict[str, Any]) -> None:
     state = states[0]["strategy"]
     assert state["iteration"] == HALF
     assert len(state["global_weights"]) == options.get("fragments", 1)
+    if options.get("overlap_steps"):  # fragment 1's exchange of iteration 6, to apply after 7
+        assert state["pending"]["fragment"] == 1 and state["pending"]["apply_at"] == HALF + 1
     momenta = [s["momentum_buffer"] for s in state["outer_optimizer"]["state"].values()]
     assert momenta and all(m.abs().sum() > 0 for m in momenta)
 
@@ -366,6 +401,9 @@ def test_a_checkpoint_of_other_fragments_is_refused() -> None:
     ({"outer_lr": 0.0}, r"--outer-lr 0.0 must be positive: .*pass e\.g\. --outer-lr 0.7"),
     ({"outer_momentum": 1.0}, r"--outer-momentum 1.0 must lie in \[0, 1\): .*--outer-momentum 0.9"),
     ({"outer_dtype": "fp16"}, r"--outer-dtype 'fp16' is unknown; choose fp32 or bf16"),
+    ({"sync_every": 4, "fragments": 2, "overlap_steps": 2},
+     r"--overlap-steps 2 must be an integer in \[0, --sync-every / --fragments = 2\): one fragment's exchange"),
+    ({"mixing": 1.0}, r"--mixing 1.0 must lie in \[0, 1\): .*pass e\.g\. --mixing 0.5"),
     ({"inner": "group"}, r"--inner 'group' is unknown; choose local \(DiLoCo\) or host-sync \(the hybrid\)"),
     ({"moving_rate": 0.5}, r"--moving-rate does not apply to --strategy diloco \(it takes .*--sync-every"),
 ])
@@ -398,8 +436,9 @@ def test_the_options_are_flags_and_toml_keys(tmp_path) -> None:
 # -- two hosts (two torchrun launches on this machine) -----------------------------------
 @pytest.mark.timeout(420)
 def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
-    """Real processes: diloco on 2 hosts x 2 (the pseudo-gradients summed in each host's
-    shared memory, then between the leaders over gloo) equals one host of 4; the hybrid
+    """Real processes: streaming diloco with overlap on 2 hosts x 2 (the pseudo-gradients
+    summed in each host's shared memory, then between the leaders over gloo, on the
+    helper thread) equals one host of 4; the hybrid
     on 2 hosts x 2 with batch 8 equals diloco of 2 lone workers with batch 16 (a host
     that averages its members' gradients every step is one worker on their union)."""
     import subprocess
@@ -408,14 +447,16 @@ def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
     from shmtrain.fabric.segment import leftover
     from test_torchrun import _same_weights, _two_hosts, env
 
-    common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress", "--sync-every", "3"]
-    streaming = [*common, "--batch-size", "8", "--fragments", "3", "--outer-momentum", "0.9"]
+    common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress"]
+    streaming = [*common, "--batch-size", "8", "--sync-every", "4", "--fragments", "2", "--overlap-steps", "1",
+                 "--mixing", "0.5"]
     _two_hosts(tmp_path / "2x2", streaming)
     subprocess.run([sys.executable, "-m", "shmtrain", "train", *streaming, "--workers", "4", "--out",
                     str(tmp_path / "1x4")], check=True, timeout=150, env=env(), capture_output=True)
     _same_weights(tmp_path / "1x4", tmp_path / "2x2")
-    _two_hosts(tmp_path / "hybrid-2x2", [*common, "--batch-size", "8", "--inner", "host-sync"])
-    subprocess.run([sys.executable, "-m", "shmtrain", "train", *common, "--batch-size", "16", "--workers", "2",
+    hybrid = [*common, "--sync-every", "3"]
+    _two_hosts(tmp_path / "hybrid-2x2", [*hybrid, "--batch-size", "8", "--inner", "host-sync"])
+    subprocess.run([sys.executable, "-m", "shmtrain", "train", *hybrid, "--batch-size", "16", "--workers", "2",
                     "--out", str(tmp_path / "lone-2")], check=True, timeout=150, env=env(), capture_output=True)
     _same_weights(tmp_path / "lone-2", tmp_path / "hybrid-2x2")
     assert not leftover()

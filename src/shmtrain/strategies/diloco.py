@@ -20,9 +20,11 @@ casts Δ_i to bfloat16 for the exchange (Streaming DiLoCo Section 2.3), halving 
 Streaming DiLoCo (``fragments`` F > 1): the flat parameter vector is cut into F
 contiguous pieces of equal size, and fragment f runs the four lines above at the
 iterations n with n mod H = f·H/F (n counts finished inner steps), so the bytes of one
-outer step are spread over H/F-step intervals instead of arriving at once. Its exchange is
-not overlapped with the next inner steps here (the training thread waits for it): the
-streaming variant lowers the peak, not the total, of the communication.
+outer step are spread over H/F-step intervals instead of arriving at once. With
+``overlap_steps`` τ ≥ 1 a fragment's exchange runs on a helper thread while the next τ
+inner steps go on (Streaming DiLoCo Section 2.2), and is applied after step n + τ:
+θ^(t) ← OuterOpt(θ^(t-1), Δ) with the Δ of step n, then θ_i ← α θ_i + (1 − α) θ^(t)
+(``mixing`` α; 0 takes θ^(t) as it is, which with τ = 0 is Algorithm 1).
 
 ``inner="host-sync"`` is the hybrid (:class:`HostSyncDiLoCo`): the gradients are
 averaged every step inside each host through shared memory (ssgd's slots), so a host
@@ -32,11 +34,13 @@ between hosts: ShmCaffe's HSGD layout (Section III-D) with DiLoCo in place of SE
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from shmtrain.fabric.control import PeerTimeout
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 from shmtrain.strategies.ssgd.slots import SlotGradients
@@ -58,6 +62,41 @@ def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
                          f"use at most --fragments {numel}")
     cuts = [numel * f // fragments for f in range(fragments + 1)]
     return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+class Flight:
+    """One fragment's exchange on a helper thread while the inner steps go on (its waits
+    sleep in futexes and gloo, which release the GIL); ``wait`` hands back the mean, a
+    float32 copy on the CPU (the slots are reused by the next exchange)."""
+
+    def __init__(self, fragment: int, apply_at: int, exchange: Any = None, *,
+                 mean: torch.Tensor | None = None) -> None:
+        self.fragment, self.apply_at, self.mean = fragment, apply_at, mean
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        if exchange is not None:
+            self.thread = threading.Thread(target=self._run, args=(exchange,), name="diloco-exchange",
+                                           daemon=True)
+            self.thread.start()
+
+    def _run(self, exchange: Any) -> None:
+        try:
+            self.mean = exchange().to(torch.float32, copy=True)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the training thread
+            self.error = exc
+
+    def wait(self, timeout: float) -> torch.Tensor:
+        """The averaged Δ of this fragment (re-raises the exchange's failure)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise PeerTimeout(f"the outer exchange of fragment {self.fragment} did not finish within "
+                                  f"{timeout:.0f} s")
+            self.thread = None
+        if self.error is not None:
+            raise self.error
+        assert self.mean is not None
+        return self.mean
 
 
 @register
@@ -86,6 +125,14 @@ class DiLoCo(Strategy):
         fragments: int = field(default=1, metadata={
             "help": "Streaming DiLoCo: F fragments of the parameters, fragment f synchronised at "
                     "offset f*H/F (must divide --sync-every; 1 = plain DiLoCo)"})
+        #: Streaming DiLoCo's overlap τ: a fragment's exchange runs during the next τ inner steps
+        overlap_steps: int = field(default=0, metadata={
+            "help": "Streaming DiLoCo: run a fragment's exchange on a helper thread during the next N inner "
+                    "steps and apply it after them (0 = wait for it; N < sync-every / fragments)"})
+        #: Streaming DiLoCo's mixing factor α: θ_i ← α θ_i + (1 − α) θ^(t) after an outer step
+        mixing: float = field(default=0.0, metadata={
+            "help": "after an outer step, keep this share of the worker's own weights: θ_i ← α θ_i + "
+                    "(1 − α) θ_global, α in [0, 1) (0 = DiLoCo; Streaming DiLoCo uses 0.5 with overlap)"})
         #: what a worker does between outer steps: train alone ("local"), or average
         #: gradients every step with its host through shared memory ("host-sync", the hybrid)
         inner: Literal["local", "host-sync"] = field(default="local", metadata={
@@ -106,6 +153,15 @@ class DiLoCo(Strategy):
             if not (isinstance(self.outer_momentum, int | float) and 0 <= self.outer_momentum < 1):
                 raise ValueError(f"--outer-momentum {self.outer_momentum!r} must lie in [0, 1): the "
                                  "outer Nesterov momentum; pass e.g. --outer-momentum 0.9 (DiLoCo), or 0")
+            if not isinstance(self.overlap_steps, int) or isinstance(self.overlap_steps, bool) \
+                    or not 0 <= self.overlap_steps < self.sync_every // self.fragments:
+                raise ValueError(
+                    f"--overlap-steps {self.overlap_steps!r} must be an integer in [0, --sync-every / "
+                    f"--fragments = {self.sync_every // self.fragments}): one fragment's exchange is in "
+                    "flight at a time; pass e.g. --overlap-steps 1 with --fragments 2 --sync-every 4, or 0")
+            if not (isinstance(self.mixing, int | float) and 0 <= self.mixing < 1):
+                raise ValueError(f"--mixing {self.mixing!r} must lie in [0, 1): the share of a worker's "
+                                 "own weights kept after an outer step; pass e.g. --mixing 0.5, or 0")
             if self.outer_dtype not in OUTER_DTYPES:
                 raise ValueError(f"--outer-dtype {self.outer_dtype!r} is unknown; choose fp32 or bf16")
             if self.inner not in ("local", "host-sync"):
@@ -143,6 +199,9 @@ class DiLoCo(Strategy):
             for f, (lo, hi) in enumerate(self.bounds)
         ]
         self.outer_steps = 0
+        #: the exchange in flight (``overlap_steps`` > 0), applied after its step
+        self.pending: Flight | None = None
+        self.wait_timeout = float(getattr(ctx, "timeout", 120.0)) + 30.0
 
     def fragments_due(self, done: int) -> list[int]:
         """The fragments synchronised after ``done`` inner steps (n mod H = f·H/F)."""
@@ -150,43 +209,75 @@ class DiLoCo(Strategy):
         return [f for f in range(count) if done % period == f * period // count]
 
     def after_update(self) -> None:
-        for f in self.fragments_due(self.iteration + 1):
-            self.outer_step(f)
+        done = self.iteration + 1
+        if self.pending is not None and self.pending.apply_at == done:
+            flight, self.pending = self.pending, None
+            with self.timer.phase("comm"):  # what the helper thread did not hide
+                mean = flight.wait(self.wait_timeout)
+            self.apply(flight.fragment, mean)
+        for f in self.fragments_due(done):
+            self.begin(f, done)
         super().after_update()
 
-    def outer_step(self, f: int) -> None:
-        """Algorithm 1's outer step for fragment ``f``: Δ_i into the exchange, Δ averaged
-        over every worker, θ^(t) ← OuterOpt(θ^(t-1), Δ), θ_i ← θ^(t)."""
+    def begin(self, f: int, done: int) -> None:
+        """Algorithm 1's exchange for fragment ``f``: Δ_i = θ^(t-1) − θ_i into the
+        exchange's slot (cast to its dtype), averaged over every worker; applied at once,
+        or ``overlap_steps`` later from a helper thread."""
         lo, hi = self.bounds[f]
         local, global_ = self.local[lo:hi], self.global_fragments[f]
         exchange = self.exchanges[f]
-        timer, slot = self.timer, exchange.input()
+        slot = exchange.input()
         with torch.no_grad():
-            # Δ_i = θ^(t-1) − θ_i into this worker's slot (cast to the exchange's dtype)
             if self.staged:  # a GPU: the difference is taken there, and crosses once
-                with timer.phase("copy_to_host"):
+                with self.timer.phase("copy_to_host"):
                     slot.copy_(global_ - local)
             elif slot.dtype == global_.dtype:
                 torch.sub(global_, local, out=slot)
             else:
                 slot.copy_(global_ - local)
-            with timer.phase("comm"):
-                mean = exchange()
-            with timer.phase("copy_to_device" if self.staged else "outer_update"):
+        tau = self.config.overlap_steps
+        if tau:
+            self.pending = Flight(f, done + tau, exchange)
+            return
+        with self.timer.phase("comm"):
+            mean = exchange()
+        self.apply(f, mean)
+
+    def apply(self, f: int, mean: torch.Tensor) -> None:
+        """θ^(t) ← OuterOpt(θ^(t-1), Δ) (SGD, Nesterov momentum), then θ_i ← α θ_i +
+        (1 − α) θ^(t) for fragment ``f`` (α = ``mixing``; 0: θ_i ← θ^(t))."""
+        lo, hi = self.bounds[f]
+        local, global_ = self.local[lo:hi], self.global_fragments[f]
+        alpha = self.config.mixing
+        with torch.no_grad():
+            with self.timer.phase("copy_to_device" if self.staged else "outer_update"):
                 global_.grad = mean.to(device=global_.device, dtype=global_.dtype, copy=True)
-            with timer.phase("outer_update"):
+            with self.timer.phase("outer_update"):
                 self.outer_optimizer.step()
                 global_.grad = None
-                local.copy_(global_)
+                if alpha:
+                    local.mul_(alpha).add_(global_, alpha=1 - alpha)
+                else:
+                    local.copy_(global_)
         self.outer_steps += 1
 
     # -- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The iteration (the schedule position: which fragment is due when), θ^(t) and
         the outer momentum; every worker holds the same and saves its own."""
+        pending = self.pending
         return {"iteration": self.iteration, "outer_steps": self.outer_steps,
                 "global_weights": list(self.global_fragments),
-                "outer_optimizer": self.outer_optimizer.state_dict()}
+                "outer_optimizer": self.outer_optimizer.state_dict(),
+                "pending": None if pending is None else {
+                    "fragment": pending.fragment, "apply_at": pending.apply_at,
+                    "mean": pending.wait(self.wait_timeout)}}
+
+    def quiesce(self) -> None:
+        """Let the exchange in flight finish (its mean is applied at its step, after a
+        resume too: it is part of the state)."""
+        if self.pending is not None:
+            self.pending.wait(self.wait_timeout)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -201,8 +292,15 @@ class DiLoCo(Strategy):
                 mine.copy_(theirs)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.outer_steps = int(state.get("outer_steps", 0))
+        pending = state.get("pending")
+        self.pending = None if pending is None else Flight(
+            int(pending["fragment"]), int(pending["apply_at"]), mean=pending["mean"])
 
     def finish(self) -> None:
+        """Wait for an exchange still in flight (its step never came: it is dropped), then
+        release the exchanges."""
+        if self.pending is not None and self.pending.thread is not None:
+            self.pending.wait(self.wait_timeout)
         for exchange in self.exchanges:
             exchange.close()
         self.exchanges = []
