@@ -2,9 +2,9 @@
 
 Two network namespaces joined by a veth pair (``shmtrain.bench.hosts.two_hosts``), one
 torchrun launch of 2 workers in each; the veth pair's byte counters (``ip -s link``,
-both directions) are read before and after every run. ``nocomm`` (start-up only: the
-rendezvous, rank 0's weights broadcast, the end-of-run gathers) is the floor subtracted
-from the others. Needs root and iproute2. Run from the checkout::
+both directions) are read before and after every run. ``floor`` (diloco with no outer
+step in the run: the rendezvous, rank 0's weights broadcast to every worker, the
+end-of-run gathers, which every method pays once) is subtracted from the others. Needs root and iproute2. Run from the checkout::
 
     sudo python examples/diloco_link_bytes.py --iterations 60 --json link_bytes.json
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 from shmtrain.bench.hosts import host_env, two_hosts, why_not
 
 METHODS = {
-    "nocomm": ["--strategy", "nocomm"],
+    "floor": ["--strategy", "diloco", "--sync-every", "100000"],
     "ssgd": ["--strategy", "ssgd"],
     "ssgd-bf16": ["--strategy", "ssgd", "--comm-dtype", "bf16"],
     "diloco-H20": ["--strategy", "diloco", "--sync-every", "20"],
@@ -78,8 +78,8 @@ def main() -> int:
             rows.append({"method": name, "link_bytes": total, "iterations": summary["iterations"],
                          "accuracy": summary.get("accuracy"),
                          "comm_ms": summary["phases_ms"].get("comm")})
-    floor = next((r["link_bytes"] for r in rows if r["method"] == "nocomm"), 0)
-    print(f"{'method':26} {'link MB':>9} {'kB/iter over nocomm':>20} {'comm ms/iter':>13} {'accuracy':>9}")
+    floor = next((r["link_bytes"] for r in rows if r["method"] == "floor"), 0)
+    print(f"{'method':26} {'link MB':>9} {'kB/iter over floor':>20} {'comm ms/iter':>13} {'accuracy':>9}")
     for r in rows:
         r["bytes_per_iteration"] = (r["link_bytes"] - floor) / r["iterations"]
         print(f"{r['method']:26} {r['link_bytes'] / 1e6:9.2f} {r['bytes_per_iteration'] / 1e3:20.1f} "

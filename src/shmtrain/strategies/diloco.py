@@ -14,7 +14,7 @@ Algorithm 1, per worker i, from the same θ^(0) everywhere::
 and every worker copies θ^(t) into its model. The average goes through the allreduce the
 fabric gives ssgd (``Transports.allreduce("shm")``): the workers of a host sum in shared
 memory, and only the hosts' leaders send bytes over the link. ``outer_dtype="bf16"``
-casts Δ_i to bfloat16 for the exchange (Streaming DiLoCo Section 2.3), halving its bytes;
+casts Δ_i to bfloat16 for the exchange (Streaming DiLoCo's quantised outer gradients), halving its bytes;
 θ^(t), the outer momentum and the model stay float32.
 
 Streaming DiLoCo (``fragments`` F > 1): the flat parameter vector is cut into F
@@ -22,7 +22,7 @@ contiguous pieces of equal size, and fragment f runs the four lines above at the
 iterations n with n mod H = f·H/F (n counts finished inner steps), so the bytes of one
 outer step are spread over H/F-step intervals instead of arriving at once. With
 ``overlap_steps`` τ ≥ 1 a fragment's exchange runs on a helper thread while the next τ
-inner steps go on (Streaming DiLoCo Section 2.2), and is applied after step n + τ:
+inner steps go on (Streaming DiLoCo's overlapping communication), and is applied after step n + τ:
 θ^(t) ← OuterOpt(θ^(t-1), Δ) with the Δ of step n, then θ_i ← α θ_i + (1 − α) θ^(t)
 (``mixing`` α; 0 takes θ^(t) as it is, which with τ = 0 is Algorithm 1).
 
@@ -132,7 +132,7 @@ class DiLoCo(Strategy):
         #: Streaming DiLoCo's mixing factor α: θ_i ← α θ_i + (1 − α) θ^(t) after an outer step
         mixing: float = field(default=0.0, metadata={
             "help": "after an outer step, keep this share of the worker's own weights: θ_i ← α θ_i + "
-                    "(1 − α) θ_global, α in [0, 1) (0 = DiLoCo; Streaming DiLoCo uses 0.5 with overlap)"})
+                    "(1 − α) θ_global, α in [0, 1) (0 = DiLoCo; e.g. 0.5 with overlap)"})
         #: what a worker does between outer steps: train alone ("local"), or average
         #: gradients every step with its host through shared memory ("host-sync", the hybrid)
         inner: Literal["local", "host-sync"] = field(default="local", metadata={
