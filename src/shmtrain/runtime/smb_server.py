@@ -75,6 +75,7 @@ def _handler(args: argparse.Namespace) -> int:
     if args.snapshot_every:
         server.snapshot(snapshot)
         print(f"shmtrain smb-server: buffers written to {snapshot}", flush=True)
+    server.audit(every=0)  # what parties without the secret left in the store, to the end
     print(f"shmtrain smb-server: {server.applied} accumulations applied, {server.refused} requests refused, "
           f"{server.errors} errors, {len(server.lost)} clients lost"
           + (f" (ranks {', '.join(map(str, sorted(server.lost)))})" if server.lost else ""), flush=True)

@@ -10,14 +10,15 @@ job's global rank 0: ``start_memory_server``), the messages between them
 Security: the server listens on loopback unless told otherwise; a non-loopback bind
 needs a shared secret, and then every client proves it (HMAC-SHA256 of a nonce the
 server publishes) before its first buffer operation; a client that has not is refused
-with a logged reason and nothing changes.
+with a logged line (its rank, its announced address, the operation) and nothing changes.
+Buffer names and ids live here, given out on the authenticated link only; the board's
+entries in the store are sealed with the secret, and :func:`~shmtrain.fabric.smb.board.audit_store`
+logs every entry of the store a party without the secret wrote (docs/async.md, "Security").
 """
 
 from __future__ import annotations
 
 import datetime
-import hmac
-import os
 import secrets
 import threading
 import time
@@ -28,29 +29,33 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.control import PeerTimeout, first_line
-from shmtrain.fabric.smb.api import BufferKey
+from shmtrain.fabric.smb.board import DEAD
+from shmtrain.fabric.smb.gate import Gate
+from shmtrain.fabric.smb.snapshot import read_snapshot, write_snapshot
 from shmtrain.fabric.smb.wire import (
     _PAYLOAD_IN,
     _REPLY,
     _TO_CLIENT,
-    _VERDICT,
     BAD_REQUEST,
     HEADER,
+    NAME_BYTES,
     OK,
     OP_ACCUMULATE,
     OP_BYE,
+    OP_CREATE,
     OP_HELLO,
+    OP_LOOKUP,
+    OP_NAMES,
     OP_READ,
     OP_WRITE,
     REFUSED,
     SECRET_ENV,
     TAG_LIVENESS,
     TAG_REQUEST,
-    TAG_TO_SERVER,
     _gloo,
-    _proof,
     _tag,
     is_loopback,
+    seal,
 )
 
 #: the server's group timeout: its any-source receive of the next request must never time
@@ -59,7 +64,7 @@ from shmtrain.fabric.smb.wire import (
 _FOREVER = datetime.timedelta(days=365)
 
 
-class MemoryServer:
+class MemoryServer(Gate):
     """The memory server: owns the global buffers, applies requests one at a time.
 
     Args:
@@ -107,9 +112,10 @@ class MemoryServer:
         self._watchers: dict[int, threading.Thread] = {}
         self._drops: list[threading.Thread] = []  # receives of refused writes' payloads
         self._sending: dict[int, int] = {}  # id(tensor) -> reads in flight from it
-        self.store.set("smb/clients", str(clients))
-        self.store.set("smb/nonce", self.nonce)
-        self.store.set("smb/secret", "1" if secret else "0")
+        self._own = {"smb/clients": str(clients), "smb/nonce": self.nonce, "smb/secret": "1" if secret else "0"}
+        for key, value in self._own.items():
+            self.store.set(key, value)
+        self._open_gate()
         if resume:
             self._resume(resume)
 
@@ -129,35 +135,17 @@ class MemoryServer:
 
     # -- buffers ---------------------------------------------------------------------
     def _buffer(self, buffer_id: int) -> torch.Tensor | None:
-        tensor = self.buffers.get(buffer_id)
-        if tensor is None and self.store.check([f"smb/id/{buffer_id}"]):
-            key = BufferKey.decode(self.store.get(f"smb/id/{buffer_id}"))
-            tensor = self.buffers[buffer_id] = torch.zeros(key.numel, dtype=getattr(torch, key.dtype))
-        return tensor
+        return self.buffers.get(buffer_id)
 
     def snapshot(self, path: str | Path) -> None:
         """Write every buffer and its key to ``path`` atomically (temporary file, fsync, rename)."""
-        path = Path(path)
         with self._lock:
-            state = {"keys": {i: self.store.get(f"smb/id/{i}").decode() for i in self.buffers},
-                     "buffers": {i: t.clone() for i, t in self.buffers.items()}, "applied": self.applied}
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            buffers = {i: t.clone() for i, t in self.buffers.items()}
+        write_snapshot(path, {i: self.keys[i] for i in buffers}, buffers, self.applied)
 
     def _resume(self, path: str) -> None:
-        state = torch.load(path, weights_only=True)
-        for buffer_id, text in state["keys"].items():
-            key = BufferKey.decode(text)
-            self.store.set(f"smb/id/{buffer_id}", text)
-            self.store.set(f"smb/key/{key.name}", text)
-            self.store.add(f"smb/claim/{key.name}", 1)
-            self.buffers[int(buffer_id)] = state["buffers"][buffer_id]
-        self.store.add("smb/next", len(state["keys"]))
-        self.applied = int(state.get("applied", 0))
+        self.keys, self.buffers, self.applied = read_snapshot(path)
+        self.names = {key.name: i for i, key in self.keys.items()}
 
     # -- serving -----------------------------------------------------------------------
     def serve(self) -> None:
@@ -243,6 +231,7 @@ class MemoryServer:
         (called between requests, and by the server's main thread while it waits for one)."""
         with self._state:
             self._settle(block=False)
+        self.audit()
 
     def _copy(self, client: int, like: torch.Tensor) -> tuple[tuple[int, int], torch.Tensor]:
         """This client's next staging slot and tensor for a write like ``like``: two per
@@ -302,7 +291,8 @@ class MemoryServer:
     def _record_lost(self, client: int) -> None:
         self.lost[client - 1] = time.time()
         try:
-            self.store.set(f"smb/dead/{client - 1}", "1")
+            key = f"smb/dead/{client - 1}"
+            self.store.set(key, seal(self.secret, self.nonce, key, DEAD))
         except RuntimeError:  # the store is this process's own: only at shutdown
             pass
 
@@ -329,9 +319,10 @@ class MemoryServer:
             if entry[5]:
                 raise entry[5][0]
 
-    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = _REPLY) -> None:
+    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = _REPLY,
+               extra: tuple[int, int] = (0, 0)) -> None:
         assert self._pg is not None
-        self._pg.send([torch.tensor([status, seq, value, 0], dtype=torch.int64)], client,
+        self._pg.send([torch.tensor([status, seq, value, *extra, 0], dtype=torch.int64)], client,
                       _tag(seq, kind)).wait(self._bound)
 
     def _handle(self, client: int, header: torch.Tensor) -> None:
@@ -339,18 +330,8 @@ class MemoryServer:
         pg = self._pg
         assert pg is not None
         if op == OP_HELLO:
-            proof = torch.zeros(32, dtype=torch.uint8)
-            self._reply(client, OK, seq)  # then the proof
-            pg.recv([proof], client, TAG_TO_SERVER).wait(min(self._bound, datetime.timedelta(seconds=10)))
-            expected = _proof(self.secret, self.nonce) if self.secret else proof
-            if hmac.compare_digest(bytes(proof.tolist()), bytes(expected.tolist())):
-                self._trusted.add(client)
-                self._reply(client, OK, seq, kind=_VERDICT)
-            else:
-                self.refused += 1
-                self.log(f"shmtrain smb-server: client {client - 1} refused: its proof of the shared secret is wrong")
-                self._reply(client, REFUSED, seq, kind=_VERDICT)
-            return
+            return self._hello(client, seq)
+        name = self._name(client, seq, c) if op in (OP_CREATE, OP_LOOKUP) else None
         if op == OP_BYE:
             self._left.add(client)
             watcher = self._watchers.get(client)
@@ -360,10 +341,15 @@ class MemoryServer:
             return
         if client not in self._trusted:
             self.refused += 1
-            self.log(f"shmtrain smb-server: client {client - 1} refused (op {op}): it has not proven the shared secret")
-            drained = op == OP_WRITE and self._drop_payload(client, seq, a, b)
+            what = OP_NAMES.get(op, f"op {op}") + (f" of {name!r}" if name is not None else f" (buffer {a})")
+            self.log(f"shmtrain smb-server: {self._who(client)} refused {what}: it has not proven the shared secret")
+            drained = (op == OP_WRITE and self._drop_payload(client, seq, a, b)) or name is not None
             self._reply(client, REFUSED, seq, int(drained))
             return
+        if op in (OP_CREATE, OP_LOOKUP):
+            if name is None:
+                return self._bad(client, seq, f"{OP_NAMES[op]} with a name of {c} bytes (1 to {NAME_BYTES})")
+            return self._named(client, op, seq, name, a, b)
         if op in (OP_READ, OP_WRITE):
             with self._lock:  # a read counts as in flight from the buffer it takes, at once
                 tensor = self._buffer(a)
