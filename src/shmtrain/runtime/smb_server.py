@@ -1,8 +1,9 @@
 """``shmtrain smb-server``: a stand-alone memory server (SMB-REMOTE, ShmCaffe III-B, Fig. 7).
 
-Runs :class:`shmtrain.fabric.smb.server.MemoryServer` until every client has said
-goodbye, writing the global buffers to ``--out`` every ``--snapshot-every`` seconds
-(atomically); ``--resume FILE`` starts from such a snapshot. SIGINT/SIGTERM write a last
+Runs :class:`shmtrain.fabric.smb.server.MemoryServer` until every client of the job has
+come and said goodbye or been lost (a lost one may connect again meanwhile), writing
+the global buffers to ``--out`` every ``--snapshot-every`` seconds (atomically);
+``--resume FILE`` starts from such a snapshot. SIGINT/SIGTERM write a last
 snapshot (when snapshots are on) and end the server; its clients then fail with an
 error naming it.
 """
@@ -40,7 +41,7 @@ def _handler(args: argparse.Namespace) -> int:
         tmp = f"{args.address_file}.tmp"
         Path(tmp).write_text(server.address)
         Path(tmp).rename(args.address_file)
-    print(f"shmtrain smb-server: serving {args.clients} workers at {server.address}"
+    print(f"shmtrain smb-server: serving up to {args.clients} workers at {server.address}"
           f"{' (shared secret required)' if secret else ''}; clients: shmtrain train --smb-server {server.address}",
           flush=True)
     failure: list[BaseException] = []
@@ -96,7 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "smb-server", help="run a memory server for workers on several hosts (SMB-REMOTE)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, required=True, help="the job's workers (all hosts together)")
+    p.add_argument("--clients", type=int, required=True,
+                   help="the most workers it serves (all hosts together; ranks 0 to N-1, which may come and go)")
     p.add_argument("--bind", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; any other needs a shared secret)")
     p.add_argument("--port", type=int, default=29600, help="port of the server (default 29600; 0: any free one)")

@@ -7,7 +7,7 @@ one, so every entry is sealed with the job's shared secret and the server's nonc
 (:func:`~shmtrain.fabric.smb.wire.seal`): a reader refuses an entry that is not (logged
 once, naming the key) and keeps the last sealed value it saw, so a party that has not
 proven the secret can neither mark a worker dead nor move its progress.
-:func:`audit_store` is the server's side: it names every entry such a party wrote.
+:class:`StoreAudit` is the server's side: it names every entry such a party wrote.
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ import torch.distributed as dist
 from shmtrain.fabric.smb.api import STATE_SETUP, ProgressBoard
 from shmtrain.fabric.smb.wire import seal, unseal
 
-#: the store keys the server writes itself (checked against its own values)
-SERVER_KEYS = ("smb/clients", "smb/nonce", "smb/secret")
 #: counters and announcements clients keep in the store (no state a reader trusts)
-COUNTERS = ("smb/joined", "smb/ready")
-DEAD = "1"
+COUNTERS = ("smb/joined", "smb/joins", "smb/ready")
+DEAD, ALIVE = "1", "0"  # a liveness mark's values (ALIVE: a lost worker connected again)
 
 
 def _stderr(line: str) -> None:
@@ -54,7 +52,9 @@ class StoreProgressBoard(ProgressBoard):
         self.forged: list[str] = []  # the keys of refused entries, in the order seen
         self._reported: set[tuple[str, bytes]] = set()
         self._state = STATE_SETUP
-        self.set_progress(0, STATE_SETUP)
+        # a worker that connects again (its host was lost) goes on from the iterations the
+        # board holds for it (its TERM counter); a new one starts at 0
+        self.set_progress(self.progress(rank), STATE_SETUP)
 
     def _do(self, fn: Callable, what: str):
         try:
@@ -126,8 +126,8 @@ class StoreAudit:
     Each :meth:`run` lists the store and returns one log line per entry not reported
     before, and puts back what such a party replaced: the server's own entries, and each
     board entry's last sealed value (a forged entry with none is removed). Gloo's
-    rendezvous (``smb/pg/``), the counters and peer announcements are the store's own
-    business; any other key means nothing to the server and is only reported. The store
+    rendezvous (``smb/pg/``), connection announcements (``smb/join/``: a link starts
+    untrusted), the counters and peer addresses are the store's own business; any other key means nothing to the server and is only reported. The store
     does not say who wrote an entry, so the lines cannot name the writer's address.
 
     Args:
@@ -159,7 +159,7 @@ class StoreAudit:
         lines = []
         present = set(self.store.list_keys())
         for key in sorted(present | {k for k in (*self.own, *self.sealed) if k not in present}):
-            if key.startswith(("smb/pg/", "smb/peer/")) or key in COUNTERS:
+            if key.startswith(("smb/pg/", "smb/peer/", "smb/join/")) or key in COUNTERS:
                 continue
             raw = self.store.get(key) if key in present else None
             if raw == b"" and key in self.board:  # emptied: no entry (see _put_back)

@@ -50,7 +50,7 @@ class Gate:
     refused: int
     log: Callable[[str], None]
     buffers: dict[int, torch.Tensor]
-    _pg: dist.ProcessGroup | None
+    _links: dict[int, dist.ProcessGroup]
     _bound: datetime.timedelta
     _lock: threading.Lock
     _trusted: set[int]
@@ -94,10 +94,9 @@ class Gate:
         return f"client {client - 1} (announced address {address})"
 
     def _hello(self, client: int, seq: int) -> None:
-        assert self._pg is not None
         proof = torch.zeros(32, dtype=torch.uint8)
         self._reply(client, OK, seq)  # then the proof
-        self._pg.recv([proof], client, TAG_TO_SERVER).wait(min(self._bound, datetime.timedelta(seconds=10)))
+        self._links[client].recv([proof], 1, TAG_TO_SERVER).wait(min(self._bound, datetime.timedelta(seconds=10)))
         expected = _proof(self.secret, self.nonce) if self.secret else proof
         if hmac.compare_digest(bytes(proof.tolist()), bytes(expected.tolist())):
             self._trusted.add(client)
@@ -110,11 +109,10 @@ class Gate:
     def _name(self, client: int, seq: int, length: int) -> str | None:
         """The buffer name that follows a create or lookup header (None: a length out of
         range, whose payload is not received: the client abandons it on the error)."""
-        assert self._pg is not None
         if not 0 < length <= NAME_BYTES:
             return None
         data = torch.zeros(length, dtype=torch.uint8)
-        self._pg.recv([data], client, _tag(seq, _PAYLOAD_IN)).wait(min(self._bound, datetime.timedelta(seconds=10)))
+        self._links[client].recv([data], 1, _tag(seq, _PAYLOAD_IN)).wait(min(self._bound, datetime.timedelta(seconds=10)))
         return bytes(data.tolist()).decode(errors="replace")
 
     def _named(self, client: int, op: int, seq: int, name: str, numel: int, code: int) -> None:

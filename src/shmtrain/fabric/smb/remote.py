@@ -25,6 +25,7 @@ import torch.distributed as dist
 from shmtrain.fabric.control import PeerFailure, PeerTimeout, first_line
 from shmtrain.fabric.smb.api import Buffer, BufferKey, BufferService, Ticket
 from shmtrain.fabric.smb.board import StoreProgressBoard
+from shmtrain.fabric.smb.links import join
 from shmtrain.fabric.smb.wire import (
     _PAYLOAD_IN,
     _REPLY,
@@ -45,11 +46,9 @@ from shmtrain.fabric.smb.wire import (
     REFUSED,
     REPLY_WORDS,
     SECRET_ENV,
-    TAG_LIVENESS,
     TAG_REQUEST,
     TAG_TO_SERVER,
     TAKEN,
-    _gloo,
     _proof,
     _tag,
     route_address,
@@ -94,17 +93,16 @@ class RemoteBufferService(BufferService):
             raise PeerFailure(f"cannot reach the memory server at {address} ({first_line(exc)}); start it with "
                               f"`shmtrain smb-server --port {port} --clients {world}` or fix --smb-server") from None
         clients = int(self.store.get("smb/clients"))
-        if clients != world:
-            raise ValueError(f"the memory server at {address} serves {clients} workers but this job has {world}; "
-                             f"restart it with --clients {world}")
+        if clients < world:
+            raise ValueError(f"the memory server at {address} serves at most {clients} workers but this job has "
+                             f"{world}; restart it with --clients {world}")
         self._lock = threading.Lock()
         self._seq = 0
         self._pending: list[tuple[Ticket, dist.Work, torch.Tensor]] = []
         self._done = 0
         self.store.set(f"smb/peer/{rank}", route_address(host))  # what the server's log names this client by
         self.store.add("smb/joined", 1)
-        self.pg = self._call(lambda: _gloo(self.store, 1 + rank, world + 1, route_address(host), delta),
-                             "connecting")
+        self.pg = self._call(lambda: join(self.store, rank, world, route_address(host), delta), "connecting")
         nonce = self.store.get("smb/nonce").decode()
         sealed = self.store.get("smb/secret") == b"1"
         if sealed:
@@ -129,7 +127,8 @@ class RemoteBufferService(BufferService):
     def _lost(self, exc: RuntimeError, what: str) -> Exception:
         """The error for a failed transfer to or from the server, naming it."""
         text = str(exc)
-        if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")):
+        if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused",
+                                   "Connection was likely closed")):  # the last: the store's words
             return PeerFailure(f"the memory server at {self.address} was lost (its connection closed: it died "
                                f"or was stopped) while {what}; restart it, with --resume from its "
                                "snapshot if it wrote one")
@@ -304,8 +303,6 @@ class RemoteBufferService(BufferService):
         with self._lock:
             try:
                 self._drain()
-                self._call(lambda: self.pg.send([torch.ones(1, dtype=torch.uint8)], 0, TAG_LIVENESS).wait(),
-                           "saying goodbye")  # leaving, not lost
                 seq, posted, _ = self._request(OP_BYE)
                 self._status(seq, posted, "goodbye")
             except (PeerFailure, PermissionError, ValueError):

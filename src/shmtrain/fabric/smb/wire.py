@@ -1,13 +1,13 @@
 """SMB-REMOTE's wire format: what the memory server and its clients send each other.
 
-Transport: gloo point-to-point on a process group of its own (the server is rank 0,
-job rank ``r`` is ``1 + r``), over a TCP store the server hosts. torch RPC (TensorPipe)
-was measured on the same loopback link and moved 4 MiB in 4-6.5 ms where gloo's
-send/recv took 2.4 ms, so gloo it is (docs/async.md, "The remote buffer service").
-Gloo's any-source receive keeps serving the other clients when one dies (measured).
+Transport: gloo point-to-point on one two-member process group per client connection
+(the server is rank 0 of each, the client rank 1: :mod:`~shmtrain.fabric.smb.links`), over
+a TCP store the server hosts, so a client can leave and connect again. torch RPC
+(TensorPipe) was measured on the same loopback link and moved 4 MiB in 4-6.5 ms where
+gloo's send/recv took 2.4 ms, so gloo it is (docs/async.md, "The remote buffer service").
 
 Protocol: every request is one header (``int64[8]``: op, sequence number, arguments)
-on tag ``REQUEST``; the server answers every header with a status reply (``int64[4]``)
+on tag ``REQUEST``; the server answers every header with a status reply (``int64[6]``)
 on tag ``REPLY`` *before* any payload moves, so a refused or malformed request never
 leaves bytes in flight: ``write`` sends its payload after an OK, ``read`` receives the
 buffer after an OK, ``accumulate`` is answered when applied (the update notification of
@@ -39,10 +39,6 @@ from shmtrain.fabric.netif import route_source
 
 HEADER, REPLY_WORDS = 8, 6
 TAG_REQUEST, TAG_TO_SERVER = 1, 3
-#: the tag of the receive the server keeps posted on each client's link: a client sends
-#: one byte there just before its goodbye; the receive failing first means the link closed,
-#: which is how a lost client is seen
-TAG_LIVENESS = 5
 _REPLY, _TO_CLIENT, _PAYLOAD_IN, _VERDICT = 0, 1, 2, 3
 
 
