@@ -79,9 +79,10 @@ def _handler(args: argparse.Namespace) -> int:
     server.audit(every=0)  # what parties without the secret left in the store, to the end
     print(f"shmtrain smb-server: {server.applied} accumulations applied, {server.refused} requests refused, "
           f"{server.errors} errors, {len(server.lost)} clients lost"
-          + (f" (ranks {', '.join(map(str, sorted(server.lost)))})" if server.lost else ""), flush=True)
+          + (f" (ranks {', '.join(map(str, sorted(server.lost)))})" if server.lost else "")
+          + f", {server.returned} connections again after a loss", flush=True)
     clean = server.finished and not (stopping or idle or failure or server.errors or server.refused
-                                     or server.lost)
+                                     or server.lost or server.returned)
     if clean and args.log_file:
         Path(args.log_file).unlink(missing_ok=True)  # nothing to tell: leave no file behind
     if stopping or idle or thread.is_alive() or server.watching:  # a thread may be blocked in gloo

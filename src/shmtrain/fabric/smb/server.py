@@ -91,6 +91,7 @@ class MemoryServer(Gate):
         #: clients whose link closed before they said goodbye (rank -> when), also
         #: recorded as ``smb/dead/<rank>`` in the store for the other workers' boards
         self.lost: dict[int, float] = {}
+        self.returned = 0  #: connections of lost clients that came back
         self._trusted: set[int] = set() if secret else set(range(1, clients + 1))
         self._left: set[int] = set()
         self._lock = threading.Lock()  # buffers: the serving loop vs snapshots
@@ -211,6 +212,7 @@ class MemoryServer(Gate):
                 self._trusted.discard(client)
             if back:
                 del self.lost[client - 1]
+                self.returned += 1
                 self._mark(client, ALIVE)
         self.last_request = time.monotonic()
         if back:
