@@ -13,6 +13,7 @@ worker loses its host; the survivors are the other hosts' workers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -101,4 +102,35 @@ def test_a_synchronous_job_that_loses_a_host_ends_naming_it(tmp_path: Path) -> N
     assert codes[0] != 0 and codes[1] != 0
     assert "with the other hosts' leaders failed" in outputs[0], outputs[0][-3000:]
     assert time.monotonic() - start < 100
+    assert not leftover()
+
+
+def test_a_lost_agent_does_not_keep_the_other_host_at_its_exit_barrier(tmp_path: Path) -> None:
+    """Issue 29: only host 1's torchrun agent is killed; its workers train on to the end.
+    torchrun's agents wait for one another at an exit barrier (300 s) the dead agent
+    never reaches: rank 0 checks in for it, so host 0's torchrun ends at once."""
+    out = tmp_path / "run"
+    nodes = start_hosts(out, ["--strategy", "seasgd", "--iterations", "60", "--batch-size", "16",
+                              "--timeout", "30", "--no-progress"])
+    workers: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while _rows(out / "metrics" / "rank-2.jsonl") < 5:  # host 1 is training
+            assert time.monotonic() < deadline and nodes[1].poll() is None, "host 1 never trained"
+            time.sleep(0.1)
+        agent = psutil.Process(nodes[1].pid)
+        workers = _workers(agent)
+        os.kill(agent.pid, signal.SIGKILL)
+        output = nodes[0].communicate(timeout=150)[0].decode()
+        ended = time.time()
+        nodes[1].communicate(timeout=10)
+        psutil.wait_procs(list(workers.values()), timeout=60)  # host 1's workers end with the run
+    finally:
+        for p in [*nodes, *workers.values()]:
+            with contextlib.suppress(psutil.Error, OSError):
+                p.kill()
+    assert nodes[0].returncode == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers_finished"] == 4, summary  # host 1's workers finished, without their agent
+    assert ended - (out / "summary.json").stat().st_mtime < 60, output  # not torchrun's 300 s
     assert not leftover()

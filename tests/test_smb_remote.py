@@ -190,9 +190,127 @@ def test_a_client_without_the_secret_is_refused_and_changes_nothing(tmp_path: Pa
     assert results[1].startswith("PermissionError") and "refused" in results[1]
     assert results[2].startswith("PermissionError") and "requires a shared secret" in results[2]
     assert results[3].startswith("PermissionError") and "has not proven the shared secret" in results[3]
-    assert "client 1 refused: its proof of the shared secret is wrong" in err
-    assert "client 3 refused (op 3): it has not proven the shared secret" in err  # its write, logged
-    assert code == 0 and "0 accumulations applied, 2 requests refused" in out, out + err
+    assert "client 1 (announced address 127.0.0.1) refused: its proof of the shared secret is wrong" in err
+    assert "client 3 (announced address 127.0.0.1) refused create of 'b3': it has not proven the shared secret" in err
+    assert "refused store entry smb/progress/3 = " in err  # its board entry, sealed with its wrong secret
+    assert code == 0 and "0 accumulations applied, 3 requests refused" in out, out + err
+
+
+def hostile_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    """Ranks 0 and 1 prove the secret; rank 2 is issue 29's hostile client: it never proves
+    it and attacks through the job's key store (the old protocol's buffer names, ids and
+    liveness marks, and board entries sealed with a guessed secret) and on the link."""
+    import datetime
+
+    from shmtrain.fabric.smb.api import BufferKey
+    from shmtrain.fabric.smb.wire import seal
+
+    if ctx.rank == 2:
+        RemoteBufferService._hello = lambda self, secret, nonce: None
+    secret = b"guessed" if ctx.rank == 2 else b"right-secret"
+    service = RemoteBufferService(payload["address"], ctx.rank, ctx.world_size, timeout=30, secret=secret)
+    seen: dict[str, Any] = {}
+    if ctx.rank == 0:
+        service.write(service.attach(service.create("w", 4)), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        service.board.set_progress(7, 1)
+    dist.barrier()
+    if ctx.rank == 1:  # a board read before the attack (TERM reads it every iteration)
+        seen["before"] = (service.board.progress(0), service.board.alive(0))
+    dist.barrier()
+    if ctx.rank == 2:
+        host, _, port = payload["address"].rpartition(":")
+        store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=10))
+        nonce = store.get("smb/nonce").decode()
+        fake = BufferKey("w", 1, 4, "float32", f"{payload['address']}/1").encode()
+        store.set("smb/id/1", fake)  # create a buffer (the old protocol read ids from the store)
+        store.set("smb/key/w", fake)  # re-point the name "w" at it (a lookup then read zeros)
+        store.add("smb/claim/x", 1)
+        store.set("smb/dead/1", "1")  # a plain liveness mark
+        store.set("smb/dead/0", seal(b"guessed", nonce, "smb/dead/0", "1"))  # mark rank 0 dead, "sealed"
+        store.set("smb/progress/0", seal(b"guessed", nonce, "smb/progress/0", "999,2"))  # rank 0 "done"
+        for name, attempt in (("create", lambda: service.create("evil", 4)), ("lookup", lambda: service.lookup("w")),
+                              ("write", lambda: service.write(service.attach(BufferKey.decode(fake)), torch.ones(4)))):
+            try:
+                attempt()
+                seen[name] = "allowed"
+            except PermissionError as exc:
+                seen[name] = f"PermissionError: {exc}"
+        deadline = time.monotonic() + 10  # the server puts back what the forged entries replaced
+        while b"1" in store.get("smb/dead/0") or b"999" in store.get("smb/progress/0"):
+            assert time.monotonic() < deadline, "the server did not put the board back"
+            time.sleep(0.05)
+    dist.barrier()
+    if ctx.rank != 2:
+        board = service.board
+        key = service.lookup("w")
+        seen.update(key=key.id, values=service.read(service.attach(key), torch.zeros(4)).tolist(),
+                    alive=[board.alive(r) for r in range(2)], progress=board.progress(0), state=board.state(0))
+    dist.barrier()
+    service.close()
+    return seen
+
+
+def test_a_hostile_client_changes_nothing_through_the_store(tmp_path: Path) -> None:
+    """Issue 29, item 2: names, ids and liveness marks cannot be changed without the secret,
+    and the server's log names each attempt (on the link: the client and the operation)."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("right-secret\n")
+    proc, address = _server(3, "--secret-file", str(secret_file), "--snapshot-every", "30", "--out", str(tmp_path))
+    try:
+        results = launch("test_smb_remote:hostile_worker", 3, {"address": address}, timeout=90)
+    finally:
+        code, out, err = _finish(proc)
+    for legit in results[:2]:
+        assert legit["key"] == 0 and legit["values"] == [1.0, 2.0, 3.0, 4.0], legit
+        assert legit["alive"] == [True, True] and legit["progress"] == 7 and legit["state"] == 1, legit
+    assert results[1]["before"] == (7, True)
+    assert all(v.startswith("PermissionError") and "has not proven the shared secret" in v
+               for v in results[2].values()), results[2]
+    who = "client 2 (announced address 127.0.0.1) refused"
+    for attempt in ("create of 'evil'", "lookup of 'w'", "write (buffer 1)"):
+        assert f"{who} {attempt}: it has not proven the shared secret" in err, err
+    for key in ("smb/id/1", "smb/key/w", "smb/claim/x", "smb/dead/0", "smb/dead/1", "smb/progress/0", "smb/progress/2"):
+        assert f"refused store entry {key} = " in err, (key, err)
+    assert "Exception raised from" not in err and "frame #" not in err, err  # no C++ stack traces
+    snapshot = torch.load(tmp_path / "smb-snapshot.pt", weights_only=True)
+    assert list(snapshot["buffers"]) == [0] and snapshot["buffers"][0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert code == 0 and "0 accumulations applied" in out, out + err
+
+
+def test_the_board_refuses_entries_not_sealed_with_the_secret() -> None:
+    """A reader ignores (and names) forged, unsealed and replayed board entries, keeps the
+    last sealed value and puts it back; without a secret any well-formed entry counts."""
+    import datetime
+
+    from shmtrain.fabric.smb.board import StoreProgressBoard
+    from shmtrain.fabric.smb.wire import seal
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    lines: list[str] = []
+    writer = StoreProgressBoard(store, 0, 2, secret=b"s", nonce="n", log=lines.append)
+    reader = StoreProgressBoard(store, 1, 2, secret=b"s", nonce="n", log=lines.append)
+    writer.set_progress(7, 1)
+    old = store.get("smb/progress/0")
+    writer.set_progress(8, 1)
+    assert (reader.progress(0), reader.state(0), reader.alive(0)) == (8, 1, True)
+    sealed = store.get("smb/progress/0")
+    for forged in (seal(b"guess", "n", "smb/progress/0", "999,2"),  # the wrong secret
+                   seal(b"s", "other-server", "smb/progress/0", "999,2"),  # another server's nonce
+                   seal(b"s", "n", "smb/progress/1", "999,2"),  # another key's entry
+                   "999,2"):
+        store.set("smb/progress/0", forged)
+        assert (reader.progress(0), reader.state(0)) == (8, 1), forged
+        assert store.get("smb/progress/0") == sealed  # put back
+    store.set("smb/progress/0", old)  # a replayed older entry, sealed: not newer than the one seen
+    assert reader.progress(0) == 8
+    store.set("smb/dead/0", seal(b"guess", "n", "smb/dead/0", "1"))
+    assert reader.alive(0) and reader.forged == ["smb/progress/0"] * 4 + ["smb/dead/0"]
+    assert "worker 1 ignored store entry smb/dead/0" in lines[-1] and "not sealed" in lines[-1]
+    writer.mark_dead(0)
+    assert not reader.alive(0)
+    open_board = StoreProgressBoard(store, 1, 2, secret=None, nonce="n", log=lines.append)
+    store.set("smb/progress/0", seal(None, "n", "smb/progress/0", "3,1"))
+    assert open_board.progress(0) == 3
 
 
 def malformed_worker(ctx, payload: dict[str, Any]) -> list[str]:

@@ -68,14 +68,14 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
 
 def _serve_raw(server: MemoryServer, numel: int, reps: int, samples: int) -> None:
     """The server's side of the gloo-read / gloo-write phase (same order as the clients)."""
-    pg = server.connect()
+    server.connect()
     buffers = {c: torch.ones(numel) for c in range(1, server.clients + 1)}
     for op in RAW:
         for _ in range((samples + 1) * reps):
             if op == "gloo-read":
-                works = [pg.send([buffers[c]], c, _TAG_RAW) for c in buffers]
+                works = [server.link(c).send([buffers[c]], 1, _TAG_RAW) for c in buffers]
             else:
-                works = [pg.recv([buffers[c]], c, _TAG_RAW) for c in buffers]
+                works = [server.link(c).recv([buffers[c]], 1, _TAG_RAW) for c in buffers]
             for work in works:
                 work.wait()
 

@@ -239,6 +239,8 @@ def _gather_survivors(ctx: Any, result: dict[str, Any]) -> list[dict[str, Any]]:
     results (the other ranks get theirs alone).
     """
     store = ctx.store
+    if under_torchrun() and os.getppid() != _AGENT:  # its host's agent is gone (its workers are not)
+        store.set(f"agent_gone/{ctx.rank}", "1")
     store.set(f"result/{ctx.rank}", pickle.dumps(result))
     deadline = time.monotonic() + ctx.timeout
     if ctx.rank != 0:
@@ -264,16 +266,20 @@ def _gather_survivors(ctx: Any, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 #: torchrun's agents meet at an exit barrier under this key (its prefix in the agent's store)
 _AGENT_EXIT_BARRIER = "torchelastic/agent/terminal_state"
+#: under torchrun, this worker's parent when it started: its host's agent
+_AGENT = os.getppid()
 
 
 def _check_in_for_lost_hosts(ctx: Any, lost: dict[int, int]) -> None:
     """Let this host's torchrun agent leave: torchrun's agents wait for one another at an
     exit barrier (300 s, which the command line cannot change) that a lost host's agent
-    never reaches (it failed, or died). Once every worker of a host is known lost, rank 0
-    checks in for that host's agent, as the agent itself would have on finishing."""
+    never reaches (it failed, or died). Once every worker of a host is known lost, or
+    found its agent gone (the agent alone was killed), rank 0 checks in for that host's
+    agent, as the agent itself would have on finishing."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    gone = [r for r in range(ctx.world_size) if r in lost or ctx.store.check([f"agent_gone/{r}"])]
     hosts = [n for n in range(ctx.num_nodes)
-             if all(r in lost for r in range(n * ctx.local_world, (n + 1) * ctx.local_world))]
+             if all(r in gone for r in range(n * ctx.local_world, (n + 1) * ctx.local_world))]
     if not run_id or not hosts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return
     import datetime

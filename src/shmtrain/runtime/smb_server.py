@@ -1,8 +1,9 @@
 """``shmtrain smb-server``: a stand-alone memory server (SMB-REMOTE, ShmCaffe III-B, Fig. 7).
 
-Runs :class:`shmtrain.fabric.smb.server.MemoryServer` until every client has said
-goodbye, writing the global buffers to ``--out`` every ``--snapshot-every`` seconds
-(atomically); ``--resume FILE`` starts from such a snapshot. SIGINT/SIGTERM write a last
+Runs :class:`shmtrain.fabric.smb.server.MemoryServer` until every client of the job has
+come and said goodbye or been lost (a lost one may connect again meanwhile), writing
+the global buffers to ``--out`` every ``--snapshot-every`` seconds (atomically);
+``--resume FILE`` starts from such a snapshot. SIGINT/SIGTERM write a last
 snapshot (when snapshots are on) and end the server; its clients then fail with an
 error naming it.
 """
@@ -40,7 +41,7 @@ def _handler(args: argparse.Namespace) -> int:
         tmp = f"{args.address_file}.tmp"
         Path(tmp).write_text(server.address)
         Path(tmp).rename(args.address_file)
-    print(f"shmtrain smb-server: serving {args.clients} workers at {server.address}"
+    print(f"shmtrain smb-server: serving up to {args.clients} workers at {server.address}"
           f"{' (shared secret required)' if secret else ''}; clients: shmtrain train --smb-server {server.address}",
           flush=True)
     failure: list[BaseException] = []
@@ -75,11 +76,13 @@ def _handler(args: argparse.Namespace) -> int:
     if args.snapshot_every:
         server.snapshot(snapshot)
         print(f"shmtrain smb-server: buffers written to {snapshot}", flush=True)
+    server.audit(every=0)  # what parties without the secret left in the store, to the end
     print(f"shmtrain smb-server: {server.applied} accumulations applied, {server.refused} requests refused, "
           f"{server.errors} errors, {len(server.lost)} clients lost"
-          + (f" (ranks {', '.join(map(str, sorted(server.lost)))})" if server.lost else ""), flush=True)
+          + (f" (ranks {', '.join(map(str, sorted(server.lost)))})" if server.lost else "")
+          + f", {server.returned} connections again after a loss", flush=True)
     clean = server.finished and not (stopping or idle or failure or server.errors or server.refused
-                                     or server.lost)
+                                     or server.lost or server.returned)
     if clean and args.log_file:
         Path(args.log_file).unlink(missing_ok=True)  # nothing to tell: leave no file behind
     if stopping or idle or thread.is_alive() or server.watching:  # a thread may be blocked in gloo
@@ -95,7 +98,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "smb-server", help="run a memory server for workers on several hosts (SMB-REMOTE)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, required=True, help="the job's workers (all hosts together)")
+    p.add_argument("--clients", type=int, required=True,
+                   help="the most workers it serves (all hosts together; ranks 0 to N-1, which may come and go)")
     p.add_argument("--bind", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; any other needs a shared secret)")
     p.add_argument("--port", type=int, default=29600, help="port of the server (default 29600; 0: any free one)")

@@ -14,9 +14,14 @@ ShmCaffe's Soft Memory Box (Section III-B, Figs. 2, 5 and 7), one module per par
     SMB-REMOTE's wire format: request headers, replies, tags, ops and status codes, the
     proof of the shared secret, the gloo link.
 :mod:`~shmtrain.fabric.smb.server`
-    SMB-REMOTE's memory server (``MemoryServer``), which ``shmtrain smb-server`` runs.
+    SMB-REMOTE's memory server (``MemoryServer``), which ``shmtrain smb-server`` runs;
+    :mod:`~shmtrain.fabric.smb.gate` its trust (the proof of the secret, buffer names,
+    the audit of its store), :mod:`~shmtrain.fabric.smb.snapshot` its snapshot files.
+:mod:`~shmtrain.fabric.smb.board`
+    ``StoreProgressBoard``: progress, state and liveness in the server's store, sealed
+    with the shared secret; ``StoreAudit``, the server's check of that store.
 :mod:`~shmtrain.fabric.smb.remote`
-    SMB-REMOTE's client: ``RemoteBufferService``, ``StoreProgressBoard``, ``read_secret``,
+    SMB-REMOTE's client: ``RemoteBufferService``, ``read_secret``,
     and ``start_memory_server`` (global rank 0 starts a job's server).
 
 This package re-exports the API and the local service; the remote modules are imported

@@ -3,7 +3,8 @@
 :class:`RemoteBufferService` reaches a :class:`~shmtrain.fabric.smb.server.MemoryServer`
 behind the same :class:`~shmtrain.fabric.smb.api.BufferService` interface as the local
 shared-memory service, so no strategy changes to use it; its board is a
-:class:`StoreProgressBoard` in the server's store. :func:`read_secret` finds the shared
+:class:`~shmtrain.fabric.smb.board.StoreProgressBoard` in the server's store (sealed with
+the shared secret); buffer names go over the authenticated link (``create``, ``lookup``). :func:`read_secret` finds the shared
 secret a client proves (and a server asks for); :func:`start_memory_server` starts a
 job's memory server next to its global rank 0 when the job was given none.
 """
@@ -22,33 +23,32 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.control import PeerFailure, PeerTimeout, first_line
-from shmtrain.fabric.smb.api import (
-    STATE_SETUP,
-    Buffer,
-    BufferKey,
-    BufferService,
-    ProgressBoard,
-    Ticket,
-)
+from shmtrain.fabric.smb.api import Buffer, BufferKey, BufferService, Ticket
+from shmtrain.fabric.smb.board import StoreProgressBoard
+from shmtrain.fabric.smb.links import join
 from shmtrain.fabric.smb.wire import (
     _PAYLOAD_IN,
     _REPLY,
     _STATUS,
     _TO_CLIENT,
     _VERDICT,
+    DTYPES,
+    NAME_BYTES,
+    NOT_FOUND,
     OK,
     OP_ACCUMULATE,
     OP_BYE,
+    OP_CREATE,
     OP_HELLO,
+    OP_LOOKUP,
     OP_READ,
     OP_WRITE,
     REFUSED,
     REPLY_WORDS,
     SECRET_ENV,
-    TAG_LIVENESS,
     TAG_REQUEST,
     TAG_TO_SERVER,
-    _gloo,
+    TAKEN,
     _proof,
     _tag,
     route_address,
@@ -65,55 +65,6 @@ def read_secret(secret_file: str | None) -> bytes | None:
         return data
     env = os.environ.get(SECRET_ENV, "")
     return env.encode() if env else None
-
-
-class StoreProgressBoard(ProgressBoard):
-    """Progress, state and liveness of the remote service's clients, in the server's store
-    (one key per worker: iterations and state; ``smb/dead/<rank>`` once it is known lost).
-    A failure to reach the store is a :class:`PeerFailure` naming the server (``lost``)."""
-
-    def __init__(self, store: dist.Store, rank: int, world: int,
-                 lost: Callable[[RuntimeError, str], Exception] | None = None) -> None:
-        self.store, self.rank, self.world = store, rank, world
-        self._lost = lost
-        self._state = STATE_SETUP
-        self.set_progress(0, STATE_SETUP)
-
-    def _do(self, fn: Callable, what: str):
-        try:
-            return fn()
-        except RuntimeError as exc:
-            if self._lost is None:
-                raise
-            raise self._lost(exc, what) from None
-
-    def set_progress(self, iterations: int, state: int | None = None) -> None:
-        if state is not None:
-            self._state = state
-        self._do(lambda: self.store.set(f"smb/progress/{self.rank}", f"{iterations},{self._state}"),
-                 "publishing progress")
-
-    def _record(self, rank: int) -> tuple[int, int]:
-        key = f"smb/progress/{rank}"
-        text = self._do(lambda: self.store.get(key).decode() if self.store.check([key]) else None,
-                        "reading progress")
-        if text is None:
-            return 0, STATE_SETUP
-        iterations, state = text.split(",")
-        return int(iterations), int(state)
-
-    def progress(self, rank: int) -> int:
-        return self._record(rank)[0]
-
-    def state(self, rank: int) -> int:
-        return self._record(rank)[1]
-
-    def alive(self, rank: int) -> bool:
-        return not self._do(lambda: self.store.check([f"smb/dead/{rank}"]), "reading liveness")
-
-    def mark_dead(self, rank: int) -> None:
-        """Record that worker ``rank`` is lost (its host's launcher saw it die)."""
-        self._do(lambda: self.store.set(f"smb/dead/{rank}", "1"), "recording a lost worker")
 
 
 class RemoteBufferService(BufferService):
@@ -142,26 +93,29 @@ class RemoteBufferService(BufferService):
             raise PeerFailure(f"cannot reach the memory server at {address} ({first_line(exc)}); start it with "
                               f"`shmtrain smb-server --port {port} --clients {world}` or fix --smb-server") from None
         clients = int(self.store.get("smb/clients"))
-        if clients != world:
-            raise ValueError(f"the memory server at {address} serves {clients} workers but this job has {world}; "
-                             f"restart it with --clients {world}")
+        if clients < world:
+            raise ValueError(f"the memory server at {address} serves at most {clients} workers but this job has "
+                             f"{world}; restart it with --clients {world}")
         self._lock = threading.Lock()
         self._seq = 0
         self._pending: list[tuple[Ticket, dist.Work, torch.Tensor]] = []
         self._done = 0
-        self.board = StoreProgressBoard(self.store, rank, world, self._lost)
+        self.store.set(f"smb/peer/{rank}", route_address(host))  # what the server's log names this client by
         self.store.add("smb/joined", 1)
-        self.pg = self._call(lambda: _gloo(self.store, 1 + rank, world + 1, route_address(host), delta),
-                             "connecting")
-        if self.store.get("smb/secret") == b"1":
+        self.pg = self._call(lambda: join(self.store, rank, world, route_address(host), delta), "connecting")
+        nonce = self.store.get("smb/nonce").decode()
+        sealed = self.store.get("smb/secret") == b"1"
+        if sealed:
             try:
                 if secret is None:
                     raise PermissionError(f"the memory server at {address} requires a shared secret: pass "
                                           f"--secret-file FILE or set {SECRET_ENV}")
-                self._hello(secret, self.store.get("smb/nonce").decode())
+                self._hello(secret, nonce)  # the nonce is the server's: a replaced one fails the proof
             except PermissionError:
                 self.close()  # leave, so the server does not wait for this client
                 raise
+        self.board = StoreProgressBoard(self.store, rank, world, self._lost,
+                                        secret=secret if sealed else None, nonce=nonce)
 
     # -- requests --------------------------------------------------------------------
     def _call(self, fn: Callable, what: str):
@@ -173,7 +127,8 @@ class RemoteBufferService(BufferService):
     def _lost(self, exc: RuntimeError, what: str) -> Exception:
         """The error for a failed transfer to or from the server, naming it."""
         text = str(exc)
-        if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")):
+        if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused",
+                                   "Connection was likely closed")):  # the last: the store's words
             return PeerFailure(f"the memory server at {self.address} was lost (its connection closed: it died "
                                f"or was stopped) while {what}; restart it, with --resume from its "
                                "snapshot if it wrote one")
@@ -232,26 +187,47 @@ class RemoteBufferService(BufferService):
             self._status(seq, verdict, "the proof of the shared secret")
 
     # -- the SMB API -----------------------------------------------------------------
+    def _by_name(self, op: int, name: str, numel: int = 0, code: int = 0) -> torch.Tensor:
+        """Send a create or lookup of ``name`` (the name right behind the header); returns
+        the server's reply (status ``NOT_FOUND`` and ``TAKEN`` are the caller's to read)."""
+        data = name.encode()
+        if not 0 < len(data) <= NAME_BYTES:
+            raise ValueError(f"buffer name {name!r}: {len(data)} bytes of UTF-8; a name takes 1 to {NAME_BYTES}")
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        what = f"{'create' if op == OP_CREATE else 'lookup'} of {name!r}"
+        with self._lock:
+            self._drain()
+            seq, (work, reply), _ = self._request(op, numel, code, len(data))
+            sent = self._call(lambda: self.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)), "sending a name")
+            self._call(work.wait, f"waiting for the answer to the {what}")
+            self._call(sent.wait, f"sending the name of the {what}")  # the server always receives it
+        if int(reply[0]) not in (NOT_FOUND, TAKEN):
+            self._check(reply, seq, what)
+        return reply
+
     def create(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> BufferKey:
         if numel <= 0:
             raise ValueError(f"buffer {name!r}: numel must be positive, got {numel}")
-        if self.store.add(f"smb/claim/{name}", 1) != 1:
+        kind = str(dtype).removeprefix("torch.")
+        if kind not in DTYPES:
+            raise ValueError(f"buffer {name!r}: dtype {kind} cannot live on a memory server; use one of "
+                             f"{', '.join(DTYPES)}")
+        reply = self._by_name(OP_CREATE, name, numel, DTYPES.index(kind))
+        if int(reply[0]) == TAKEN:
             raise ValueError(f"buffer name {name!r} is already taken on the memory server at {self.address}")
-        buffer_id = self.store.add("smb/next", 1) - 1
-        key = BufferKey(name, buffer_id, numel, str(dtype).removeprefix("torch."), f"{self.address}/{buffer_id}")
-        self.store.set(f"smb/id/{buffer_id}", key.encode())
-        self.store.set(f"smb/key/{name}", key.encode())
-        return key
+        buffer_id = int(reply[2])
+        return BufferKey(name, buffer_id, numel, kind, f"{self.address}/{buffer_id}")
 
     def lookup(self, name: str) -> BufferKey:
         deadline = time.monotonic() + self.timeout
         delay = 0.001
-        while not self.store.check([f"smb/key/{name}"]):
+        while int((reply := self._by_name(OP_LOOKUP, name))[0]) == NOT_FOUND:
             if time.monotonic() > deadline:
-                raise PeerTimeout(f"no worker published SMB buffer {name!r} on {self.address} within {self.timeout:.0f} s")
+                raise PeerTimeout(f"no worker created SMB buffer {name!r} on {self.address} within {self.timeout:.0f} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
-        return BufferKey.decode(self.store.get(f"smb/key/{name}"))
+        buffer_id = int(reply[2])
+        return BufferKey(name, buffer_id, int(reply[3]), DTYPES[int(reply[4])], f"{self.address}/{buffer_id}")
 
     def attach(self, key: BufferKey) -> Buffer:
         return Buffer(key, None)
@@ -327,8 +303,6 @@ class RemoteBufferService(BufferService):
         with self._lock:
             try:
                 self._drain()
-                self._call(lambda: self.pg.send([torch.ones(1, dtype=torch.uint8)], 0, TAG_LIVENESS).wait(),
-                           "saying goodbye")  # leaving, not lost
                 seq, posted, _ = self._request(OP_BYE)
                 self._status(seq, posted, "goodbye")
             except (PeerFailure, PermissionError, ValueError):

@@ -10,14 +10,16 @@ job's global rank 0: ``start_memory_server``), the messages between them
 Security: the server listens on loopback unless told otherwise; a non-loopback bind
 needs a shared secret, and then every client proves it (HMAC-SHA256 of a nonce the
 server publishes) before its first buffer operation; a client that has not is refused
-with a logged reason and nothing changes.
+with a logged line (its rank, its announced address, the operation) and nothing changes.
+Buffer names and ids live here, given out on the authenticated link only; the board's
+entries in the store are sealed with the secret, and :class:`~shmtrain.fabric.smb.board.StoreAudit`
+logs every entry of the store a party without the secret wrote (docs/async.md, "Security").
 """
 
 from __future__ import annotations
 
 import datetime
-import hmac
-import os
+import queue
 import secrets
 import threading
 import time
@@ -28,46 +30,42 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.control import PeerTimeout, first_line
-from shmtrain.fabric.smb.api import BufferKey
+from shmtrain.fabric.smb.board import ALIVE, DEAD
+from shmtrain.fabric.smb.gate import Gate
+from shmtrain.fabric.smb.links import Acceptor, receive_requests
+from shmtrain.fabric.smb.snapshot import read_snapshot, write_snapshot
 from shmtrain.fabric.smb.wire import (
     _PAYLOAD_IN,
     _REPLY,
     _TO_CLIENT,
-    _VERDICT,
     BAD_REQUEST,
-    HEADER,
+    NAME_BYTES,
     OK,
     OP_ACCUMULATE,
     OP_BYE,
+    OP_CREATE,
     OP_HELLO,
+    OP_LOOKUP,
+    OP_NAMES,
     OP_READ,
     OP_WRITE,
     REFUSED,
     SECRET_ENV,
-    TAG_LIVENESS,
-    TAG_REQUEST,
-    TAG_TO_SERVER,
-    _gloo,
-    _proof,
     _tag,
     is_loopback,
+    seal,
 )
 
-#: the server's group timeout: its any-source receive of the next request must never time
-#: out (gloo loses the messages of a link after a timed-out receive: measured), so it is
-#: effectively unbounded; connecting and every payload have their own bound
-_FOREVER = datetime.timedelta(days=365)
 
-
-class MemoryServer:
+class MemoryServer(Gate):
     """The memory server: owns the global buffers, applies requests one at a time.
 
     Args:
-        clients: the job's workers (every one connects before serving starts).
+        clients: the job's workers at most (ranks 0 to ``clients - 1``; they come and go).
         bind: address to listen on (loopback by default).
         port: port of the server's store (0: any free one; see :attr:`port`).
         secret: shared secret every client must prove; required for a non-loopback bind.
-        timeout: seconds to wait for the clients to connect.
+        timeout: seconds a connection, a payload or a reply may take.
         log: where reasons for refusals and errors go.
         resume: a snapshot file (:meth:`snapshot`) to start the buffers from.
     """
@@ -93,6 +91,7 @@ class MemoryServer:
         #: clients whose link closed before they said goodbye (rank -> when), also
         #: recorded as ``smb/dead/<rank>`` in the store for the other workers' boards
         self.lost: dict[int, float] = {}
+        self.returned = 0  #: connections of lost clients that came back
         self._trusted: set[int] = set() if secret else set(range(1, clients + 1))
         self._left: set[int] = set()
         self._lock = threading.Lock()  # buffers: the serving loop vs snapshots
@@ -103,15 +102,22 @@ class MemoryServer:
         self._writes: dict[int, int] = {}  # per client: writes so far (their staging slot)
         self._state = threading.RLock()  # requests vs reap(): clients, transfers in flight
         self._copies: dict[tuple[int, int], torch.Tensor | None] = {}  # (client, slot) -> staging tensor
-        self._pg: dist.ProcessGroup | None = None
-        self._watchers: dict[int, threading.Thread] = {}
+        self._links: dict[int, dist.ProcessGroup] = {}  # client -> its link (peer rank 1)
+        self._generation: dict[int, int] = {}  # client -> the connection its link is
+        self._receivers: dict[int, threading.Thread] = {}
+        self._inbox: queue.Queue = queue.Queue()  # joins, requests and closed links, in order
+        self._world = 1  # the job's workers, as its clients announce them (at most ``clients``)
         self._drops: list[threading.Thread] = []  # receives of refused writes' payloads
         self._sending: dict[int, int] = {}  # id(tensor) -> reads in flight from it
-        self.store.set("smb/clients", str(clients))
-        self.store.set("smb/nonce", self.nonce)
-        self.store.set("smb/secret", "1" if secret else "0")
+        self._own = {"smb/clients": str(clients), "smb/nonce": self.nonce, "smb/secret": "1" if secret else "0"}
+        for key, value in self._own.items():
+            self.store.set(key, value)
+        self._open_gate()
         if resume:
             self._resume(resume)
+        watch = dist.TCPStore("127.0.0.1" if bind in ("0.0.0.0", "::") else bind, self.port, None, False,
+                              datetime.timedelta(seconds=timeout))
+        self._acceptor = Acceptor(self.store, watch, bind, clients, self._inbox, self._admit, log)
 
     @property
     def address(self) -> str:
@@ -119,130 +125,151 @@ class MemoryServer:
 
     @property
     def remaining(self) -> int:
-        """Clients that have neither said goodbye nor been lost."""
-        return self.clients - len(self._left)
+        """Connected clients that have neither said goodbye nor been lost."""
+        return len(self._links.keys() - self._left)
 
     @property
     def finished(self) -> bool:
-        """Every client has said goodbye or been lost."""
-        return len(self._left) >= self.clients
+        """Every worker of the job (its size as its clients announce it) came, and every
+        one has said goodbye or been lost (a lost one may come back until then)."""
+        return bool(self._links) and len(self._links) >= self._world and not self.remaining
 
     # -- buffers ---------------------------------------------------------------------
     def _buffer(self, buffer_id: int) -> torch.Tensor | None:
-        tensor = self.buffers.get(buffer_id)
-        if tensor is None and self.store.check([f"smb/id/{buffer_id}"]):
-            key = BufferKey.decode(self.store.get(f"smb/id/{buffer_id}"))
-            tensor = self.buffers[buffer_id] = torch.zeros(key.numel, dtype=getattr(torch, key.dtype))
-        return tensor
+        return self.buffers.get(buffer_id)
 
     def snapshot(self, path: str | Path) -> None:
         """Write every buffer and its key to ``path`` atomically (temporary file, fsync, rename)."""
-        path = Path(path)
         with self._lock:
-            state = {"keys": {i: self.store.get(f"smb/id/{i}").decode() for i in self.buffers},
-                     "buffers": {i: t.clone() for i, t in self.buffers.items()}, "applied": self.applied}
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            buffers = {i: t.clone() for i, t in self.buffers.items()}
+        write_snapshot(path, {i: self.keys[i] for i in buffers}, buffers, self.applied)
 
     def _resume(self, path: str) -> None:
-        state = torch.load(path, weights_only=True)
-        for buffer_id, text in state["keys"].items():
-            key = BufferKey.decode(text)
-            self.store.set(f"smb/id/{buffer_id}", text)
-            self.store.set(f"smb/key/{key.name}", text)
-            self.store.add(f"smb/claim/{key.name}", 1)
-            self.buffers[int(buffer_id)] = state["buffers"][buffer_id]
-        self.store.add("smb/next", len(state["keys"]))
-        self.applied = int(state.get("applied", 0))
+        self.keys, self.buffers, self.applied = read_snapshot(path)
+        self.names = {key.name: i for i, key in self.keys.items()}
 
     # -- serving -----------------------------------------------------------------------
     def serve(self) -> None:
-        """Connect every client (unless :meth:`connect` did), then serve until each has
-        said goodbye."""
-        pg = self._pg if self._pg is not None else self.connect()
-        header = torch.zeros(HEADER, dtype=torch.int64)
-        while len(self._left) < self.clients:
+        """Accept clients as they come (a lost one may connect again) and serve them until
+        every client that came has said goodbye or been lost."""
+        self._acceptor.start()
+        while not self.finished:
             try:
-                work = pg.recv_anysource([header], TAG_REQUEST)
-                work.wait()
-                source = work._source_rank()
-            except RuntimeError as exc:  # a truncated header, or a client gone mid-message
-                self.errors += 1
-                self.log(f"shmtrain smb-server: a request could not be received ({first_line(exc)}); serving on")
+                event = self._inbox.get(timeout=0.2)
+            except queue.Empty:
                 continue
-            self.last_request = time.monotonic()
-            with self._state:
-                self._settle(block=False)  # payloads that have arrived, from anyone
-                if source in self._left:
-                    continue
+            kind, client, generation, detail = event
+            if kind == "joined":
+                self._joined(client, generation, detail)
+            elif generation != self._generation.get(client):  # from a link replaced since
+                if kind == "request":
+                    detail[1].set()
+            elif kind == "closed":
+                self._closed(client, detail)
+            else:
+                header, handled = detail
                 try:
-                    # its own earlier transfers come first; a write may follow a write still
-                    # being applied (its watcher applies them in order)
-                    self._settle_client(source, block=True, keep_write=int(header[0]) == OP_WRITE)
-                    self._handle(source, header)
-                except RuntimeError as exc:
-                    self._lose(source, exc)
+                    self._request(client, header)
+                finally:
+                    handled.set()
+        self._acceptor.stop()
         self.reap()
 
-    def connect(self) -> dist.ProcessGroup:
-        """Form the server's process group with every client (within ``timeout``)."""
-        made: list[dist.ProcessGroup] = []
-        connect = threading.Thread(target=lambda: made.append(_gloo(self.store, 0, self.clients + 1, self.bind, _FOREVER)),
-                                   name="smb-connect", daemon=True)
-        connect.start()
-        connect.join(self.timeout)
-        if not made:
-            joined = self.store.add("smb/joined", 0)
-            raise PeerTimeout(f"only {joined} of {self.clients} clients connected to the memory server at "
-                              f"{self.address} within {self.timeout:.0f} s")
-        self._pg = made[0]
-        for client in range(1, self.clients + 1):
-            self._watch_link(client)
-        return self._pg
-
-    def _watch_link(self, client: int) -> None:
-        """Notice ``client``'s death while it is idle: a receive that no message ever
-        completes stays posted on its link; gloo fails it as soon as the link closes
-        (measured: at once after SIGKILL), while a client that said goodbye first is only
-        leaving. A lost client is marked ``smb/dead/<rank>`` so the survivors' boards
-        (TERM) stop counting on it."""
-        assert self._pg is not None
-        work = self._pg.recv([torch.zeros(1, dtype=torch.uint8)], client, TAG_LIVENESS)
-
-        def watch() -> None:
+    def _request(self, client: int, header: torch.Tensor) -> None:
+        self.last_request = time.monotonic()
+        with self._state:
+            self._settle(block=False)  # payloads that have arrived, from anyone
+            if client in self._left:
+                return
             try:
-                work.wait(_FOREVER)  # the byte before a goodbye: this client is leaving
+                # its own earlier transfers come first; a write may follow a write still
+                # being applied (its watcher applies them in order)
+                self._settle_client(client, block=True, keep_write=int(header[0]) == OP_WRITE)
+                self._handle(client, header)
             except RuntimeError as exc:
-                with self._state:
-                    if client in self._left:
-                        return
-                    if self._inflight.get(client):  # the same loss the transfer's watcher sees
-                        self._lose(client, exc)
-                        return
-                    self._left.add(client)
-                self._record_lost(client)
-                self.log(f"shmtrain smb-server: client {client - 1} lost (its link closed: {first_line(exc)}); "
-                         "what it applied stays; serving the others")
+                self._lose(client, exc)
 
-        self._watchers[client] = thread = threading.Thread(target=watch, name=f"smb-alive-{client}", daemon=True)
+    def _admit(self, client: int) -> str | None:
+        """Why a connection for ``client`` is refused (None: it is not; a rank whose link
+        is up cannot be taken over: it must be lost or gone first)."""
+        with self._state:
+            return f"rank {client - 1} is connected" if client in self._links and client not in self._left else None
+
+    def _joined(self, client: int, generation: int, detail: tuple[dist.ProcessGroup, int]) -> None:
+        """A (new) link for ``client``: it starts untrusted, with nothing in flight; a lost
+        client that comes back is marked alive again on the board."""
+        link, world = detail
+        with self._state:
+            self._world = max(self._world, world)
+            back = client - 1 in self.lost
+            self._links[client], self._generation[client] = link, generation
+            self._left.discard(client)
+            self._inflight.pop(client, None)
+            self._writes.pop(client, None)
+            for slot in (0, 1):
+                self._copies.pop((client, slot), None)
+            if self.secret:
+                self._trusted.discard(client)
+            if back:
+                del self.lost[client - 1]
+                self.returned += 1
+                self._mark(client, ALIVE)
+        self.last_request = time.monotonic()
+        if back:
+            self.log(f"shmtrain smb-server: {self._who(client)} connected again (connection {generation}); "
+                     "it reads the buffers as they are now")
+        self._receivers[client] = thread = threading.Thread(
+            target=receive_requests, args=(link, client, generation, self._inbox), name=f"smb-recv-{client}", daemon=True)
         thread.start()
+
+    def _closed(self, client: int, exc: BaseException) -> None:
+        """``client``'s link closed: leaving after its goodbye, else lost. A lost client is
+        marked ``smb/dead/<rank>`` so the survivors' boards (TERM) stop counting on it."""
+        with self._state:
+            if client in self._left:
+                return
+            if self._inflight.get(client):  # the same loss the transfer's watcher sees
+                self._lose(client, exc)
+                return
+            self._left.add(client)
+            self._record_lost(client)
+        self.log(f"shmtrain smb-server: client {client - 1} lost (its link closed: {first_line(exc)}); "
+                 "what it applied stays; serving the others")
+
+    def connect(self, timeout: float | None = None) -> None:
+        """Wait until every one of ``clients`` has connected (within ``timeout`` seconds,
+        default the server's): for a caller that needs them all at once (the benchmark)."""
+        self._acceptor.start()
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while len(self._links) < self.clients:
+            try:
+                event = self._inbox.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise PeerTimeout(f"only {len(self._links)} of {self.clients} clients connected to the memory "
+                                      f"server at {self.address} within {self.timeout:.0f} s") from None
+                continue
+            if event[0] != "joined":
+                raise RuntimeError(f"the memory server got {event[0]} before every client connected")
+            self._joined(*event[1:])
+
+    def link(self, client: int) -> dist.ProcessGroup:
+        """Client ``client``'s link (its peer there is rank 1)."""
+        return self._links[client]
 
     @property
     def watching(self) -> int:
-        """Threads still waiting in gloo (link watchers of clients that neither said
-        goodbye properly nor were lost, receives of dropped payloads): gloo aborts a
-        process that exits while one waits, so the caller leaves with ``os._exit`` then."""
-        return sum(t.is_alive() for t in [*self._watchers.values(), *self._drops])
+        """Threads still waiting in gloo (the request receives of clients that neither said
+        goodbye nor were lost, receives of dropped payloads): gloo aborts a process that
+        exits while one waits, so the caller leaves with ``os._exit`` then."""
+        return sum(t.is_alive() for t in [*self._receivers.values(), *self._drops]) + self._acceptor.busy
 
     def reap(self) -> None:
         """Apply the payloads that have arrived and drop the clients lost mid-transfer
         (called between requests, and by the server's main thread while it waits for one)."""
         with self._state:
             self._settle(block=False)
+        self.audit()
 
     def _copy(self, client: int, like: torch.Tensor) -> tuple[tuple[int, int], torch.Tensor]:
         """This client's next staging slot and tensor for a write like ``like``: two per
@@ -301,8 +328,13 @@ class MemoryServer:
 
     def _record_lost(self, client: int) -> None:
         self.lost[client - 1] = time.time()
+        self._mark(client, DEAD)
+
+    def _mark(self, client: int, value: str) -> None:
+        """Client ``client``'s liveness mark on the board (sealed; a newer one wins)."""
         try:
-            self.store.set(f"smb/dead/{client - 1}", "1")
+            key = f"smb/dead/{client - 1}"
+            self.store.set(key, seal(self.secret, self.nonce, key, value))
         except RuntimeError:  # the store is this process's own: only at shutdown
             pass
 
@@ -329,41 +361,32 @@ class MemoryServer:
             if entry[5]:
                 raise entry[5][0]
 
-    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = _REPLY) -> None:
-        assert self._pg is not None
-        self._pg.send([torch.tensor([status, seq, value, 0], dtype=torch.int64)], client,
+    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = _REPLY,
+               extra: tuple[int, int] = (0, 0)) -> None:
+        self._links[client].send([torch.tensor([status, seq, value, *extra, 0], dtype=torch.int64)], 1,
                       _tag(seq, kind)).wait(self._bound)
 
     def _handle(self, client: int, header: torch.Tensor) -> None:
         op, seq, a, b, c = (int(x) for x in header[:5])
-        pg = self._pg
-        assert pg is not None
+        pg = self._links[client]
         if op == OP_HELLO:
-            proof = torch.zeros(32, dtype=torch.uint8)
-            self._reply(client, OK, seq)  # then the proof
-            pg.recv([proof], client, TAG_TO_SERVER).wait(min(self._bound, datetime.timedelta(seconds=10)))
-            expected = _proof(self.secret, self.nonce) if self.secret else proof
-            if hmac.compare_digest(bytes(proof.tolist()), bytes(expected.tolist())):
-                self._trusted.add(client)
-                self._reply(client, OK, seq, kind=_VERDICT)
-            else:
-                self.refused += 1
-                self.log(f"shmtrain smb-server: client {client - 1} refused: its proof of the shared secret is wrong")
-                self._reply(client, REFUSED, seq, kind=_VERDICT)
-            return
+            return self._hello(client, seq)
+        name = self._name(client, seq, c) if op in (OP_CREATE, OP_LOOKUP) else None
         if op == OP_BYE:
             self._left.add(client)
-            watcher = self._watchers.get(client)
-            if watcher is not None:  # its byte came before the goodbye on the same link
-                watcher.join(5.0)
             self._reply(client, OK, seq)
             return
         if client not in self._trusted:
             self.refused += 1
-            self.log(f"shmtrain smb-server: client {client - 1} refused (op {op}): it has not proven the shared secret")
-            drained = op == OP_WRITE and self._drop_payload(client, seq, a, b)
+            what = OP_NAMES.get(op, f"op {op}") + (f" of {name!r}" if name is not None else f" (buffer {a})")
+            self.log(f"shmtrain smb-server: {self._who(client)} refused {what}: it has not proven the shared secret")
+            drained = (op == OP_WRITE and self._drop_payload(client, seq, a, b)) or name is not None
             self._reply(client, REFUSED, seq, int(drained))
             return
+        if op in (OP_CREATE, OP_LOOKUP):
+            if name is None:
+                return self._bad(client, seq, f"{OP_NAMES[op]} with a name of {c} bytes (1 to {NAME_BYTES})")
+            return self._named(client, op, seq, name, a, b)
         if op in (OP_READ, OP_WRITE):
             with self._lock:  # a read counts as in flight from the buffer it takes, at once
                 tensor = self._buffer(a)
@@ -379,10 +402,10 @@ class MemoryServer:
             # whose receive is posted before the status, so the payload follows at once
             if op == OP_READ:
                 self._reply(client, OK, seq)
-                self._track(client, "read", pg.send([tensor], client, _tag(seq, _TO_CLIENT)), tensor, a)
+                self._track(client, "read", pg.send([tensor], 1, _tag(seq, _TO_CLIENT)), tensor, a)
             else:
                 slot, copy = self._copy(client, tensor)  # a slot whose last transfer was settled
-                self._track(client, "write", pg.recv([copy], client, _tag(seq, _PAYLOAD_IN)), copy, a, slot)
+                self._track(client, "write", pg.recv([copy], 1, _tag(seq, _PAYLOAD_IN)), copy, a, slot)
                 self._reply(client, OK, seq)
             return
         if op == OP_ACCUMULATE:
@@ -407,8 +430,7 @@ class MemoryServer:
         known = self.buffers.get(buffer_id)
         if known is None or not 0 < numel <= max(t.numel() for t in self.buffers.values() if t.dtype == known.dtype):
             return False
-        assert self._pg is not None
-        work = self._pg.recv([torch.empty(numel, dtype=known.dtype)], client, _tag(seq, _PAYLOAD_IN))
+        work = self._links[client].recv([torch.empty(numel, dtype=known.dtype)], 1, _tag(seq, _PAYLOAD_IN))
 
         def drop() -> None:
             try:

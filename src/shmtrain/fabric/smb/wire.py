@@ -1,20 +1,27 @@
 """SMB-REMOTE's wire format: what the memory server and its clients send each other.
 
-Transport: gloo point-to-point on a process group of its own (the server is rank 0,
-job rank ``r`` is ``1 + r``), over a TCP store the server hosts. torch RPC (TensorPipe)
-was measured on the same loopback link and moved 4 MiB in 4-6.5 ms where gloo's
-send/recv took 2.4 ms, so gloo it is (docs/async.md, "The remote buffer service").
-Gloo's any-source receive keeps serving the other clients when one dies (measured).
+Transport: gloo point-to-point on one two-member process group per client connection
+(the server is rank 0 of each, the client rank 1: :mod:`~shmtrain.fabric.smb.links`), over
+a TCP store the server hosts, so a client can leave and connect again. torch RPC
+(TensorPipe) was measured on the same loopback link and moved 4 MiB in 4-6.5 ms where
+gloo's send/recv took 2.4 ms, so gloo it is (docs/async.md, "The remote buffer service").
 
 Protocol: every request is one header (``int64[8]``: op, sequence number, arguments)
-on tag ``REQUEST``; the server answers every header with a status reply (``int64[4]``)
+on tag ``REQUEST``; the server answers every header with a status reply (``int64[6]``)
 on tag ``REPLY`` *before* any payload moves, so a refused or malformed request never
 leaves bytes in flight: ``write`` sends its payload after an OK, ``read`` receives the
 buffer after an OK, ``accumulate`` is answered when applied (the update notification of
 Fig. 5). A client's requests are served in the order it sent them.
 
+Names: ``create`` and ``lookup`` are requests too (the name follows the header as a
+payload), so the server alone gives out buffer ids and names, and only to clients that
+proved the secret; nothing about a buffer is read from the store.
+
 Security: a client proves the shared secret with HMAC-SHA256 of a nonce the server
-publishes (:func:`_proof`); ``SHMTRAIN_SECRET`` holds the secret where no file does.
+publishes (:func:`_proof`); ``SHMTRAIN_SECRET`` holds the secret where no file does. What
+still goes through the store (progress, state and liveness marks) is sealed with the same
+secret and the server's nonce (:func:`seal`, :func:`unseal`): an entry written without the
+secret is refused by every reader.
 """
 
 from __future__ import annotations
@@ -23,18 +30,15 @@ import datetime
 import hashlib
 import hmac
 import ipaddress
+import time
 
 import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.netif import route_source
 
-HEADER, REPLY_WORDS = 8, 4
+HEADER, REPLY_WORDS = 8, 6
 TAG_REQUEST, TAG_TO_SERVER = 1, 3
-#: the tag of the receive the server keeps posted on each client's link: a client sends
-#: one byte there just before its goodbye; the receive failing first means the link closed,
-#: which is how a lost client is seen
-TAG_LIVENESS = 5
 _REPLY, _TO_CLIENT, _PAYLOAD_IN, _VERDICT = 0, 1, 2, 3
 
 
@@ -46,10 +50,17 @@ def _tag(seq: int, kind: int) -> int:
     return 16 + ((seq % (1 << 22)) << 2) + kind
 
 
-OP_HELLO, OP_READ, OP_WRITE, OP_ACCUMULATE, OP_BYE = 1, 2, 3, 4, 5
-OK, REFUSED, BAD_REQUEST = 0, 1, 2
+OP_HELLO, OP_READ, OP_WRITE, OP_ACCUMULATE, OP_BYE, OP_CREATE, OP_LOOKUP = 1, 2, 3, 4, 5, 6, 7
+#: what the server's log calls each op
+OP_NAMES = {OP_HELLO: "hello", OP_READ: "read", OP_WRITE: "write", OP_ACCUMULATE: "accumulate",
+            OP_BYE: "goodbye", OP_CREATE: "create", OP_LOOKUP: "lookup"}
+OK, REFUSED, BAD_REQUEST, NOT_FOUND, TAKEN = 0, 1, 2, 3, 4
 _STATUS = {REFUSED: "refused: this client has not proven the shared secret",
-           BAD_REQUEST: "malformed request"}
+           BAD_REQUEST: "malformed request", NOT_FOUND: "no such buffer name", TAKEN: "the name is already taken"}
+#: a buffer name's longest UTF-8 form (create and lookup send it after the header)
+NAME_BYTES = 512
+#: the element types a buffer may have, by their code on the wire
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8")
 SECRET_ENV = "SHMTRAIN_SECRET"
 
 
@@ -72,6 +83,30 @@ def route_address(peer: str) -> str:
 def _proof(secret: bytes, nonce: str) -> torch.Tensor:
     digest = hmac.new(secret, nonce.encode(), hashlib.sha256).digest()
     return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+
+
+def seal(secret: bytes | None, nonce: str, key: str, value: str) -> str:
+    """``value`` for store entry ``key`` with the time it was written and, when there is a
+    secret, HMAC-SHA256 over the server's nonce, the key, the value and that time (so an
+    entry cannot be forged, moved to another key or carried over from another server)."""
+    stamp = str(time.time_ns())
+    tag = "" if secret is None else hmac.new(secret, f"{nonce}\n{key}\n{value}\n{stamp}".encode(),
+                                               hashlib.sha256).hexdigest()
+    return f"{value};{stamp};{tag}"
+
+
+def unseal(secret: bytes | None, nonce: str, key: str, text: str) -> tuple[str, int] | None:
+    """The value and write time of an entry written by :func:`seal`; None when it is malformed or,
+    with a secret, not sealed with it (written by a party that has not proven it)."""
+    value, _, rest = text.rpartition(";")
+    value, _, stamp = value.rpartition(";")
+    if not stamp.isdigit():
+        return None
+    if secret is not None:
+        expected = hmac.new(secret, f"{nonce}\n{key}\n{value}\n{stamp}".encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(rest.encode(), expected.encode()):
+            return None
+    return value, int(stamp)
 
 
 def _gloo(store: dist.Store, rank: int, size: int, host: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
