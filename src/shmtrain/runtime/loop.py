@@ -12,7 +12,6 @@ iterations, or a termination-alignment policy for asynchronous strategies).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data import Dataset, Prefetcher, ShardSampler, load_data
 from shmtrain.runtime.device import worker_device
 from shmtrain.runtime.files import save_output
+from shmtrain.runtime.finite import check_loss, json_text
 from shmtrain.runtime.monitor import Monitor
 from shmtrain.runtime.stop import StopRequest
 from shmtrain.runtime.trainer import Trainer
@@ -103,6 +103,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     start = time.perf_counter()
     losses: list[float] = []
     stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/stop.py)
+    first = trainer.state.iteration
     try:
         while not dp.should_stop():
             iter_start = time.perf_counter()
@@ -115,7 +116,8 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
             losses.append(value)
             row = {"iteration": dp.iteration, "loss": value, "lr": trainer.lr,
                    "t0": monitor.stamp(iter_start), "time": phases, **timer.take_details()}
-            log.write(json.dumps(row) + "\n")
+            log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/finite.py)
+            check_loss(value, dp.iteration, ctx.rank, trainer.lr)
             monitor.after_iteration(row, log)  # outside the iteration's time
             progress.update(dp.iteration, value)
             if stop.check(dp.iteration):
@@ -124,7 +126,8 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
                 log.flush()  # rows up to the checkpoint are on disk before it is
                 checkpoints.save(trainer, dp.iteration)
         stop.finished(dp.iteration)
-        monitor.finish(dp.iteration, log)
+        if dp.iteration > first:  # a finished run resumed at its total has its last eval row
+            monitor.finish(dp.iteration, log)
         progress.close()
         wall = time.perf_counter() - start
         log.flush()
@@ -142,6 +145,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         "wall_s": wall,
         "final_loss": losses[-1] if losses else None,
         "planned_iterations": total,
+        "trained": dp.iteration - first,  # this launch's iterations (0: nothing left to do)
         # a stop (Ctrl-C, SIGTERM): its signal and the checkpoint the run continues from
         "stopped": stop.signum if stop.stopped else 0,
         "checkpoint": str(saved) if saved is not None else None,

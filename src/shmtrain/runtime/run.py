@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
-from shmtrain.runtime import checkpoint_files, report
+from shmtrain.runtime import checkpoint_files, report, runlock
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launcher import WorkerFailed, launch
 from shmtrain.runtime.preflight import preflight
@@ -85,6 +85,12 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     threading.Thread(target=_import_matplotlib, name="shmtrain-plot-import", daemon=True).start()
     out = Path(config.out) if config.out else default_out(config)
     preflight(config, out)  # before any folder or worker: one clear line, exit 2
+    with runlock.acquire(out, resume=resume):  # one run per folder, before anything is written
+        return _run_local(config, out, echo, resume)
+
+
+def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, Any]:
+    """The local launch of :func:`run_training`, in a run folder this process has locked."""
     start_from = _starting_point(out, config, resume)
     checkpoint_files.prepare_run_folder(out, config)  # config.toml; refuses an unwritable folder
     echo(f"shmtrain: {config.strategy}, {config.workers} workers x {config.threads} thread(s), "
@@ -103,7 +109,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
                              env=_preload_env(config))
             break
         except WorkerFailed as exc:
-            if not exc.stop_signal and restarts < config.max_restarts:
+            if not exc.stop_signal and not exc.zygote and restarts < config.max_restarts:
                 restarts += 1
                 start_from = checkpoint_files.resume_point(out, _warn)
                 checkpoint_files.clean_partial(out)
@@ -117,16 +123,36 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
                 _finish(out, config, list(exc.results.values()), time.perf_counter() - start, echo)
             if restarts:
                 exc.args = (f"{exc} (after {restarts} restart(s), the last cause)",)
+            if exc.zygote:
+                exc.args = (f"{exc}; {_resume_hint(out)}",)
             raise
-        except KeyboardInterrupt:
-            last = checkpoint_files.latest(out)
-            hint = (f"the latest checkpoint is {last}; continue with: shmtrain train --resume {out}"
-                    if last else "no checkpoint was written")
-            raise RunStopped(f"interrupted; every worker has been stopped without saving; {hint}", 130) from None
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            raise RunStopped(_interrupted_message(out, exc), 128 + signum) from None
     stopped = [r for r in results if r.get("stopped")]
     if stopped:
         raise RunStopped(_stopped_message(out, results, stopped[0]["stopped"]), 128 + stopped[0]["stopped"])
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def _resume_hint(out: Path) -> str:
+    last = checkpoint_files.latest(out)
+    return (f"the latest complete checkpoint is {last}; continue with: shmtrain train --resume {out}"
+            if last else f"no checkpoint was written; start again with --out {out}")
+
+
+def _interrupted_message(out: Path, exc: KeyboardInterrupt) -> str:
+    """What a stop that did not wait for the workers' checkpoint left: ``exc`` is a second
+    signal (:class:`~shmtrain.runtime.launcher.StopNow`: ``signum``, ``first``), or a
+    Ctrl-C before the launcher's handlers were in place."""
+    hint = _resume_hint(out)
+    signum = getattr(exc, "signum", signal.SIGINT)
+    name = signal.Signals(signum).name
+    if getattr(exc, "first", 0):
+        first = signal.Signals(exc.first).name  # type: ignore[attr-defined]
+        return (f"stopped at once by a second signal ({name}, after {first}): every worker was ended "
+                f"without waiting for the checkpoint of the stop; {hint}")
+    return f"interrupted by {name} before the workers were training; every worker has been ended; {hint}"
 
 
 def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None:
