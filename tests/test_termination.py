@@ -62,10 +62,16 @@ def test_first_policy() -> None:
 
 
 def test_average_policy() -> None:
-    assert not Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(12, 10)  # 29 < 30
-    assert Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(13, 10)  # 30
-    # a dead worker's frozen count stays in the mean: the survivors make up for it
-    assert not Termination("average", FakeBoard(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(15, 10)
+    # past its target, a worker counts the iteration each training peer is in: 10 + 9 + 10 < 30
+    assert not Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(10, 10)
+    assert Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(11, 10)  # 11 + 9 + 10
+    # below its target, only what is done: 9 + 10 + 10 (not 9 + 11 + 11)
+    assert not Termination("average", FakeBoard(0, [0, 10, 10], [T, T, T])).decide(9, 10)
+    # a finished peer has no iteration in flight: 10 + 10 + 9 < 30
+    assert not Termination("average", FakeBoard(0, [0, 10, 9], [T, D, D])).decide(10, 10)
+    # a dead worker's frozen count stays in the mean (nothing in flight): the survivors make up for it
+    assert not Termination("average", FakeBoard(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(14, 10)
+    assert Termination("average", FakeBoard(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(15, 10)
     assert not Termination("average", FakeBoard(0, [0, 5, 5], [T, T, T])).decide(10**6, None)
 
 

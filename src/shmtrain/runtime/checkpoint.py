@@ -108,7 +108,7 @@ class Checkpointer:
         if self.resumed_from is None or not path.exists():
             return LineLog(path, truncate=True)
         kept = []
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().decode(errors="replace").splitlines():
             try:
                 row = json.loads(line)
                 iteration = row["eval"]["iteration"] if "eval" in row else row["iteration"]

@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,20 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit status {code}"
+
+
+def shm_note(code: int) -> str:
+    """For a worker killed by SIGBUS: the likely cause (a full /dev/shm) and the fix."""
+    if code not in (-signal.SIGBUS, 128 + signal.SIGBUS):
+        return ""
+    try:
+        usage = shutil.disk_usage("/dev/shm")
+        now = f"it has {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB now"
+    except OSError:
+        now = "it cannot be read now"
+    return (f" (a SIGBUS in a worker means a shared-memory page could not be given, most often because "
+            f"/dev/shm is full: {now}; free space there (df -h /dev/shm), use fewer workers or a "
+            "smaller model, and leave out --force so the memory check can refuse such a run)")
 
 
 def launch(
@@ -232,8 +247,8 @@ class _Supervisor:
         if self.lost:
             rank, code = next(iter(self.lost.items()))
             failure = WorkerFailed(
-                f"worker rank {rank} (pid {self.children[rank].pid}) died: {describe_exit(code)}; "
-                "the other workers trained on to the end", rank, code,
+                f"worker rank {rank} (pid {self.children[rank].pid}) died: {describe_exit(code)}"
+                f"{shm_note(code)}; the other workers trained on to the end", rank, code,
             )
             failure.results = {r: self.job.result(r) for r in range(self.job.nprocs) if r not in self.lost}
             raise failure
@@ -388,6 +403,6 @@ def _failure_of(children: list[Any], rank: int, code: int, record: dict[str, Any
         failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {cause}" + logs.where(rank), rank, code)
     else:
         failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {describe_exit(code)}"
-                               + logs.last_line(rank) + logs.where(rank), rank, code)
+                               + shm_note(code) + logs.last_line(rank) + logs.where(rank), rank, code)
     failure.cause = cause
     return failure

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,15 @@ def read_rows(out: Path) -> dict[int, list[dict[str, Any]]]:
     rows: dict[int, list[dict[str, Any]]] = {}
     for file in sorted((out / "metrics").glob("rank-*.jsonl")):
         rank = int(file.stem.split("-")[1])
-        rows[rank] = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        rows[rank] = []
+        for number, line in enumerate(file.read_bytes().decode(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows[rank].append(json.loads(line))
+            except ValueError as exc:  # a line a full disk cut short: the rest still counts
+                print(f"shmtrain: warning: {file} line {number} is not JSON ({exc}); left out",
+                      file=sys.stderr)
     return rows
 
 

@@ -166,12 +166,10 @@ def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None
                 f"shmtrain train --resume {out}, or give a new folder with --out"
             )
         return None
+    found = checkpoint_files.complete_checkpoints(out)
     point = checkpoint_files.resume_point(out, _warn)
     if point is None:
-        raise ValueError(
-            f"--resume {out}: no complete checkpoint in {out / checkpoint_files.CHECKPOINTS} (the run "
-            "ended before its first one); start it again with another --out"
-        )
+        raise ValueError(_no_checkpoint(out, found))
     checkpoint_files.check_compatible(point, config)
     done = max(r["iteration"] for r in checkpoint_files.read_meta(point)["ranks"])
     if config.iterations is not None and config.iterations < done:
@@ -181,6 +179,22 @@ def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None
             f"--iterations {done} or more"
         )
     return point
+
+
+def _no_checkpoint(out: Path, found: list[Path]) -> str:
+    """Why ``--resume out`` has nothing to continue from (``found``: the complete
+    checkpoints there before the resume looked at them)."""
+    folder = out / checkpoint_files.CHECKPOINTS
+    unfinished = sorted(p.name for p in folder.glob("step-*.tmp")) if folder.is_dir() else []
+    if found:
+        why = (f"every one was damaged ({', '.join(p.name for p in found)}: each named above and moved "
+               "aside to step-<N>.corrupt)")
+    elif unfinished:
+        why = f"the run ended while writing its first one ({unfinished[0]} is unfinished)"
+    else:
+        why = "the run ended before its first one"
+    return (f"--resume {out}: no complete checkpoint in {folder} ({why}); start the run again, in "
+            "this folder or another --out")
 
 
 def _stopped_message(out: Path, results: list[dict[str, Any]], signum: int) -> str:
