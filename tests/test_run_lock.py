@@ -106,3 +106,21 @@ def test_metrics_lines_stay_whole_with_concurrent_appenders(tmp_path: Path) -> N
     rows = [json.loads(line) for line in lines]  # a torn line would not parse
     for writer in range(3):
         assert [r["iteration"] for r in rows if r["writer"] == writer] == list(range(60))
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_is_refused_a_locked_folder(tmp_path: Path) -> None:
+    """Under torchrun, rank 0 takes the same lock for the job: a folder another run holds
+    (here this test process) is refused before anything is written there."""
+    import subprocess
+
+    from test_torchrun import TORCHRUN, env, free_port
+
+    run = tmp_path / "run"
+    with runlock.acquire(run, resume=False):
+        cmd = TORCHRUN + ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          "-m", "shmtrain", "train", *SMALL[2:], "--iterations", "5", "--out", str(run)]
+        result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert f"another shmtrain run is using {run} (pid {os.getpid()}" in result.stderr, result.stderr
+    assert sorted(p.name for p in run.iterdir()) == [runlock.LOCK_NAME]  # nothing written

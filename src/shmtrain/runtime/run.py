@@ -238,10 +238,12 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     ctx = from_env(config.timeout)
+    lock: runlock.RunLock | None = None  # rank 0 holds the run folder's lock for the job
     try:
         config.workers = ctx.world_size
         if ctx.rank == 0:
-            ctx.store.set("out", json.dumps(_torchrun_folder(config, echo)))
+            info, lock = _torchrun_folder(config, echo)
+            ctx.store.set("out", json.dumps(info))
         info = json.loads(ctx.store.get("out").decode())
         if info["error"]:
             raise ValueError(info["error"])
@@ -259,6 +261,8 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
         raise
     finally:
         ctx.close()
+        if lock is not None:
+            lock.release()
     stopped = [r for r in results if r.get("stopped")]
     if stopped:
         signum = stopped[0]["stopped"]
@@ -332,12 +336,16 @@ def _check_in_for_lost_hosts(ctx: Any, lost: dict[int, int]) -> None:
               "host(s) at its exit barrier (300 s), then exits")
 
 
-def _torchrun_folder(config: TrainConfig, echo) -> dict[str, Any]:
-    """Rank 0 of a torchrun job: the run folder, and the checkpoint to resume from when
-    the folder holds one (a restart by torchrun's ``--max-restarts``, or the same command
-    run again); an error message instead when that cannot be."""
+def _torchrun_folder(config: TrainConfig, echo) -> tuple[dict[str, Any], runlock.RunLock | None]:
+    """Rank 0 of a torchrun job: the run folder, locked (the lock is returned: rank 0
+    holds it for the job; a restart by torchrun's ``--max-restarts`` follows a rank 0 that
+    died, so the lock is free again), and the checkpoint to resume from when the folder
+    holds one (a restart, or the same command run again); an error message instead when
+    that cannot be."""
     out = Path(config.out) if config.out else default_out(config)
+    lock = None
     try:
+        lock = runlock.acquire(out, resume=out.is_dir() and checkpoint_files.latest(out) is not None)
         point = checkpoint_files.resume_point(out, _warn) if out.is_dir() else None
         if point is not None:
             checkpoint_files.check_compatible(point, config)
@@ -345,5 +353,7 @@ def _torchrun_folder(config: TrainConfig, echo) -> dict[str, Any]:
                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
         checkpoint_files.prepare_run_folder(out, config)
     except ValueError as exc:
-        return {"out": None, "resume": None, "error": str(exc)}
-    return {"out": str(out.resolve()), "resume": str(point.resolve()) if point else None, "error": None}
+        if lock is not None:
+            lock.release()
+        return {"out": None, "resume": None, "error": str(exc)}, None
+    return {"out": str(out.resolve()), "resume": str(point.resolve()) if point else None, "error": None}, lock
