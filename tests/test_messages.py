@@ -145,6 +145,21 @@ def test_a_killed_zygote_is_named_with_a_resume_hint(tmp_path: Path) -> None:
     assert train("--resume", str(run)) == 0
 
 
+@pytest.mark.timeout(150)
+def test_a_killed_zygote_restarts_with_max_restarts(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    launcher = start([*LONG, "--max-restarts", "1", "--out", str(run)])
+    wait_for(lambda: checkpoint_files.latest(run) is not None and rows_written(run, 1) > 150, launcher, "training")
+    zygote = next(p for p in descendants(launcher.pid)
+                  if "shmtrain.runtime.zygote" in " ".join(psutil.Process(p).cmdline()))
+    os.kill(zygote, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, err
+    assert f"the worker zygote (pid {zygote}" in err and "restarting every worker from" in err, err
+    for rank in (0, 1):
+        assert iterations_logged(run, rank) == list(range(1, 3001))
+
+
 @pytest.mark.timeout(120)
 def test_a_sigbus_names_dev_shm(tmp_path: Path) -> None:
     assert "/dev/shm" in shm_note(-signal.SIGBUS) and shm_note(-signal.SIGKILL) == ""

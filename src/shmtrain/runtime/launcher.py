@@ -58,7 +58,7 @@ class WorkerFailed(RuntimeError):
         self.results: dict[int, Any] | None = None
         #: the worker's own one-line cause (its exception), when it reported one
         self.cause: str | None = None
-        #: True when the zygote that forked the workers died (and they with it): no restart
+        #: True when the zygote that forked the workers died (and they with it)
         self.zygote = False
 
 

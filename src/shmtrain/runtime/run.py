@@ -109,7 +109,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
                              env=_preload_env(config))
             break
         except WorkerFailed as exc:
-            if not exc.stop_signal and not exc.zygote and restarts < config.max_restarts:
+            if not exc.stop_signal and restarts < config.max_restarts:  # a dead zygote too: a new one forks
                 restarts += 1
                 start_from = checkpoint_files.resume_point(out, _warn)
                 checkpoint_files.clean_partial(out)
