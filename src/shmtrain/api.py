@@ -13,6 +13,7 @@ Example (started by ``torchrun --nproc-per-node 2 script.py``)::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -42,6 +43,9 @@ class DataParallel(nn.Module):
         device: move ``module`` there first (``"cuda"``, ``"cuda:1"``, ``"cpu"``); by
             default the device is the one its parameters are on. On a GPU the strategy's
             buffers stay in host memory and its copies are staged (``fabric/staging.py``).
+        grad_clip: clip the global L2 norm of the gradient the optimizer steps with (the
+            averaged one, for synchronous strategies) to this, before every step
+            (``--grad-clip``; refused by the strategies that cannot, with the reason).
         **options: the strategy's Config fields (when ``config`` is not given).
     """
 
@@ -56,6 +60,7 @@ class DataParallel(nn.Module):
         timer: PhaseTimer | None = None,
         transports: Transports | None = None,
         device: torch.device | str | None = None,
+        grad_clip: float | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -73,13 +78,17 @@ class DataParallel(nn.Module):
         self._own_ctx = ctx is None
         self.ctx = ctx if ctx is not None else fabric_context.from_env()
         self.timer = timer or PhaseTimer()
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"grad_clip={grad_clip!r}: the norm to clip to must be positive; use e.g. 1.0, or None")
         try:
             impl = plan(strategy, config, self.ctx.world_size, self.ctx.num_nodes)
+            impl.check_optimizer(type(optimizer).__name__, strategies.get(strategy).chosen_by(config), grad_clip=grad_clip)
         except ValueError:
             if self._own_ctx:
                 self.ctx.close()
             raise
         self.strategy = impl(config, self.ctx, module, optimizer, self.timer, transports=transports)
+        self.strategy.grad_clip = grad_clip
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_forward()
@@ -94,6 +103,11 @@ class DataParallel(nn.Module):
         """Step the optimizer through a ``torch.amp.GradScaler`` (``--amp fp16``); the
         caller scales the loss and calls ``scaler.update()`` after :meth:`step`."""
         self.strategy.attach_scaler(scaler)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients and start no exchange, as DDP's
+        ``no_sync``; the first backward after it communicates their sum."""
+        return self.strategy.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - strategy decides
         self.strategy.zero_grad()
@@ -128,6 +142,20 @@ class DataParallel(nn.Module):
         """Peers lost during the run (rank -> iterations they had published), for the
         strategies that train on without them."""
         return dict(self.strategy.lost_peers)
+
+    def global_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """After :meth:`close`, on the worker that held them: the module's state with its
+        parameters replaced by the job's global weights (W_g, the centre variable the
+        asynchronous methods converge to; the buffers, e.g. batch-norm statistics, are this
+        worker's). None for strategies whose workers' weights are the job's model."""
+        flat = self.strategy.final_global_weights
+        if flat is None:
+            return None
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for param, view in zip(self.strategy.layout.params, self.strategy.layout.views(flat), strict=True):
+            state[names[id(param)]] = view.clone().to(param.device)
+        return state
 
     def close(self) -> None:
         """End the strategy; leave the job if this wrapper joined it."""

@@ -8,6 +8,7 @@ Literal are known; anything else is taken as it is).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import math
@@ -90,3 +91,21 @@ def example(f: dataclasses.Field, hint: Any) -> Any:
 @functools.cache
 def hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def parse_kwargs(text: str, flag: str) -> dict[str, Any]:
+    """``'k=v; k=v'`` -> keyword arguments (values are Python literals), for ``flag``."""
+    args: dict[str, Any] = {}
+    for item in (part.strip() for part in text.split(";")):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ValueError(f"{flag} {text!r}: {item!r} is not k=v; write e.g. {flag} 'width=64; depth=3'")
+        try:
+            args[key] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{flag} {text!r}: the value of {key} ({raw.strip()!r}) is not a Python "
+                             "literal; write numbers, tuples, True/False or quoted strings") from None
+    return args

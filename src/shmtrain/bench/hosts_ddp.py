@@ -121,7 +121,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(config.seed)  # the same order of calls as shmtrain train's worker loop
         data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
                          image_size=config.image_size)
-        model = build_model(config.model, data.input_shape, data.num_classes)
+        model = build_model(config.model, data.input_shape, data.num_classes, config.model_args)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                                     weight_decay=config.weight_decay)
         timer = PhaseTimer()

@@ -28,8 +28,17 @@ def model_names() -> list[str]:
     return sorted(_MODELS)
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """Build model ``name`` for inputs of ``input_shape`` (C, H, W) and ``num_classes``."""
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, args: str = "") -> nn.Module:
+    """Build model ``name`` for inputs of ``input_shape`` (C, H, W) and ``num_classes``;
+    ``name`` may be ``module:callable`` (the user's own, called with ``args``:
+    :mod:`shmtrain.models.user`)."""
+    from shmtrain.models.user import build_user_model, is_user_spec
+
+    if is_user_spec(name):
+        return build_user_model(name, args, tuple(input_shape), num_classes)
+    if args:
+        raise ValueError(f"--model-args {args!r} with --model {name}: a built-in model takes no arguments; "
+                         "leave --model-args out, or give --model module:callable")
     if name not in _MODELS:
         raise ValueError(f"--model {name!r} is unknown; choose one of: {', '.join(model_names())}")
     return _MODELS[name](tuple(input_shape), num_classes)

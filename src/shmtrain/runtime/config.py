@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,30 +35,16 @@ else:  # pragma: no cover
 
 from shmtrain import strategies
 from shmtrain.models import model_names
+from shmtrain.models.user import is_user_spec, resolve_callable
 from shmtrain.runtime.device import cuda_count, resolve_device
-from shmtrain.runtime.schedule import Schedule
+from shmtrain.runtime.optim_options import OptimOptions
+from shmtrain.runtime.options import SECTIONS as SECTIONS  # re-exported: the sections of --help
+from shmtrain.runtime.options import need as _need
+from shmtrain.runtime.options import option
 from shmtrain.strategies.base import StrategyConfig, build_config, own_config, plan
-from shmtrain.typed_options import coerce, hint_kind, type_rule
+from shmtrain.typed_options import coerce, hint_kind, parse_kwargs, type_rule
 from shmtrain.typed_options import example as example_value
 from shmtrain.typed_options import hints as type_hints
-
-#: section key (``metadata["section"]``) -> title of its argument group in ``--help``
-SECTIONS: dict[str, str] = {"job": "job", "data": "model and data", "optim": "optimisation (SGD)",
-                            "monitor": "evaluation and monitoring"}
-
-
-def option(default: Any, help: str, section: str, **extra: Any) -> Any:
-    """A :class:`TrainConfig` field: its default, its ``--help`` text and its section.
-
-    ``extra`` goes into the metadata too: ``flag`` (a flag name other than ``--<name>``),
-    ``action`` (an argparse action for it, e.g. ``store_false``), ``default_text`` (what
-    ``--help`` shows as the default), ``names`` (a callable listing the valid names, shown
-    in ``--help``), ``metavar``, and ``example`` (a valid value for error messages when
-    the default is None).
-    """
-    if section not in SECTIONS:
-        raise ValueError(f"section {section!r} is unknown; choose one of {', '.join(SECTIONS)}")
-    return field(default=default, metadata={"help": help, "section": section, **extra})
 
 
 def _strategy_names() -> list[str]:
@@ -123,7 +109,10 @@ class DataOptions:
 
     __slots__ = ()
 
-    model: str = option("smallcnn", "the network", "data", names=model_names)
+    model: str = option("smallcnn", "the network: a built-in name, or module:callable, your own (a class or "
+                        "function returning an nn.Module; docs/own_model.md)", "data", names=model_names)
+    model_args: str = option("", "keyword arguments of --model module:callable, as k=v separated by ';' "
+                             "(Python literals), e.g. --model-args 'width=64; depth=3'", "data", metavar="K=V;...")
     data: str = option("digits", "digits, synthetic, or a folder with one sub-folder of images per class", "data")
     input_shape: str = option("3x64x64", "CxHxW of synthetic data", "data")
     samples: int = option(1024, "synthetic samples", "data")
@@ -137,85 +126,19 @@ class DataOptions:
         _need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched", "use e.g. --prefetch 10")
         _need(self.samples >= 2, "samples", self.samples, "synthetic data needs at least 2 samples", "use e.g. --samples 1024")
         _need(self.image_size >= 1, "image-size", self.image_size, "must be positive", "use e.g. --image-size 32")
-        if self.model not in model_names():
-            raise ValueError(f"--model {self.model!r} is unknown; choose one of: {', '.join(model_names())}")
+        if is_user_spec(self.model):
+            resolve_callable(self.model)  # importable here, so not only in the workers
+            parse_kwargs(self.model_args, "--model-args")
+        elif self.model not in model_names():
+            raise ValueError(f"--model {self.model!r} is unknown; choose one of: {', '.join(model_names())}, "
+                             "or module:callable for your own")
+        elif self.model_args:
+            raise ValueError(f"--model-args {self.model_args!r} with --model {self.model}: a built-in model takes "
+                             "no arguments; leave --model-args out, or give --model module:callable")
         if self.data not in ("digits", "synthetic") and not Path(self.data).is_dir():
             raise ValueError(
                 f"--data {self.data!r}: not 'digits' or 'synthetic', and no such folder; "
                 "give digits, synthetic, or a folder with one sub-folder of images per class"
-            )
-
-
-@dataclass(kw_only=True)
-class OptimOptions:
-    """Section ``optimisation (SGD)``: batch, learning rate, how long (a mixin, see
-    :class:`JobOptions`)."""
-
-    __slots__ = ()
-
-    batch_size: int = option(32, "per worker, the papers' convention", "optim")
-    sub_batch: int = option(
-        1, "split each worker's batch over K threads (swCaffe Algorithm 1): each computes the "
-        "gradient of its batch-size/K samples (sizes differ by at most 1) on a copy of the model "
-        "sharing its weights, and the size-weighted mean reaches the strategy as one gradient; "
-        "K threads of --threads torch threads each per worker; batch norm normalizes each part "
-        "by its own statistics (docs/subbatch.md)", "optim", metavar="K")
-    lr: float = option(0.05, "learning rate", "optim")
-    amp: Literal["none", "bf16", "fp16"] = option(
-        "none", "mixed precision: bf16 runs forward and loss under torch.autocast (bfloat16 "
-        "matmuls and convolutions); fp16 the same in float16, with a GradScaler against underflowing "
-        "gradients (meant for GPUs; slow on a CPU). Weights, gradients and the shared buffers stay "
-        "float32 (docs/gpu.md)", "optim")
-    momentum: float = option(0.9, "SGD momentum", "optim")
-    weight_decay: float = option(1e-4, "L2 weight decay", "optim")
-    lr_schedule: Schedule = option(
-        "constant", "learning-rate schedule, stepped every iteration: constant; step (times "
-        "--lr-gamma every --lr-step-every iterations); cosine (down to --lr-min at the last planned "
-        "iteration)", "optim")
-    warmup_iterations: int = option(0, "linear warm-up from --lr/(N+1) to --lr over the first N "
-                                    "iterations, then the schedule", "optim")
-    lr_step_every: int | None = option(None, "step schedule: iterations between decays", "optim",
-                                       default_text="a third of the iterations after warm-up",
-                                       example=100)
-    lr_gamma: float = option(0.1, "step schedule: the factor of each decay", "optim")
-    lr_min: float = option(0.0, "cosine schedule: the learning rate it ends at", "optim")
-    iterations: int | None = option(None, "iterations per worker", "optim",
-                                    default_text="from --epochs", example=100)
-    epochs: float | None = option(None, "epochs over the sharded data", "optim",
-                                  default_text="20 when --iterations is not given", example=5)
-    seed: int = option(0, "makes a run repeatable", "optim")
-
-    def _check_optim(self) -> None:
-        _need(self.amp != "fp16" or self.sub_batch == 1, "amp", self.amp, "the --sub-batch threads run "
-              "bf16 or float32 only (no GradScaler)", "use --amp bf16 with --sub-batch, or --sub-batch 1")
-        _need(self.batch_size >= 1, "batch-size", self.batch_size, "the batch size per worker must be positive", "use e.g. --batch-size 32")
-        _need(self.sub_batch >= 1, "sub-batch", self.sub_batch, "the batch is split over K threads, "
-              "so K must be at least 1", "use --sub-batch 1 for one thread")
-        _need(self.sub_batch <= self.batch_size, "sub-batch", self.sub_batch,
-              f"each of the K threads needs at least 1 of the --batch-size {self.batch_size} samples",
-              f"use --sub-batch {self.batch_size} or less, or a larger --batch-size")
-        _need(self.lr > 0, "lr", self.lr, "the learning rate must be positive", "use e.g. --lr 0.05")
-        _need(0 <= self.momentum < 1, "momentum", self.momentum, "momentum must be in [0, 1)", "use e.g. --momentum 0.9")
-        _need(self.weight_decay >= 0, "weight-decay", self.weight_decay, "weight decay must not be negative", "use 0 to turn it off")
-        _need(self.iterations is None or self.iterations >= 1, "iterations", self.iterations, "must be at least 1", "use e.g. --iterations 100")
-        _need(self.epochs is None or self.epochs > 0, "epochs", self.epochs, "must be positive", "use e.g. --epochs 5")
-        _need(self.warmup_iterations >= 0, "warmup-iterations", self.warmup_iterations, "must not be negative", "use 0 for no warm-up")
-        _need(self.iterations is None or self.warmup_iterations < self.iterations, "warmup-iterations",
-              self.warmup_iterations, f"the warm-up must end before the last of --iterations {self.iterations}",
-              "give fewer warm-up iterations than --iterations")
-        _need(self.lr_step_every is None or self.lr_step_every >= 1, "lr-step-every", self.lr_step_every, "must be at least 1", "use e.g. --lr-step-every 100")
-        _need(0 < self.lr_gamma <= 1, "lr-gamma", self.lr_gamma, "the decay factor must be in (0, 1]", "use e.g. --lr-gamma 0.1")
-        _need(0 <= self.lr_min <= self.lr, "lr-min", self.lr_min, f"must be in [0, --lr {self.lr}]", "use e.g. --lr-min 0")
-        for flag, value, given, schedule in (("lr-step-every", self.lr_step_every, self.lr_step_every is not None, "step"),
-                                             ("lr-gamma", self.lr_gamma, self.lr_gamma != 0.1, "step"),
-                                             ("lr-min", self.lr_min, self.lr_min != 0.0, "cosine")):
-            _need(not given or self.lr_schedule == schedule, flag, value,
-                  f"applies to --lr-schedule {schedule} only, not {self.lr_schedule}",
-                  f"add --lr-schedule {schedule}, or leave --{flag} out")
-        if self.iterations is not None and self.epochs is not None:
-            raise ValueError(
-                f"--iterations {self.iterations} and --epochs {self.epochs} both given; a run "
-                "is measured in one of them: drop one"
             )
 
 
@@ -275,6 +198,7 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
         for f in dataclasses.fields(cls.Config):
             _check_flag_value(f, config_hints[f.name], getattr(self.strategy_config, f.name))
         impl = plan(self.strategy, self.strategy_config, self.workers)
+        impl.check_optimizer(self.optimizer, cls.chosen_by(self.strategy_config), grad_clip=self.grad_clip)
         if self.amp == "fp16":  # the strategy's update must go through a GradScaler
             impl.check_fp16(self.strategy_config)
         self._place(impl, cls.chosen_by(self.strategy_config))
@@ -424,11 +348,6 @@ def _check_flag_value(f: dataclasses.Field, hint: Any, value: Any) -> None:
     if hint_kind(hint)[0] is bool:
         raise ValueError(f"{flag} {value!r}: {rule}; give True or False")
     raise ValueError(f"{flag} {value!r}: {rule}; use e.g. {flag} {example_value(f, hint)}")
-
-
-def _need(ok: bool, flag: str, value: Any, rule: str, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"--{flag} {value!r}: {rule}; {fix}")
 
 
 def _toml_value(value: Any) -> str:

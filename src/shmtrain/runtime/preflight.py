@@ -126,7 +126,7 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
 
     from shmtrain.models import build_model
 
-    model = build_model(config.model, facts.input_shape, facts.num_classes)
+    model = build_model(config.model, facts.input_shape, facts.num_classes, config.model_args)
     params = sum(p.numel() for p in model.parameters()) * 4
     sizes: list[int] = []
 

@@ -137,6 +137,10 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
         # where each rank computed (``--device``: auto resolves in the workers)
         "devices": {r["rank"]: r["device"] for r in results if "device" in r},
         "accuracy": rank0.get("accuracy"),
+        # model.pt: the job's model (asynchronous strategies: the global weights W_g, rank
+        # 0's own beside it in model-rank0.pt, with its accuracy)
+        "model_pt": rank0.get("model", "rank 0's weights (the same on every worker)"),
+        "accuracy_rank0_local": rank0.get("accuracy_rank0_local"),
         "wall_s": wall_s,
         "train_s": max(r["wall_s"] for r in results),
         "iterations": rank0["iterations"],

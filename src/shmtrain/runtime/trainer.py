@@ -20,18 +20,28 @@ run continues as if it had not stopped.
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from shmtrain.runtime.finite import check_loss, json_text
 from shmtrain.runtime.schedule import check_state, current_lr, step_scheduler
 from shmtrain.runtime.subbatch import SubBatch
 from shmtrain.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from shmtrain.runtime.checkpoint import Checkpointer
+    from shmtrain.runtime.monitor import Monitor
+    from shmtrain.runtime.progress import Progress
+    from shmtrain.runtime.stop import StopRequest
 
 
 class Steppable(Protocol):
@@ -75,6 +85,35 @@ class TrainState:
                     torch.cuda.set_rng_state(rng, index)
 
 
+@dataclass
+class RunServices:
+    """What a run of ``shmtrain train`` keeps around its iterations, handed to
+    :meth:`Trainer.train`: the checkpointer (``runtime/checkpoint.py``), the stop request
+    (Ctrl-C / SIGTERM, ``runtime/stop.py``), the monitor (rank 0's evaluation and
+    TensorBoard, ``runtime/monitor.py``), this rank's metrics file and the progress line.
+    Their owner (``runtime/loop.py``) opens and closes them."""
+
+    checkpoints: Checkpointer
+    stop: StopRequest
+    monitor: Monitor
+    log: IO[str]
+    progress: Progress
+
+
+@dataclass
+class TrainOutcome:
+    """What :meth:`Trainer.train` ends with."""
+
+    #: seconds from the first iteration to the last checkpoint's start
+    wall_s: float
+    #: the last iteration's loss (None when no iteration ran)
+    final_loss: float | None
+    #: the checkpoint the run ended with (None: no checkpoints)
+    checkpoint: Path | None
+    #: iterations this call ran (0: a finished run resumed at its total)
+    trained: int = 0
+
+
 class Trainer:
     """One iteration of data-parallel training, timed the same way for every strategy.
 
@@ -96,13 +135,18 @@ class Trainer:
             unscaled, a step with inf/NaN skipped, and the scale adapted after every
             step); backward, the gradients, the strategies' buffers and the optimizer stay
             float32 (master weights); ``"none"`` (default) is float32 only.
+        accumulate: K, the micro-batches each batch is run as, one after the other
+            (``--accumulate``): the first K-1 backward passes inside the engine's
+            ``no_sync()`` (no exchange), each loss weighted by its share of the batch, so
+            the gradient that is exchanged and stepped with is the whole batch's.
 
     The batch is moved to the model's device (a GPU worker's ``x`` and ``y`` come from
     host memory) and autocast runs on that device.
     """
 
     def __init__(self, engine: Steppable, loss_fn: nn.Module, timer: PhaseTimer,
-                 scheduler: LRScheduler | None = None, sub_batch: int = 1, amp: str = "none") -> None:
+                 scheduler: LRScheduler | None = None, sub_batch: int = 1, amp: str = "none",
+                 accumulate: int = 1) -> None:
         if amp not in ("none", "bf16", "fp16"):
             raise ValueError(f"--amp {amp!r}: choose none, bf16 or fp16")
         self.bf16 = amp == "bf16"
@@ -128,6 +172,14 @@ class Trainer:
             raise ValueError(f"--sub-batch {sub_batch}: the sub-batch threads split a batch over CPU "
                              f"cores (swCaffe's core groups), but the model is on {self.device}; use "
                              "--sub-batch 1 (one larger batch) on a GPU")
+        if accumulate < 1 or (accumulate > 1 and sub_batch != 1):
+            raise ValueError(f"--accumulate {accumulate}: K micro-batches, at least 1, and not with "
+                             f"--sub-batch {sub_batch} threads; use --accumulate 1, or --sub-batch 1")
+        if accumulate > 1 and not callable(getattr(engine, "no_sync", None)):
+            raise ValueError(f"--accumulate {accumulate}: the micro-batches before the last run inside the "
+                             f"engine's no_sync(), which a {type(engine).__name__} does not have; wrap the "
+                             "model in shmtrain.api.DataParallel, or use --accumulate 1")
+        self.accumulate = accumulate
         self.loss_fn = loss_fn
         self.timer = timer
         self.scheduler = scheduler
@@ -147,19 +199,16 @@ class Trainer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """zero_grad -> forward (``forward``) -> backward (``backward``) -> step; the loss."""
-        engine, timer = self.engine, self.timer
+        engine = self.engine
         if x.device != self.device:  # from host memory (pageable: the copy is synchronous)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         engine.zero_grad()
         if self.sub_batch is not None:  # both phases timed inside, the threads' compute overlapping
             loss = self.sub_batch.step(x, y, before_forward=engine.before_forward)  # type: ignore[attr-defined]
+        elif self.accumulate == 1:
+            loss = self._pass(engine, x, y)
         else:
-            dtype = self.autocast_dtype
-            with timer.phase("forward"), torch.autocast(self.device.type, dtype=dtype or torch.bfloat16,
-                                                        enabled=dtype is not None):
-                loss = self.loss_fn(engine(x), y)
-            with timer.phase("backward"):
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            loss = self._accumulate(x, y)
         optimizer = self.scheduler.optimizer if self.scheduler is not None else getattr(engine, "optimizer", None)
         self.lr = current_lr(optimizer) if optimizer is not None else None
         engine.step()
@@ -169,6 +218,77 @@ class Trainer:
             step_scheduler(self.scheduler)
         self.state.iteration += 1
         return loss
+
+    def _pass(self, forward: Any, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """Forward (``forward``) and backward (``backward``) of one batch or micro-batch,
+        its loss weighted by ``weight`` before backward."""
+        dtype = self.autocast_dtype
+        with self.timer.phase("forward"), torch.autocast(self.device.type, dtype=dtype or torch.bfloat16,
+                                                         enabled=dtype is not None):
+            loss = self.loss_fn(forward(x), y)
+            if weight != 1.0:
+                loss = loss * weight
+        with self.timer.phase("backward"):
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``--accumulate K``: the batch as K micro-batches (sizes differ by at most 1); the
+        engine's ``forward`` (with its ``before_forward``) runs once, on the first, the
+        module itself on the others; all but the last backward inside ``no_sync()``."""
+        engine = self.engine
+        total = torch.zeros((), device=self.device)
+        parts = list(zip(x.tensor_split(self.accumulate), y.tensor_split(self.accumulate), strict=True))
+        for i, (xi, yi) in enumerate(parts):
+            forward = engine if i == 0 else engine.module  # type: ignore[attr-defined]
+            weight = len(xi) / len(x)
+            if i < len(parts) - 1:
+                with engine.no_sync():  # type: ignore[attr-defined]
+                    total += self._pass(forward, xi, yi, weight).detach()
+            else:
+                total += self._pass(forward, xi, yi, weight).detach()
+        return total
+
+    def train(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], run: RunServices,
+              total: int) -> TrainOutcome:
+        """The loop of ``shmtrain train``, until the engine says stop (its target, or a
+        termination policy, TERM) or a stop is requested: per iteration the next batch
+        (phase ``data``), :meth:`step`, one JSON line in ``run.log`` (loss, lr, start
+        ``t0``, phases), the monitor and progress line outside the iteration's time, a
+        checkpoint when due; then the last evaluation and the final checkpoint."""
+        engine, timer = self.engine, self.timer
+        start = time.perf_counter()
+        value: float | None = None
+        first = engine.iteration  # type: ignore[attr-defined]
+        while not engine.should_stop():  # type: ignore[attr-defined]
+            iter_start = time.perf_counter()
+            with timer.phase("data"):
+                x, y = next_batch()
+            loss = self.step(x, y)
+            phases = timer.finish_iteration()
+            phases["iteration"] = time.perf_counter() - iter_start
+            value = float(loss.detach())
+            iteration = engine.iteration  # type: ignore[attr-defined]
+            row = {"iteration": iteration, "loss": value, "lr": self.lr,
+                   "t0": run.monitor.stamp(iter_start), "time": phases, **timer.take_details()}
+            run.log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/finite.py)
+            check_loss(value, iteration, run.checkpoints.ctx.rank, self.lr)  # diverged: stop, name it
+            run.monitor.after_iteration(row, run.log)  # outside the iteration's time
+            run.progress.update(iteration, value)
+            if run.stop.check(iteration):
+                break
+            if run.checkpoints.due(iteration, total):
+                run.log.flush()  # rows up to the checkpoint are on disk before it is
+                run.checkpoints.save(self, iteration)
+        iteration = engine.iteration  # type: ignore[attr-defined]
+        run.stop.finished(iteration)
+        if iteration > first:  # a finished run resumed at its total has its last eval row
+            run.monitor.finish(iteration, run.log)
+        run.progress.close()
+        wall = time.perf_counter() - start
+        run.log.flush()
+        saved = run.checkpoints.save_final(self, run.stop.target if run.stop.stopped else total)
+        return TrainOutcome(wall, value, saved, iteration - first)
 
     def close(self) -> None:
         """End the sub-batch threads, if any (the engine is closed by its owner)."""

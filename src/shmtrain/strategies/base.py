@@ -34,7 +34,9 @@ Three seams (docs/architecture.md):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -70,6 +72,10 @@ class Strategy:
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     #: why ``--amp fp16`` (a GradScaler) cannot run with this strategy; None: it can
     fp16_reason: ClassVar[str | None] = None
+    #: ``--optimizer`` names the strategy can step with (None: any torch.optim class)
+    optimizers: ClassVar[frozenset[str] | None] = None
+    #: why ``--grad-clip`` cannot run with this strategy; None: it can
+    grad_clip_reason: ClassVar[str | None] = None
     #: for a GPU-only implementation: what it does with GPUs and how to run it instead
     device_rule: ClassVar[str] = "runs on GPUs only"
     device_fix: ClassVar[str] = "use --device cuda"
@@ -117,6 +123,19 @@ class Strategy:
                 f"{'the CPU' if cls.devices == {'cpu'} else ' or '.join(sorted(cls.devices))}")
 
     @classmethod
+    def check_optimizer(cls, name: str, chosen_by: str = "", grad_clip: float | None = None) -> None:
+        """Refuse an optimizer (``--optimizer`` name or class name, any case) or a
+        ``--grad-clip`` the strategy cannot honour, with its reason and the fix."""
+        label = chosen_by or f"--strategy {cls.name}"
+        if cls.optimizers is not None and name.lower() not in cls.optimizers:
+            raise ValueError(f"--optimizer {name} with {label}: it applies its own update, which is "
+                             f"{' or '.join(sorted(cls.optimizers))}'s only; use --optimizer "
+                             f"{sorted(cls.optimizers)[0]}, or drop {label}")
+        if grad_clip is not None and cls.grad_clip_reason:
+            raise ValueError(f"--grad-clip {grad_clip} with {label}: {cls.grad_clip_reason}; leave "
+                             f"--grad-clip out, or use --strategy ssgd")
+
+    @classmethod
     def check_world(cls, config: StrategyConfig, workers: int, num_nodes: int = 1) -> None:
         """Reject a job shape the strategy cannot run (before any worker starts)."""
 
@@ -150,6 +169,11 @@ class Strategy:
         self.timer = timer or PhaseTimer()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.check_device(self.params)
+        self.check_optimizer(type(optimizer).__name__, self.chosen_by(config))
+        #: clip the gradient's global L2 norm to this in :meth:`step_optimizer` (``--grad-clip``)
+        self.grad_clip: float | None = None
+        #: False inside :meth:`no_sync`: the gradient hooks do nothing (micro-batches accumulate)
+        self.syncing = True
         #: where the parameters live; ``staged``: the strategy copies between it and host
         #: buffers (a GPU, or ``SHMTRAIN_STAGING=copy``) instead of sharing memory with them
         self.device = self.params[0].device if self.params else torch.device("cpu")
@@ -165,6 +189,10 @@ class Strategy:
         self.steps = 0
         #: iterations this worker is asked to run (set by the training loop; None = no limit)
         self.target_iterations: int | None = None
+        #: the job's global weights (flat, in ``layout`` order) read at ``finish`` by the
+        #: worker that holds them, for strategies whose workers' own weights are not the
+        #: job's model (SEASGD, EASGD, Downpour, HSGD: W_g); None otherwise
+        self.final_global_weights: torch.Tensor | None = None
         self._hooks: list[Any] = []
         if type(self).on_gradient_ready is not Strategy.on_gradient_ready:
             self.register_gradient_hooks()
@@ -172,8 +200,25 @@ class Strategy:
     def register_gradient_hooks(self, hook: Any = None) -> None:
         """Call ``hook`` (default :meth:`on_gradient_ready`) from every parameter's
         post-accumulate hook (the base does it for a strategy that overrides the method)."""
+        call = hook or self.on_gradient_ready
+
+        def guarded(param: torch.Tensor) -> None:
+            if self.syncing:
+                call(param)
+
         for p in self.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(hook or self.on_gradient_ready))
+            self._hooks.append(p.register_post_accumulate_grad_hook(guarded))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate into ``param.grad`` and start no exchange (the
+        gradient hooks do nothing), as DDP's ``no_sync``; the next backward outside
+        communicates the sum (``--accumulate``)."""
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
 
     def make_staging(self, layout: FlatLayout) -> HostStaging:
         """The strategy's copies between its parameters' device and host buffers."""
@@ -196,15 +241,36 @@ class Strategy:
         self.scaler = scaler
 
     def step_optimizer(self) -> None:
-        """The optimizer's step, through the GradScaler when one is attached."""
+        """The optimizer's step, through the GradScaler when one is attached, after
+        ``--grad-clip`` (:meth:`clip_gradients`)."""
         if self.scaler is not None:
             if not self.staged:  # unscaling writes the gradients: never into shared memory
                 for p in self.params:
                     if p.grad is not None:
                         p.grad = p.grad.clone()
+            if self.grad_clip is not None:
+                self.scaler.unscale_(self.optimizer)
+            self.clip_gradients()
             self.scaler.step(self.optimizer)
         else:
+            self.clip_gradients()
             self.optimizer.step()
+
+    def clip_gradients(self) -> None:
+        """``--grad-clip``: scale the gradients by ``max_norm / (norm + 1e-6)`` when that is
+        below 1, as ``torch.nn.utils.clip_grad_norm_`` does, but into new tensors: a gradient
+        may be a view of a shared slot that other workers read (never written in place)."""
+        if self.grad_clip is None:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        norm = torch.nn.utils.get_total_norm(grads)
+        coef = float(self.grad_clip / (norm + 1e-6))
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad = p.grad * coef
 
     # -- hooks ------------------------------------------------------------------
     def zero_grad(self) -> None:

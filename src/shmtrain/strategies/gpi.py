@@ -86,6 +86,8 @@ class GPI(Strategy):
     name = "gpi"
     fp16_reason = ("the root updates layer by layer during backward, while a GradScaler unscales "
                    "and steps the whole optimizer once per iteration")
+    grad_clip_reason = ("the root updates each layer as its reduced gradient arrives during backward, "
+                        "before the whole gradient's norm is known")
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):

@@ -11,8 +11,10 @@ broadcasts the result to its group (``broadcast``): the root's weights live in a
 shared segment of the group, which the members copy. The root of group 0 is the
 master worker.
 
-Staged (GPU parameters): the members' gradients are copied into the group's input slot
-after backward and the mean back into ``param.grad``; the root's weights stay on its GPU
+The gradients live in the group allreduce's slots as ssgd's do (:class:`SlotGradients`:
+``param.grad`` are views of this worker's input slot, re-pointed at the mean after the
+allreduce). Staged (GPU parameters): each gradient's copy into the group's input slot
+starts from its hook during backward, and the mean goes back into ``param.grad``; the root's weights stay on its GPU
 and are copied into the group's segment before the broadcast, from which every member
 copies them into its own GPU.
 
@@ -32,14 +34,16 @@ from shmtrain.strategies.base import register
 from shmtrain.strategies.eq8 import Eq8Metrics
 from shmtrain.strategies.seasgd import ElasticExchange
 from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
+from shmtrain.strategies.ssgd.slots import SlotGradients
 
 
 @register
-class HSGD(Eq8Metrics, SharedWeightsStrategy):
+class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
     """Synchronous gradient allreduce inside groups, SEASGD between group roots (Fig. 4)."""
 
     name = "hsgd"
     tolerates_peer_loss = False
+    allreduce_phase = "allreduce"
 
     @dataclass(kw_only=True, slots=True)
     class Config(ElasticConfig):
@@ -93,11 +97,9 @@ class HSGD(Eq8Metrics, SharedWeightsStrategy):
         self.allreduce = self.transports.group_allreduce(
             self.group_host, self.layout.numel, self.layout.dtype, op="mean", tag="hsgd.grads"
         )
-        self._input_views = [self.layout.views(self.allreduce.input(s)) for s in (0, 1)]
-        self._result_views = [self.layout.views(self.allreduce.result(s)) for s in (0, 1)]
         self._broadcast = self.transports.channel("hsgd.broadcast")
         self._decision = self.transports.channel("hsgd.decision")
-        self.staging = self.make_staging(self.layout) if self.staged else None
+        self.bind_slots()  # the views of the slots, and the staging (its copies' hooks) when staged
         self.exchange = None
         if self.is_root:
             self.exchange = ElasticExchange(
@@ -105,7 +107,6 @@ class HSGD(Eq8Metrics, SharedWeightsStrategy):
                 config.moving_rate, self.timer, ctx.timeout, self.staging,
             )
         self._exchanges = 0
-        self.clear_gradients()
 
     @property
     def updates_global(self) -> bool:  # type: ignore[override]
@@ -128,13 +129,12 @@ class HSGD(Eq8Metrics, SharedWeightsStrategy):
             return shared
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
+    def zero_grad(self) -> None:
+        """The shared-weights order: clear the gradients, then the iteration's exchange."""
+        SharedWeightsStrategy.zero_grad(self)
+
     def clear_gradients(self) -> None:
-        if self.staged:  # the gradients stay on the device until after backward
-            SharedWeightsStrategy.clear_gradients(self)
-            return
-        step = self.allreduce.count + 1
-        self.allreduce.input(step).zero_()
-        self.layout.bind_grads(self._input_views[step % 2])
+        self.clear_slots()
 
     def start_iteration(self) -> None:
         if self.iteration % self.config.update_interval:
@@ -153,18 +153,6 @@ class HSGD(Eq8Metrics, SharedWeightsStrategy):
                 self._broadcast, [0], self._exchanges, timeout=gh.timeout, what="the group root's weights"
             )
             self.weights.copy_(self.group_weights)
-
-    def after_backward(self) -> None:
-        if self.staging is not None:
-            inputs = self._input_views[(self.allreduce.count + 1) % 2]
-            self.timer.add("copy_to_host", self.staging.to_host_all(inputs, grads=True))
-        with self.timer.phase("allreduce"):
-            self.allreduce()
-        results = self._result_views[self.allreduce.count % 2]
-        if self.staging is None:
-            self.layout.bind_grads(results)
-        else:
-            self.timer.add_copies("copy_to_device", self.staging.to_device_all(results))
 
     def after_update(self) -> None:
         super().after_update()
@@ -188,6 +176,11 @@ class HSGD(Eq8Metrics, SharedWeightsStrategy):
             self.termination.mark_done(self.iteration)
             return True
         return False
+
+    def finish(self) -> None:
+        """The shared-weights finish: the exchange closes before the staging (its update
+        thread may still copy through it), in :meth:`close_exchange`."""
+        SharedWeightsStrategy.finish(self)
 
     def drain_exchange(self) -> None:
         if self.exchange is not None:

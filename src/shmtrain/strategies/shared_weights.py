@@ -190,6 +190,9 @@ class SharedWeightsStrategy(Strategy):
                 self.lost_peers = {r: board.progress(r) for r in range(board.world) if not board.alive(r)}
             finally:
                 self.close_exchange()  # the update thread is joined even when the server is gone
+            if self.service.rank == MASTER:  # the job's model: W_g as this worker ends
+                self.final_global_weights = self.service.read(
+                    self.global_weights, torch.empty(self.layout.numel, dtype=self.layout.dtype))
         finally:
             self.service.close()
             super().finish()

@@ -53,6 +53,9 @@ class ShardedSSGD(SlotGradients, Strategy):
     name = "ssgd"
     fp16_reason = "the sharded update runs SGD's formulas on chunks of host memory, not the optimizer a GradScaler steps"
     devices = frozenset({"cpu"})
+    optimizers = frozenset({"sgd"})
+    grad_clip_reason = ("each rank updates its chunk of the weights from its chunk of the shared mean, "
+                        "so no rank holds the whole gradient's norm")
     allreduces = ("shm",)
     variant_reason = ("the sharded update follows the shared-memory allreduce (each rank updates "
                       "the chunk it reduced)")

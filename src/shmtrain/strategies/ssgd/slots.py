@@ -21,7 +21,7 @@ Table 4), outside ``comm``.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,8 +32,12 @@ from shmtrain.timing import PhaseTimer
 
 class SlotGradients:
     """Mixin for a Strategy with ``layout`` (FlatLayout), ``allreduce`` (with ``input``,
-    ``result``, ``count`` and a call that reduces) and ``timer``."""
+    ``result``, ``count`` and a call that reduces) and ``timer``: ``ssgd`` (the whole
+    job's allreduce) and ``hsgd`` (its group's, ShmCaffe Fig. 4)."""
 
+    #: the phase the allreduce is timed as (hsgd: ``allreduce``, which it adds to ``comm``
+    #: with its broadcast)
+    allreduce_phase: ClassVar[str] = "comm"
     layout: FlatLayout
     allreduce: Any
     timer: PhaseTimer
@@ -51,9 +55,14 @@ class SlotGradients:
             self._index = {id(p): i for i, p in enumerate(self.layout.params)}
             self._copies: dict[int, Copy] = {}
             self.register_gradient_hooks(self._stage_gradient)  # type: ignore[attr-defined]
-        self.zero_grad()
+        self.clear_slots()
 
     def zero_grad(self) -> None:
+        self.clear_slots()
+
+    def clear_slots(self) -> None:
+        """Zero the next step's input slot and point ``param.grad`` at it (staged: clear
+        the device gradients and the copies of the last step)."""
         if self.staged:
             self.optimizer.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
             self._copies.clear()
@@ -72,7 +81,7 @@ class SlotGradients:
         if self.staged:
             self._staged_after_backward()
             return
-        with self.timer.phase("comm"):
+        with self.timer.phase(self.allreduce_phase):
             self.allreduce()
         self.layout.bind_grads(self._result_views[self.allreduce.count % 2])
 
@@ -87,7 +96,7 @@ class SlotGradients:
         waited = time.perf_counter() - start
         timer.add("d2h_wait", waited)
         timer.add("copy_to_host", copy_s)
-        with timer.phase("comm"):
+        with timer.phase(self.allreduce_phase):
             self.allreduce()
         # the optimizer's stream waits for the copies back; they are timed when the iteration closes
         timer.add_copies("copy_to_device", staging.to_device_all(self._result_views[self.allreduce.count % 2]))
@@ -117,9 +126,9 @@ class CastSlotGradients(SlotGradients):
         device = self.layout.params[0].device
         self._flat = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=device)
         self._flat_views = self.layout.views(self._flat)
-        self.zero_grad()
+        self.clear_slots()
 
-    def zero_grad(self) -> None:
+    def clear_slots(self) -> None:
         self._flat.zero_()
         self.layout.bind_grads(self._flat_views)
 
