@@ -57,6 +57,6 @@ def check_loss(value: float, iteration: int, rank: int, lr: float | None) -> Non
     raise TrainingDiverged(
         f"the training diverged: rank {rank}'s loss at iteration {iteration} is {value!r}; its "
         f"metrics row has \"loss\": null; the weights are no longer numbers, so the run stops "
-        f"here: lower --lr{rate} or --momentum, or add --warmup-iterations, and start again "
+        f"here: lower --lr{rate}, or add --warmup-iterations or --grad-clip, and start again "
         "with another --out"
     )
