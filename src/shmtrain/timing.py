@@ -4,9 +4,9 @@ Phase names (seconds): ``forward``, ``backward``, ``update`` (optimizer), ``data
 (waiting for the next batch), ``comm`` (communication the training thread waited for)
 and strategy-specific ones from the papers (``rgw``, ``ulw``, ``wwi``, ``ugw``,
 ``wait``; ``gather``, ``average``, ``broadcast``; ``collect_remaining``,
-``accumulate``; staged through host memory: ``copy_to_host``, ``copy_to_device``, TRL
-Table 4's copies, and ``d2h_wait``, the part of the copies to host left after
-backward). ``compute`` is forward + backward + update.
+``accumulate``; ``outer_update``, diloco's outer step; staged through host memory:
+``copy_to_host``, ``copy_to_device``, TRL Table 4's copies, and ``d2h_wait``, the part
+of the copies to host left after backward). ``compute`` is forward + backward + update.
 
 On a GPU the work of a phase is queued, not done, when the host leaves it: a
 :class:`PhaseTimer` made with a CUDA device times ``forward``, ``backward`` and

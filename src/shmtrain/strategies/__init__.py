@@ -2,6 +2,7 @@
 
 from shmtrain.strategies import (
     cpu_acc,  # noqa: F401  (registers)
+    diloco,  # noqa: F401  (registers)
     downpour,  # noqa: F401  (registers)
     easgd,  # noqa: F401  (registers)
     gpi,  # noqa: F401  (registers)
