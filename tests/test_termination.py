@@ -62,10 +62,16 @@ def test_first_policy() -> None:
 
 
 def test_average_policy() -> None:
-    assert not Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(12, 10)  # 29 < 30
-    assert Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(13, 10)  # 30
-    # a dead worker's frozen count stays in the mean: the survivors make up for it
-    assert not Termination("average", FakeBoard(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(15, 10)
+    # past its target, a worker counts the iteration each training peer is in: 10 + 9 + 10 < 30
+    assert not Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(10, 10)
+    assert Termination("average", FakeBoard(0, [0, 8, 9], [T, T, T])).decide(11, 10)  # 11 + 9 + 10
+    # below its target, only what is done: 9 + 10 + 10 (not 9 + 11 + 11)
+    assert not Termination("average", FakeBoard(0, [0, 10, 10], [T, T, T])).decide(9, 10)
+    # a finished peer has no iteration in flight: 10 + 10 + 9 < 30
+    assert not Termination("average", FakeBoard(0, [0, 10, 9], [T, D, D])).decide(10, 10)
+    # a dead worker's frozen count stays in the mean (nothing in flight): the survivors make up for it
+    assert not Termination("average", FakeBoard(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(14, 10)
+    assert Termination("average", FakeBoard(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(15, 10)
     assert not Termination("average", FakeBoard(0, [0, 5, 5], [T, T, T])).decide(10**6, None)
 
 
@@ -130,3 +136,31 @@ def test_hsgd_groups_follow_their_root() -> None:
                      "options": {"groups": 2, "group_size": 2}})
     assert counts[0] == counts[1] and counts[2] == counts[3]
     assert TARGET * 4 <= sum(counts) <= TARGET * 4 + 4
+
+
+def eager_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    """As :func:`paced_worker`, but deciding right after its step (as ``shmtrain train``'s
+    loop does), so a peer's last iteration is usually still under way at the decision."""
+    target, delay = payload["target"], payload["delays"][ctx.rank]
+    x, y = batches(8, 4, seed=ctx.rank)
+    model = tiny_model()
+    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.05), payload["strategy"],
+                      ctx=ctx, terminate="average", **payload.get("options", {}))
+    dp.strategy.target_iterations = target
+    while not dp.should_stop():
+        time.sleep(delay)
+        xs, ys = worker_batch(x, y, dp.strategy.iteration % 8, 0, 4, 1)
+        dp.zero_grad()
+        nn.functional.cross_entropy(dp(xs), ys).backward()
+        dp.step()
+    dp.close()
+    return dp.strategy.iteration
+
+
+@pytest.mark.parametrize(("strategy", "options"), [("seasgd", {}), ("hsgd", {"groups": 2, "group_size": 1})])
+def test_average_policy_at_equal_speed_runs_the_target_exactly(strategy: str, options: dict) -> None:
+    """Two workers of one speed: the first to reach the target counts the other's
+    iteration under way, so neither runs target + 1 (`--iterations 5` ran 6 before)."""
+    counts = launch("test_termination:eager_worker", 2,
+                    {"strategy": strategy, "target": TARGET, "delays": [0.03, 0.03], "options": options})
+    assert sum(counts) == 2 * TARGET, counts

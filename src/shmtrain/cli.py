@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 import typing
 from typing import Any
@@ -289,7 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; the exit status (2: bad input, 1: a worker failed)."""
+    """Run the command line; the exit status (2: bad input, 1: a worker failed, 128 + the
+    signal: stopped by SIGHUP, SIGINT or SIGTERM)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as exc:  # Ctrl-C while importing, parsing or checking the input
+        name = signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+        print(f"shmtrain: interrupted by {name}; no worker is left running", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
+
+
+def _main(argv: list[str] | None) -> int:
     words = sys.argv[1:] if argv is None else argv
     if words[:1] in (["train"], ["bench"], ["reproduce"], ["experiment"]) and not {"-h", "--help"} & set(words):
         from shmtrain.runtime import zygote
@@ -300,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
     from shmtrain.runtime.checkpoint_files import CheckpointError
     from shmtrain.runtime.files import OutputError
+    from shmtrain.runtime.finite import TrainingDiverged
     from shmtrain.runtime.launcher import WorkerFailed
     from shmtrain.runtime.run import RunStopped
 
@@ -312,12 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"shmtrain: error: {exc}", file=sys.stderr)
         return 2
-    except (WorkerFailed, PeerFailure, PeerTimeout, CheckpointError, OutputError) as exc:
+    except (WorkerFailed, PeerFailure, PeerTimeout, CheckpointError, OutputError, TrainingDiverged) as exc:
         print(f"shmtrain: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("shmtrain: interrupted; every worker has been stopped", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -34,8 +35,8 @@ def hint_kind(hint: Any) -> tuple[type, tuple[Any, ...] | None]:
 
 def type_rule(hint: Any, value: Any) -> str | None:
     """The rule ``value`` breaks for annotation ``hint`` (e.g. "must be an integer"), or
-    None when it fits. Knows bool, int (for a float field too), float, str, Optional and
-    Literal; anything else fits."""
+    None when it fits. Knows bool, int (for a float field too), float (finite: inf and
+    nan are refused), str, Optional and Literal; anything else fits."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -52,6 +53,8 @@ def type_rule(hint: Any, value: Any) -> str | None:
         return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
     if hint is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):
+            return "must be a finite number (not inf or nan)"
         return None if ok else "must be a number"
     if hint is str:
         return None if isinstance(value, str) else "must be a string"

@@ -46,7 +46,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from shmtrain.runtime.checkpoint_files import (
     CHECKPOINTS,
@@ -61,7 +61,7 @@ from shmtrain.runtime.checkpoint_files import (
     tensor_bytes,
 )
 from shmtrain.runtime.config import TrainConfig, to_toml
-from shmtrain.runtime.files import cannot_write, fsync_dir, write_atomic
+from shmtrain.runtime.files import LineLog, cannot_write, fsync_dir, write_atomic
 
 
 # -- the worker side ----------------------------------------------------------------------
@@ -100,15 +100,15 @@ class Checkpointer:
         self.resumed_from = step_of(path)
         self.last = Path(path)
 
-    def open_metrics(self, path: Path, upto: int) -> TextIO:
+    def open_metrics(self, path: Path, upto: int) -> LineLog:
         """This rank's metrics file: new for a fresh run; for a resumed one, its rows up to
         iteration ``upto`` kept (rows an interrupted run wrote after its checkpoint are
         dropped, so none is duplicated) and the file opened for appending."""
         path.parent.mkdir(parents=True, exist_ok=True)
         if self.resumed_from is None or not path.exists():
-            return open(path, "w")  # noqa: SIM115 - the loop closes it
+            return LineLog(path, truncate=True)
         kept = []
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().decode(errors="replace").splitlines():
             try:
                 row = json.loads(line)
                 iteration = row["eval"]["iteration"] if "eval" in row else row["iteration"]
@@ -117,7 +117,7 @@ class Checkpointer:
             if iteration <= upto:
                 kept.append(line + "\n")
         write_atomic(path, "".join(kept).encode())
-        return open(path, "a")  # noqa: SIM115 - the loop closes it
+        return LineLog(path)
 
     # -- save -----------------------------------------------------------------------------
     def due(self, iteration: int, total: int) -> bool:

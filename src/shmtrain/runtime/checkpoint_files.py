@@ -116,12 +116,27 @@ def read_meta(path: Path) -> dict[str, Any]:
     """``meta.json`` of checkpoint ``path``; :class:`CheckpointError` naming it if unreadable."""
     file = Path(path) / "meta.json"
     try:
-        meta = json.loads(file.read_text())
+        meta = json.loads(file.read_bytes())
         if meta.get("format") != FORMAT or len(meta["ranks"]) != meta["world"]:
             raise ValueError(f"format {meta.get('format')!r}, {len(meta['ranks'])} of {meta['world']} ranks")
+        for index, record in enumerate(meta["ranks"]):
+            _check_record(index, record)
         return meta
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint file {file} is missing or damaged ({exc})") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        reason = f"no key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise CheckpointError(f"checkpoint file {file} is missing or damaged ({reason})") from None
+
+
+def _check_record(index: int, record: Any) -> None:
+    """A rank's record in ``meta.json``: rank, iteration, bytes and crc32, all integers."""
+    if not isinstance(record, dict):
+        raise ValueError(f"ranks[{index}] is {type(record).__name__}, not an object")
+    for key in ("rank", "iteration", "bytes", "crc32"):
+        if not isinstance(record.get(key), int) or isinstance(record.get(key), bool):
+            what = "has no" if key not in record else f"has {record[key]!r} as its"
+            raise ValueError(f"ranks[{index}] {what} {key!r} (an integer is needed)")
+    if record["rank"] != index:
+        raise ValueError(f"ranks[{index}] is the record of rank {record['rank']}")
 
 
 def _check_bytes(file: Path, data: bytes, record: Mapping[str, Any]) -> None:
@@ -187,8 +202,8 @@ def resume_point(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
                  "the previous complete checkpoint")
             continue
         pointer = Path(run_dir) / CHECKPOINTS / LATEST
-        try:
-            if not pointer.is_file() or pointer.read_text().strip() != path.name:
+        try:  # bytes: a damaged pointer (any content) is rewritten, never decoded
+            if not pointer.is_file() or pointer.read_bytes().strip() != path.name.encode():
                 write_atomic(pointer, f"{path.name}\n".encode())
         except OSError as exc:
             raise CheckpointError(f"cannot write {pointer}: {exc.strerror or exc}; make the run "

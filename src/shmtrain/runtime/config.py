@@ -252,7 +252,10 @@ def read_toml(path: str) -> dict[str, Any]:
     if not file.is_file():
         raise ValueError(f"--config {path}: no such file")
     try:
-        raw = tomllib.loads(file.read_text())
+        raw = tomllib.loads(file.read_bytes().decode())
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--config {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                         "TOML files are UTF-8: give the TOML file of the run's options") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"--config {path} is not valid TOML: {exc}") from None
     specs = _key_specs()

@@ -100,17 +100,20 @@ def load_synthetic(shape: tuple[int, ...], samples: int, classes: int = 10, seed
 
 
 def read_image(file: Path, image_size: int) -> np.ndarray:
-    """One image, RGB, resized to ``image_size`` squared, in [0, 1]; a ValueError naming
-    the file when it cannot be decoded."""
+    """One image, RGB, resized to ``image_size`` squared, in [0, 1] by its mode's value
+    range (16-bit, palette, CMYK, ...: ``runtime/images.py``); a ValueError naming the
+    file when it cannot be decoded, or its mode has no known range."""
     from PIL import Image, UnidentifiedImageError
+
+    from shmtrain.runtime.images import image_to_tensor
 
     try:
         with Image.open(file) as img:
-            rgb = img.convert("RGB").resize((image_size, image_size))
+            rgb = image_to_tensor(img, image_size)
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         raise ValueError(f"--data: image {str(file)!r} cannot be read ({exc.__class__.__name__}: "
                          f"{exc}); remove or replace the file, or pass --skip-bad-files") from None
-    return np.asarray(rgb, dtype=np.float32) / 255.0
+    return rgb.permute(1, 2, 0).numpy()
 
 
 def load_image_folder(path: Path, image_size: int, skip_bad_files: bool = False) -> Dataset:

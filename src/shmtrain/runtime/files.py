@@ -55,6 +55,41 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+class LineLog:
+    """A file of whole lines, appended with one ``write`` per line on an ``O_APPEND``
+    descriptor: a reader, a kill or another writer never sees part of a line (a text
+    file's buffer would flush wherever it fills). The part of :class:`typing.TextIO` the
+    training loop uses: ``write``, ``flush``, ``close``."""
+
+    def __init__(self, path: Path, *, truncate: bool = False) -> None:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+        self.path = path
+        self._fd: int | None = os.open(path, flags, 0o644)
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        """Append ``text``'s complete lines now (a trailing part waits for its newline)."""
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        self._pending += text
+        if "\n" in self._pending:
+            cut = self._pending.rindex("\n") + 1
+            lines, self._pending = self._pending[:cut], self._pending[cut:]
+            for line in lines.splitlines(keepends=True):
+                data = line.encode()
+                while data:  # a short write (a signal) must not split the line's bytes apart
+                    data = data[os.write(self._fd, data):]
+        return len(text)
+
+    def flush(self) -> None:
+        """Lines are written as they complete; nothing is held but an unfinished one."""
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
 def megabytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1_000_000 else f"{n / 1e3:.1f} kB"
 

@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from shmtrain.fabric.control import ControlBlock, process_state
 from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
+from shmtrain.runtime.worker_logs import WorkerLogs
 
 GRACE_S = 10.0
 
@@ -56,6 +58,18 @@ class WorkerFailed(RuntimeError):
         self.results: dict[int, Any] | None = None
         #: the worker's own one-line cause (its exception), when it reported one
         self.cause: str | None = None
+        #: True when the zygote that forked the workers died (and they with it)
+        self.zygote = False
+
+
+class StopNow(KeyboardInterrupt):
+    """A stop that did not wait for the workers' checkpoint: a second SIGINT, SIGTERM or
+    SIGHUP (``signum``; ``first`` the one that asked for the saving stop), or the signal
+    reaching a worker before its training loop (``first`` 0)."""
+
+    def __init__(self, signum: int, first: int = 0) -> None:
+        super().__init__()
+        self.signum, self.first = signum, first
 
 
 def describe_exit(code: int) -> str:
@@ -65,6 +79,20 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit status {code}"
+
+
+def shm_note(code: int) -> str:
+    """For a worker killed by SIGBUS: the likely cause (a full /dev/shm) and the fix."""
+    if code not in (-signal.SIGBUS, 128 + signal.SIGBUS):
+        return ""
+    try:
+        usage = shutil.disk_usage("/dev/shm")
+        now = f"it has {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB now"
+    except OSError:
+        now = "it cannot be read now"
+    return (f" (a SIGBUS in a worker means a shared-memory page could not be given, most often because "
+            f"/dev/shm is full: {now}; free space there (df -h /dev/shm), use fewer workers or a "
+            "smaller model, and leave out --force so the memory check can refuse such a run)")
 
 
 def launch(
@@ -105,7 +133,7 @@ def launch(
         raise ValueError(f"--workers {nprocs}: at least 1 worker is needed")
     job = _JobSetup(nprocs, payload, threads=threads, timeout=timeout, env=env)
     children: list[Any] = []  # subprocess.Popen, or zygote.Worker (the same calls)
-    logs = _WorkerLogs(log_dir, nprocs, verbose)
+    logs = WorkerLogs(log_dir, nprocs, verbose)
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there
     stopping = _StopRelay(job.control) if graceful_stop and in_main else None
     force = False
@@ -176,7 +204,7 @@ class _Supervisor:
     recorded and the others train on; under a graceful stop a worker ended by the signal
     before its loop ends the launch as a KeyboardInterrupt."""
 
-    def __init__(self, children: list[Any], job: _JobSetup, logs: _WorkerLogs,
+    def __init__(self, children: list[Any], job: _JobSetup, logs: WorkerLogs,
                  stopping: _StopRelay | None, tolerate_worker_loss: bool) -> None:
         self.children, self.job, self.logs, self.stopping = children, job, logs, stopping
         self.tolerate = tolerate_worker_loss
@@ -191,7 +219,7 @@ class _Supervisor:
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in self.lost]
             if bad and self.stopping is not None and self.stopping.signum and bad[0][1] in _STOP_CODES:
                 _end(children, 3.0)  # the signal reached a worker before its loop: nothing saved
-                raise KeyboardInterrupt
+                raise StopNow(self.stopping.signum)
             if bad and self.tolerate and control.aborted() is None and control.state(bad[0][0]) != 0:
                 self.lost[bad[0][0]] = bad[0][1]
             elif bad:
@@ -202,6 +230,11 @@ class _Supervisor:
 
     def _failure(self, rank: int, code: int) -> WorkerFailed:
         self.job.control.abort(rank, code if code > 0 else 128 - code)
+        zygote = _dead_zygote(self.children)
+        if zygote is not None:  # not the worker's doing: its log is empty
+            failure = WorkerFailed(zygote, rank, code)
+            failure.zygote = True
+            return failure
         record = _error_record(self.job.store, rank, code)
         stuck = _end(self.children, GRACE_S)
         failure = _root_cause(self.children, rank, code, record, stuck, self.lost, self.logs, self.job.store)
@@ -214,8 +247,8 @@ class _Supervisor:
         if self.lost:
             rank, code = next(iter(self.lost.items()))
             failure = WorkerFailed(
-                f"worker rank {rank} (pid {self.children[rank].pid}) died: {describe_exit(code)}; "
-                "the other workers trained on to the end", rank, code,
+                f"worker rank {rank} (pid {self.children[rank].pid}) died: {describe_exit(code)}"
+                f"{shm_note(code)}; the other workers trained on to the end", rank, code,
             )
             failure.results = {r: self.job.result(r) for r in range(self.job.nprocs) if r not in self.lost}
             raise failure
@@ -237,7 +270,7 @@ class _StopRelay:
 
     def handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         if self.signum:
-            raise KeyboardInterrupt
+            raise StopNow(signum, self.signum)
         self.signum = signum
         self.control.request_stop(signum)
         print(f"\nshmtrain: {signal.Signals(signum).name}: every worker finishes its iteration and "
@@ -302,6 +335,21 @@ def _end(children: list[Any], grace: float, kill: bool = False) -> list[int]:
     return ended
 
 
+def _dead_zygote(children: list[Any]) -> str | None:
+    """The one-line cause when the zygote that forked ``children`` died (taking them with
+    it); None when it lives, or when the workers were started without one."""
+    zygote = getattr(children[0], "zygote", None) if children else None
+    if zygote is None or zygote.alive():
+        return None
+    try:
+        how = describe_exit(zygote.process.wait(2.0))
+    except subprocess.TimeoutExpired:
+        how = "it closed its socket"
+    return (f"the worker zygote (pid {zygote.process.pid}, the process that forks the workers) died "
+            f"({how}), and every worker ended with it; their logs say nothing of it (was it killed, "
+            "or by the OOM killer: see dmesg?)")
+
+
 def _error_record(store: dist.TCPStore, rank: int, code: int) -> dict[str, Any]:
     """The worker's own account of its failure (``error/<rank>``: ``cause``, ``peer``,
     ``timeout``); empty when it had none to give (killed by a signal, or failed before it
@@ -321,7 +369,7 @@ def _error_record(store: dist.TCPStore, rank: int, code: int) -> dict[str, Any]:
 
 
 def _root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any],
-                stuck: list[int], lost: dict[int, int], logs: _WorkerLogs, store: dist.TCPStore) -> WorkerFailed:
+                stuck: list[int], lost: dict[int, int], logs: WorkerLogs, store: dist.TCPStore) -> WorkerFailed:
     """The one-line failure: the first worker to fail, unless it only failed because of a
     peer: one it gave up waiting for (that peer stalled; the launcher ended it), or one it
     found dead or failed (that peer's own failure is the cause)."""
@@ -347,7 +395,7 @@ def _root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any
 
 
 def _failure_of(children: list[Any], rank: int, code: int, record: dict[str, Any],
-                logs: _WorkerLogs) -> WorkerFailed:
+                logs: WorkerLogs) -> WorkerFailed:
     """``worker rank R (pid P) failed: <its own cause, or how it exited>; its log: ...``."""
     pid = children[rank].pid
     cause = record.get("cause")
@@ -355,79 +403,6 @@ def _failure_of(children: list[Any], rank: int, code: int, record: dict[str, Any
         failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {cause}" + logs.where(rank), rank, code)
     else:
         failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {describe_exit(code)}"
-                               + logs.last_line(rank) + logs.where(rank), rank, code)
+                               + shm_note(code) + logs.last_line(rank) + logs.where(rank), rank, code)
     failure.cause = cause
     return failure
-
-
-class _WorkerLogs:
-    """Worker stderr goes to ``log_dir/rank-<r>.log`` (appended: restarts add to it); with
-    ``verbose`` a thread copies what they write to the terminal as it comes. The
-    terminal's stderr is passed on as ``SHMTRAIN_CONSOLE_FD`` for the progress line."""
-
-    def __init__(self, log_dir: Path | None, nprocs: int, verbose: bool) -> None:
-        self.dir, self.nprocs = log_dir, nprocs
-        self.console = -1
-        self.done = threading.Event()
-        self.tail: threading.Thread | None = None
-        if log_dir is None:
-            return
-        log_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self.console = os.dup(sys.stderr.fileno())
-        except (AttributeError, OSError, ValueError):  # a captured stderr has no descriptor
-            self.console = -1
-        self.offsets = {}
-        for rank in range(nprocs):
-            path = log_dir / f"rank-{rank}.log"
-            path.touch()
-            self.offsets[rank] = path.stat().st_size
-        if verbose:
-            self.tail = threading.Thread(target=self._follow, name="shmtrain-logs", daemon=True)
-            self.tail.start()
-
-    def env(self) -> dict[str, str]:
-        return {"SHMTRAIN_CONSOLE_FD": str(self.console)} if self.console >= 0 else {}
-
-    def fds(self) -> tuple[int, ...]:
-        return (self.console,) if self.console >= 0 else ()
-
-    def path(self, rank: int) -> Path | None:
-        return self.dir / f"rank-{rank}.log" if self.dir is not None else None
-
-    def _follow(self) -> None:
-        """--verbose: copy what each worker appends to its log to the terminal."""
-        while True:
-            finished = self.done.wait(0.1)
-            for rank in range(self.nprocs):
-                with open(self.path(rank), "rb") as f:  # type: ignore[arg-type]
-                    f.seek(self.offsets[rank])
-                    data = f.read()
-                if data:
-                    self.offsets[rank] += len(data)
-                    sys.stderr.write(data.decode(errors="replace"))
-                    sys.stderr.flush()
-            if finished:
-                return
-
-    def where(self, rank: int) -> str:
-        return f"; its log: {self.path(rank)}" if self.dir is not None else ""
-
-    def last_line(self, rank: int) -> str:
-        """The last line the worker wrote (what it said before a failure it could not report)."""
-        if self.dir is None:
-            return ""
-        try:
-            lines = self.path(rank).read_bytes()[-4096:].decode(errors="replace").splitlines()  # type: ignore[union-attr]
-        except OSError:
-            return ""
-        last = next((line.strip() for line in reversed(lines) if line.strip()), "")
-        return f" ({last})" if last else ""
-
-    def close(self) -> None:
-        self.done.set()
-        if self.tail is not None:
-            self.tail.join(timeout=2.0)
-        if self.console >= 0:
-            os.close(self.console)
-            self.console = -1

@@ -108,6 +108,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         "wall_s": outcome.wall_s,
         "final_loss": outcome.final_loss,
         "planned_iterations": total,
+        "trained": outcome.trained,  # this launch's iterations (0: nothing left to do)
         # a stop (Ctrl-C, SIGTERM): its signal and the checkpoint the run continues from
         "stopped": stop.signum if stop.stopped else 0,
         "checkpoint": str(outcome.checkpoint) if outcome.checkpoint is not None else None,

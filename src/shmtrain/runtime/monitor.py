@@ -19,7 +19,6 @@ evaluations of a rank never overlap and ranks of one host line up (``runtime/tra
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -30,6 +29,7 @@ from torch.nn import functional
 
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data import Dataset
+from shmtrain.runtime.finite import json_text
 
 #: samples per forward pass of the held-out evaluation
 EVAL_BATCH = 256
@@ -126,7 +126,7 @@ class Monitor:
         seconds = time.perf_counter() - start
         entry = {"iteration": iteration, "loss": loss, "accuracy": accuracy,
                  "t0": self.stamp(start), "time": seconds}
-        log.write(json.dumps({"eval": entry}) + "\n")
+        log.write(json_text({"eval": entry}) + "\n")  # a NaN/inf loss as null, flagged
         self.last_eval = iteration
         if self.writer is not None:
             self.writer.add_scalar("loss/held_out", loss, iteration)

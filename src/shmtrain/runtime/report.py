@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 from shmtrain.runtime.files import figure_output, write_output
+from shmtrain.runtime.finite import json_text
 
 ORDER = ["data", "forward", "backward", "update", "compute", "comm"]
 
@@ -23,7 +25,15 @@ def read_rows(out: Path) -> dict[int, list[dict[str, Any]]]:
     rows: dict[int, list[dict[str, Any]]] = {}
     for file in sorted((out / "metrics").glob("rank-*.jsonl")):
         rank = int(file.stem.split("-")[1])
-        rows[rank] = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        rows[rank] = []
+        for number, line in enumerate(file.read_bytes().decode(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows[rank].append(json.loads(line))
+            except ValueError as exc:  # a line a full disk cut short: the rest still counts
+                print(f"shmtrain: warning: {file} line {number} is not JSON ({exc}); left out",
+                      file=sys.stderr)
     return rows
 
 
@@ -108,6 +118,12 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     """Write ``summary.json``, then ``plot.png`` (and ``trace.json`` when ``config["trace"]``),
     each atomically (``runtime/files.py``): the numbers of a finished run are on disk before
     anything optional; return the summary."""
+    previous = out / "summary.json"
+    if previous.is_file() and results and not any(r.get("trained", 1) for r in results):
+        try:  # a finished run resumed at its total: nothing new to report, wall_s kept
+            return json.loads(previous.read_text())
+        except (OSError, ValueError):
+            pass  # unreadable: written anew below
     rows = read_metrics(out)
     evals = read_evals(out)
     means = phase_means(rows)
@@ -148,7 +164,7 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     }
     skipped = sorted({f for r in results for f in r.get("skipped_files", [])})
     summary["skipped_files"] = len(skipped)  # --skip-bad-files: each is named in the logs
-    write_output(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    write_output(out / "summary.json", (json_text(summary, indent=2) + "\n").encode())
     plot(out, rows, f"{config['strategy']}, {len(results)} workers, {config['model']} on {config['data']}",
          evals)
     if config.get("trace"):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
-from shmtrain.runtime import checkpoint_files, report
+from shmtrain.runtime import checkpoint_files, report, runlock
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launcher import WorkerFailed, launch
 from shmtrain.runtime.preflight import preflight
@@ -85,6 +85,12 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     threading.Thread(target=_import_matplotlib, name="shmtrain-plot-import", daemon=True).start()
     out = Path(config.out) if config.out else default_out(config)
     preflight(config, out)  # before any folder or worker: one clear line, exit 2
+    with runlock.acquire(out, resume=resume):  # one run per folder, before anything is written
+        return _run_local(config, out, echo, resume)
+
+
+def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, Any]:
+    """The local launch of :func:`run_training`, in a run folder this process has locked."""
     start_from = _starting_point(out, config, resume)
     checkpoint_files.prepare_run_folder(out, config)  # config.toml; refuses an unwritable folder
     echo(f"shmtrain: {config.strategy}, {config.workers} workers x {config.threads} thread(s), "
@@ -103,7 +109,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
                              env=_preload_env(config))
             break
         except WorkerFailed as exc:
-            if not exc.stop_signal and restarts < config.max_restarts:
+            if not exc.stop_signal and restarts < config.max_restarts:  # a dead zygote too: a new one forks
                 restarts += 1
                 start_from = checkpoint_files.resume_point(out, _warn)
                 checkpoint_files.clean_partial(out)
@@ -117,16 +123,36 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
                 _finish(out, config, list(exc.results.values()), time.perf_counter() - start, echo)
             if restarts:
                 exc.args = (f"{exc} (after {restarts} restart(s), the last cause)",)
+            if exc.zygote:
+                exc.args = (f"{exc}; {_resume_hint(out)}",)
             raise
-        except KeyboardInterrupt:
-            last = checkpoint_files.latest(out)
-            hint = (f"the latest checkpoint is {last}; continue with: shmtrain train --resume {out}"
-                    if last else "no checkpoint was written")
-            raise RunStopped(f"interrupted; every worker has been stopped without saving; {hint}", 130) from None
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            raise RunStopped(_interrupted_message(out, exc), 128 + signum) from None
     stopped = [r for r in results if r.get("stopped")]
     if stopped:
         raise RunStopped(_stopped_message(out, results, stopped[0]["stopped"]), 128 + stopped[0]["stopped"])
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def _resume_hint(out: Path) -> str:
+    last = checkpoint_files.latest(out)
+    return (f"the latest complete checkpoint is {last}; continue with: shmtrain train --resume {out}"
+            if last else f"no checkpoint was written; start again with --out {out}")
+
+
+def _interrupted_message(out: Path, exc: KeyboardInterrupt) -> str:
+    """What a stop that did not wait for the workers' checkpoint left: ``exc`` is a second
+    signal (:class:`~shmtrain.runtime.launcher.StopNow`: ``signum``, ``first``), or a
+    Ctrl-C before the launcher's handlers were in place."""
+    hint = _resume_hint(out)
+    signum = getattr(exc, "signum", signal.SIGINT)
+    name = signal.Signals(signum).name
+    if getattr(exc, "first", 0):
+        first = signal.Signals(exc.first).name  # type: ignore[attr-defined]
+        return (f"stopped at once by a second signal ({name}, after {first}): every worker was ended "
+                f"without waiting for the checkpoint of the stop; {hint}")
+    return f"interrupted by {name} before the workers were training; every worker has been ended; {hint}"
 
 
 def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None:
@@ -140,12 +166,10 @@ def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None
                 f"shmtrain train --resume {out}, or give a new folder with --out"
             )
         return None
+    found = checkpoint_files.complete_checkpoints(out)
     point = checkpoint_files.resume_point(out, _warn)
     if point is None:
-        raise ValueError(
-            f"--resume {out}: no complete checkpoint in {out / checkpoint_files.CHECKPOINTS} (the run "
-            "ended before its first one); start it again with another --out"
-        )
+        raise ValueError(_no_checkpoint(out, found))
     checkpoint_files.check_compatible(point, config)
     done = max(r["iteration"] for r in checkpoint_files.read_meta(point)["ranks"])
     if config.iterations is not None and config.iterations < done:
@@ -155,6 +179,22 @@ def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None
             f"--iterations {done} or more"
         )
     return point
+
+
+def _no_checkpoint(out: Path, found: list[Path]) -> str:
+    """Why ``--resume out`` has nothing to continue from (``found``: the complete
+    checkpoints there before the resume looked at them)."""
+    folder = out / checkpoint_files.CHECKPOINTS
+    unfinished = sorted(p.name for p in folder.glob("step-*.tmp")) if folder.is_dir() else []
+    if found:
+        why = (f"every one was damaged ({', '.join(p.name for p in found)}: each named above and moved "
+               "aside to step-<N>.corrupt)")
+    elif unfinished:
+        why = f"the run ended while writing its first one ({unfinished[0]} is unfinished)"
+    else:
+        why = "the run ended before its first one"
+    return (f"--resume {out}: no complete checkpoint in {folder} ({why}); start the run again, in "
+            "this folder or another --out")
 
 
 def _stopped_message(out: Path, results: list[dict[str, Any]], signum: int) -> str:
@@ -198,10 +238,12 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     ctx = from_env(config.timeout)
+    lock: runlock.RunLock | None = None  # rank 0 holds the run folder's lock for the job
     try:
         config.workers = ctx.world_size
         if ctx.rank == 0:
-            ctx.store.set("out", json.dumps(_torchrun_folder(config, echo)))
+            info, lock = _torchrun_folder(config, echo)
+            ctx.store.set("out", json.dumps(info))
         info = json.loads(ctx.store.get("out").decode())
         if info["error"]:
             raise ValueError(info["error"])
@@ -219,6 +261,8 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
         raise
     finally:
         ctx.close()
+        if lock is not None:
+            lock.release()
     stopped = [r for r in results if r.get("stopped")]
     if stopped:
         signum = stopped[0]["stopped"]
@@ -298,12 +342,16 @@ def _check_in_for_lost_hosts(ctx: Any, lost: dict[int, int]) -> None:
               "host(s) at its exit barrier (300 s), then exits")
 
 
-def _torchrun_folder(config: TrainConfig, echo) -> dict[str, Any]:
-    """Rank 0 of a torchrun job: the run folder, and the checkpoint to resume from when
-    the folder holds one (a restart by torchrun's ``--max-restarts``, or the same command
-    run again); an error message instead when that cannot be."""
+def _torchrun_folder(config: TrainConfig, echo) -> tuple[dict[str, Any], runlock.RunLock | None]:
+    """Rank 0 of a torchrun job: the run folder, locked (the lock is returned: rank 0
+    holds it for the job; a restart by torchrun's ``--max-restarts`` follows a rank 0 that
+    died, so the lock is free again), and the checkpoint to resume from when the folder
+    holds one (a restart, or the same command run again); an error message instead when
+    that cannot be."""
     out = Path(config.out) if config.out else default_out(config)
+    lock = None
     try:
+        lock = runlock.acquire(out, resume=out.is_dir() and checkpoint_files.latest(out) is not None)
         point = checkpoint_files.resume_point(out, _warn) if out.is_dir() else None
         if point is not None:
             checkpoint_files.check_compatible(point, config)
@@ -311,5 +359,7 @@ def _torchrun_folder(config: TrainConfig, echo) -> dict[str, Any]:
                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
         checkpoint_files.prepare_run_folder(out, config)
     except ValueError as exc:
-        return {"out": None, "resume": None, "error": str(exc)}
-    return {"out": str(out.resolve()), "resume": str(point.resolve()) if point else None, "error": None}
+        if lock is not None:
+            lock.release()
+        return {"out": None, "resume": None, "error": str(exc)}, None
+    return {"out": str(out.resolve()), "resume": str(point.resolve()) if point else None, "error": None}, lock

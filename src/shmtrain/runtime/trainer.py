@@ -19,7 +19,6 @@ run continues as if it had not stopped.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from shmtrain.runtime.finite import check_loss, json_text
 from shmtrain.runtime.schedule import check_state, current_lr, step_scheduler
 from shmtrain.runtime.subbatch import SubBatch
 from shmtrain.timing import PhaseTimer
@@ -110,6 +110,8 @@ class TrainOutcome:
     final_loss: float | None
     #: the checkpoint the run ended with (None: no checkpoints)
     checkpoint: Path | None
+    #: iterations this call ran (0: a finished run resumed at its total)
+    trained: int = 0
 
 
 class Trainer:
@@ -257,6 +259,7 @@ class Trainer:
         engine, timer = self.engine, self.timer
         start = time.perf_counter()
         value: float | None = None
+        first = engine.iteration  # type: ignore[attr-defined]
         while not engine.should_stop():  # type: ignore[attr-defined]
             iter_start = time.perf_counter()
             with timer.phase("data"):
@@ -268,7 +271,8 @@ class Trainer:
             iteration = engine.iteration  # type: ignore[attr-defined]
             row = {"iteration": iteration, "loss": value, "lr": self.lr,
                    "t0": run.monitor.stamp(iter_start), "time": phases, **timer.take_details()}
-            run.log.write(json.dumps(row) + "\n")
+            run.log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/finite.py)
+            check_loss(value, iteration, run.checkpoints.ctx.rank, self.lr)  # diverged: stop, name it
             run.monitor.after_iteration(row, run.log)  # outside the iteration's time
             run.progress.update(iteration, value)
             if run.stop.check(iteration):
@@ -278,12 +282,13 @@ class Trainer:
                 run.checkpoints.save(self, iteration)
         iteration = engine.iteration  # type: ignore[attr-defined]
         run.stop.finished(iteration)
-        run.monitor.finish(iteration, run.log)
+        if iteration > first:  # a finished run resumed at its total has its last eval row
+            run.monitor.finish(iteration, run.log)
         run.progress.close()
         wall = time.perf_counter() - start
         run.log.flush()
         saved = run.checkpoints.save_final(self, run.stop.target if run.stop.stopped else total)
-        return TrainOutcome(wall, value, saved)
+        return TrainOutcome(wall, value, saved, iteration - first)
 
     def close(self) -> None:
         """End the sub-batch threads, if any (the engine is closed by its owner)."""

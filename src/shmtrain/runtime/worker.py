@@ -39,8 +39,10 @@ def _says_it_all(exc: BaseException) -> bool:
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
     from shmtrain.runtime.checkpoint_files import CheckpointError
     from shmtrain.runtime.files import OutputError
+    from shmtrain.runtime.finite import TrainingDiverged
 
-    return isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | OutputError | ValueError) and bool(str(exc))
+    return isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | OutputError | TrainingDiverged
+                      | ValueError) and bool(str(exc))
 
 
 def _report(ctx, exc: BaseException) -> None:
@@ -99,10 +101,11 @@ def main() -> int:
             _report(ctx, exc)
         from shmtrain.fabric.control import PeerFailure, PeerTimeout
         from shmtrain.runtime.checkpoint_files import CheckpointError
+        from shmtrain.runtime.finite import TrainingDiverged
 
-        # a peer's failure or a checkpoint file: this worker's traceback would say nothing more;
+        # a peer's failure, a checkpoint file, a diverged loss: a traceback would say nothing more;
         # anything else (a bad image deep in the data, a full disk) keeps its traceback in the log
-        if isinstance(exc, PeerFailure | PeerTimeout | CheckpointError):
+        if isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | TrainingDiverged):
             print(f"shmtrain: worker rank {rank}: {exc}", file=sys.stderr)
         else:
             print(f"shmtrain: worker rank {rank} failed:", file=sys.stderr)

@@ -27,6 +27,7 @@ every worker as its own ``python -m shmtrain.runtime.worker`` instead.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
@@ -36,6 +37,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
@@ -175,6 +177,7 @@ def main() -> int:
     """``python -m shmtrain.runtime.zygote FD``: serve the launcher on socket ``FD``."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the launcher's fork
     sock = socket.socket(fileno=int(sys.argv[1]))
     import importlib
 
@@ -202,13 +205,14 @@ class Worker:
     def __init__(self, pid: int, zygote: Zygote) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self._zygote = zygote
+        #: the zygote that forked it (a worker dies with it)
+        self.zygote = zygote
 
     def poll(self) -> int | None:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._zygote.exited(self, timeout):
+        if not self.zygote.exited(self, timeout):
             raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0)
         assert self.returncode is not None
         return self.returncode
@@ -233,10 +237,11 @@ class Zygote:
     def __init__(self, timeout: float) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "shmtrain.runtime.zygote", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
-        )
+        with _sigint_ignored_in_child():
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "shmtrain.runtime.zygote", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+            )
         theirs.close()
         self.timeout = timeout
         self.lock = threading.Lock()  # one spawn at a time (the reply is the next pid)
@@ -341,6 +346,24 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+@contextlib.contextmanager
+def _sigint_ignored_in_child() -> Iterator[None]:
+    """Start a child with SIGINT ignored from its first instruction (a Ctrl-C while it
+    imports must not print its traceback): ignored dispositions survive exec, and Python
+    leaves an ignored SIGINT alone. Blocked meanwhile here, so a Ctrl-C to this process
+    is delivered after, not lost; the child unblocks it (:func:`main`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _has_fd(stream: Any) -> bool:

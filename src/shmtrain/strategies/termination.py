@@ -13,8 +13,9 @@ one of the paper's three criteria:
     all workers finish when the first worker to reach its target finishes.
 ``average``
     all workers finish when the mean of every worker's iteration count reaches the
-    target (the total work equals ``workers x target``), within one iteration per
-    worker.
+    target (the total work equals ``workers x target``); a worker past its own target
+    counts the iteration each training peer is in as done, so workers of equal speed
+    run exactly the target (a stale read can still add an iteration).
 
 A worker known to be dead never counts as finished (it did not finish), so the others
 train on; under ``average`` its frozen count stays in the mean and the survivors make
@@ -95,5 +96,13 @@ class Termination:
             return any(board.state(r) == STATE_DONE for r in self.voters if r != self.me)
         if target is None:
             return False
-        total = sum(iteration if r == self.me else board.progress(r) for r in self.voters)
+        # A peer still training finishes the iteration it is in (none stops mid-way). Once
+        # this worker has done its own target it counts those too, so the total lands on
+        # workers x target instead of up to one more per worker (two workers of equal speed
+        # ran target + 1 each); below its target it counts only what is done, so a worker
+        # that may still be needed never stops on a peer's iteration that may not come.
+        ahead = iteration >= target
+        total = iteration + sum(
+            board.progress(r) + int(ahead and board.state(r) == STATE_TRAINING and board.alive(r))
+            for r in self.voters if r != self.me)
         return total >= target * len(self.voters)

@@ -1,0 +1,62 @@
+"""Non-finite numbers: JSON that stays JSON, and a run that says when it diverged.
+
+``json.dumps`` writes ``NaN`` and ``Infinity``, which no JSON parser accepts, so every
+metrics row and ``summary.json`` go through :func:`json_text`: a non-finite float is
+written as ``null`` and the object that held it gets a ``"non_finite"`` list naming the
+keys (``"loss"``, ``"time.compute"``) and what they held. A non-finite training loss
+ends the run instead (:class:`TrainingDiverged`, exit status 1), naming the rank and
+the iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+#: the key that lists the values written as null, with what they were
+FLAG = "non_finite"
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite; the message names the rank, the
+    iteration and the fix."""
+
+
+def _clean(value: Any, path: str, found: dict[str, str]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        found[path] = repr(value)  # 'nan', 'inf', '-inf'
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v, f"{path}.{k}" if path else str(k), found) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
+    return value
+
+
+def finite(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` with every non-finite float (at any depth) replaced by None, and the
+    :data:`FLAG` key listing them (absent when there were none)."""
+    found: dict[str, str] = {}
+    cleaned = _clean(obj, "", found)
+    if found:
+        cleaned[FLAG] = found
+    return cleaned
+
+
+def json_text(obj: dict[str, Any], **dumps: Any) -> str:
+    """Valid JSON for ``obj`` (see :func:`finite`); never ``NaN`` or ``Infinity``."""
+    return json.dumps(finite(obj), allow_nan=False, **dumps)
+
+
+def check_loss(value: float, iteration: int, rank: int, lr: float | None) -> None:
+    """Raise :class:`TrainingDiverged` when the training loss of ``iteration`` is not finite."""
+    if math.isfinite(value):
+        return
+    rate = f" (now {lr:g})" if lr is not None else ""
+    raise TrainingDiverged(
+        f"the training diverged: rank {rank}'s loss at iteration {iteration} is {value!r}; its "
+        f"metrics row has \"loss\": null; the weights are no longer numbers, so the run stops "
+        f"here: lower --lr{rate}, or add --warmup-iterations or --grad-clip, and start again "
+        "with another --out"
+    )
