@@ -88,7 +88,6 @@ class OptimOptions:
         _need(self.accumulate == 1 or self.sub_batch == 1, "accumulate", self.accumulate,
               f"micro-batches one after the other and --sub-batch {self.sub_batch} threads do not combine",
               "drop one of them")
-        check_optimizer_options(self.optimizer, self.optimizer_args, self.momentum, self.weight_decay)
         _need(self.weight_decay >= 0, "weight-decay", self.weight_decay, "weight decay must not be negative", "use 0 to turn it off")
         _need(self.iterations is None or self.iterations >= 1, "iterations", self.iterations, "must be at least 1", "use e.g. --iterations 100")
         _need(self.epochs is None or self.epochs > 0, "epochs", self.epochs, "must be positive", "use e.g. --epochs 5")
@@ -110,3 +109,5 @@ class OptimOptions:
                 f"--iterations {self.iterations} and --epochs {self.epochs} both given; a run "
                 "is measured in one of them: drop one"
             )
+        # last: the flags' own rules name them before the optimizer's constructor would
+        check_optimizer_options(self.optimizer, self.optimizer_args, self.momentum, self.weight_decay)
