@@ -14,8 +14,9 @@ one of the paper's three criteria:
 ``average``
     all workers finish when the mean of every worker's iteration count reaches the
     target (the total work equals ``workers x target``); a worker past its own target
-    counts the iteration each training peer is in as done, so workers of equal speed
-    run exactly the target (a stale read can still add an iteration).
+    counts the iteration each training peer below its target is in as done, so workers
+    of equal speed run exactly the target (a stale read can still add an iteration, and
+    the total never falls short).
 
 A worker known to be dead never counts as finished (it did not finish), so the others
 train on; under ``average`` its frozen count stays in the mean and the survivors make
@@ -101,8 +102,14 @@ class Termination:
         # workers x target instead of up to one more per worker (two workers of equal speed
         # ran target + 1 each); below its target it counts only what is done, so a worker
         # that may still be needed never stops on a peer's iteration that may not come.
+        # Only a peer still below its target is counted ahead: such a peer stops on work
+        # done alone, never on a count of its own, so the iteration counted for it is run
+        # (two peers past their targets counting each other's would both stop short).
         ahead = iteration >= target
-        total = iteration + sum(
-            board.progress(r) + int(ahead and board.state(r) == STATE_TRAINING and board.alive(r))
-            for r in self.voters if r != self.me)
+        total = iteration
+        for r in self.voters:
+            if r != self.me:
+                done = board.progress(r)
+                total += done + int(ahead and done < target and board.state(r) == STATE_TRAINING
+                                    and board.alive(r))
         return total >= target * len(self.voters)
