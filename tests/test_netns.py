@@ -73,7 +73,10 @@ def test_seasgd_across_two_hosts_on_a_shaped_link_starts_its_memory_server(hosts
     logs = set(glob.glob(os.path.join(tempfile.gettempdir(), "shmtrain-smb-*.log")))
     _two_hosts(hosts, tmp_path, ["--strategy", "seasgd", "--iterations", "12", "--batch-size", "16"])
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["workers"] == 4 and summary["iterations"] >= 10
+    # the average policy (TERM): the job's work is 4 x 12 iterations, however it is shared
+    # out (a loaded host's rank 0, beside the memory server, may do fewer than the others)
+    done = summary["iterations_per_rank"]
+    assert summary["workers"] == 4 and len(done) == 4 and sum(done.values()) >= 4 * 12, done
     deadline = time.monotonic() + 15  # the server ends with the job, its log with it
     while set(glob.glob(os.path.join(tempfile.gettempdir(), "shmtrain-smb-*.log"))) - logs:
         assert time.monotonic() < deadline, "the memory server's log outlived a clean run"

@@ -465,7 +465,10 @@ def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Pat
             code, out, err = _finish(proc)
     assert all(p.returncode == 0 for p in nodes), outputs
     summary = __import__("json").loads((tmp_path / "summary.json").read_text())
-    assert summary["workers"] == 4 and summary["iterations"] >= 10
+    # the average policy (TERM): the job's work is 4 x 12 iterations, however it is shared
+    # out (a loaded host's rank 0, beside the memory server, may do fewer than the others)
+    done = summary["iterations_per_rank"]
+    assert summary["workers"] == 4 and len(done) == 4 and sum(done.values()) >= 4 * 12, done
     if standalone:
         applied = int(out.split("shmtrain smb-server: ")[-1].split(" accumulations")[0])
         assert code == 0 and applied >= 4 * 10, out + err  # every client's increments reached the server
