@@ -15,6 +15,7 @@ buffer), sparse tensors, and every other collective.
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, Work
 
 from shmtrain.backend.reducer import FLOATS, HostReducer
-from shmtrain.backend.work import ShmWork
+from shmtrain.backend.work import ShmBackendError, ShmWork
 
 NAME = "shm"
 _live: set[ShmBackend] = set()  # groups not yet shut down (c10d holds them through C++ only)
@@ -51,6 +52,10 @@ class ShmBackend(Backend):
     reductions = 0
     #: allreduce calls (and tensors of allreduce_coalesced) handed to gloo
     fallbacks = 0
+    #: groups of this backend created in this process
+    groups = 0
+    #: prefix of its profiler events (``shm:all_reduce``; gloo's read ``gloo:all_reduce``)
+    profile_name = NAME
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, *,
                  group_name: str = "", global_ranks: list[int] | None = None) -> None:
@@ -61,6 +66,7 @@ class ShmBackend(Backend):
         self.reducer = HostReducer(store, rank, size, timeout, self.who, self._rank_name)
         self._closed = False
         _live.add(self)
+        ShmBackend.groups += 1
 
     @classmethod
     def create(cls, options: Any, backend_options: Any = None) -> ShmBackend:
@@ -96,35 +102,43 @@ class ShmBackend(Backend):
             ShmBackend.fallbacks += 1
             return self.gloo.allreduce(tensors, opts)
         work = ShmWork(tensors)
-        self.reducer.submit(list(tensors), mean, work, self._count)
+        self.reducer.submit(list(tensors), mean, work, self._count, _profile("all_reduce", tensors))
         return work
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        """Each tensor reduced on its own: SUM/AVG of floats in shared memory (in one
-        submission), the rest by gloo one tensor at a time (gloo's ``allreduce`` of the
-        whole list would reduce it as copies of one buffer: MAX of ``[1, 4]`` and
-        ``[2, 3]`` gave ``[4, 4]``)."""
+        """Each tensor reduced on its own: SUM/AVG of float tensors in shared memory (one
+        submission, one profiler event, as gloo's); other ops and dtypes by gloo's
+        ``allreduce_coalesced`` (never its ``allreduce`` of the list, which reduces the list
+        as copies of one buffer: MAX of ``[1, 4]`` and ``[2, 3]`` gave ``[4, 4]``); a list
+        that mixes both (torch's API allows one dtype per call, so only through this
+        backend's own API) in shared memory and by gloo one tensor at a time."""
         self.reducer.check()
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        mean = _mean(op)
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        mean = _mean(opts.reduceOp)
         ours = [t for t in tensors if mean is not None and _ours(t)]
+        if tensors and len(ours) == len(tensors):
+            work = ShmWork(tensors)
+            self.reducer.submit(ours, bool(mean), work, self._count, _profile("all_reduce", ours))
+            return work
+        if not ours:
+            ShmBackend.fallbacks += 1
+            return self._gloo("allreduce_coalesced", tensors, opts)
         gloo = []
         for tensor in tensors:
-            if not (mean is not None and _ours(tensor)):
+            if not any(tensor is t for t in ours):
                 options = dist.AllreduceOptions()
-                options.reduceOp = op
-                if opts is not None:
-                    options.timeout = opts.timeout
+                options.reduceOp, options.timeout = opts.reduceOp, opts.timeout
                 ShmBackend.fallbacks += 1
                 gloo.append(self.gloo.allreduce([tensor], options))
-        work = ShmWork(tensors, gloo, pending=bool(ours))
-        if ours:
-            self.reducer.submit(ours, bool(mean), work, self._count)
+        work = ShmWork(tensors, gloo)
+        self.reducer.submit(ours, bool(mean), work, self._count, _profile("all_reduce", ours))
         return work
 
     # -- everything else: gloo ---------------------------------------------------------
     def _gloo(self, name: str, *args: Any) -> Work:
         self.reducer.check()
+        if self.gloo is None:
+            raise ShmBackendError(f"{self.who}: the group was destroyed; create a new one")
         return getattr(self.gloo, name)(*args)
 
     def broadcast(self, tensors, opts=None):
@@ -218,7 +232,12 @@ class ShmBackend(Backend):
         self._closed = True
         _live.discard(self)
         self.reducer.close()
-        self.gloo.shutdown()
+        # dropped, not only shut down: its destructor joins its threads now, before the
+        # interpreter's finalization (a gloo thread that frees a work's tensors later needs
+        # the GIL then, and aborts the process: "terminate called without an active exception")
+        gloo, self.gloo = self.gloo, None
+        gloo.shutdown()
+        del gloo
 
     def abort(self) -> None:
         """``dist.abort``-like teardown: the peers' waits end with this rank's failure."""
@@ -230,6 +249,24 @@ class ShmBackend(Backend):
         try:
             self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter shutdown: best effort
+            pass
+
+
+def _profile(op: str, tensors: list[torch.Tensor]) -> Any:
+    """A profiler record of the call (its tensors' shapes), while a profiler records."""
+    if not torch.autograd._profiler_enabled():
+        return None
+    return torch._C._autograd._record_function_with_args_enter(f"{ShmBackend.profile_name}:{op}", *tensors)
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    """Groups never destroyed are shut down before the interpreter finalizes (their gloo
+    threads would otherwise free tensors then, which needs the GIL, and abort)."""
+    for backend in list(_live):
+        try:
+            backend.shutdown()
+        except Exception:  # noqa: BLE001 - exiting: best effort
             pass
 
 

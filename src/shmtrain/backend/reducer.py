@@ -25,6 +25,7 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,6 +125,7 @@ class HostReducer:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = False
+        self._pending = 0  # calls queued for the thread and not yet done
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="shmtrain-pg", daemon=True)
         if not self.inline:
@@ -131,13 +133,20 @@ class HostReducer:
 
     # -- calls -------------------------------------------------------------------------
     def submit(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
-               counted: Callable[[], None]) -> None:
+               counted: Callable[[], None], profile: Any = None) -> None:
         """Reduce ``tensors`` (one after the other) and finish ``work``: now on this thread,
-        or queued for the group's thread. ``counted`` is called per tensor reduced."""
-        if self.inline:
+        or queued for the group's thread. ``counted`` is called per tensor reduced.
+        ``profile``: the call's profiler record (``_record_function_with_args_enter``),
+        ended when the reduction is; a profiled call runs on the group's thread even where
+        reductions are inline, so that its event is asynchronous like gloo's (upstream's
+        profiling tests check it). Calls queued before it keep their order."""
+        if self.inline and profile is None and not self._pending:
             self._reduce_all(tensors, mean, work, counted)
-        else:
-            self._queue.put((tensors, mean, work, counted))
+            return
+        if not self._thread.is_alive():
+            self._thread.start()
+        self._pending += 1
+        self._queue.put((tensors, mean, work, counted, profile))
 
     def check(self) -> None:
         """Raise if the group failed earlier (every later call of the group says so)."""
@@ -150,10 +159,21 @@ class HostReducer:
             item = self._queue.get()
             if item is None:
                 return
-            self._reduce_all(*item)
+            try:
+                self._reduce_all(*item)
+            finally:
+                self._pending -= 1
 
     def _reduce_all(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
-                    counted: Callable[[], None]) -> None:
+                    counted: Callable[[], None], profile: Any = None) -> None:
+        try:
+            self._reduce_locked(tensors, mean, work, counted)
+        finally:
+            if profile is not None:
+                torch._C._autograd._record_function_with_args_exit(profile)
+
+    def _reduce_locked(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
+                       counted: Callable[[], None]) -> None:
         with self._lock:  # one reduction at a time: callers on several threads share the ring
             self._busy = True
             try:
@@ -292,6 +312,10 @@ class HostReducer:
                 self.control.abort(self.host.local_rank, FAILED)
             self._queue.put(None)
             self._thread.join(timeout=10)
+        if self.leaders is not None:  # joined now, not at the interpreter's finalization
+            leaders, self.leaders = self.leaders, None
+            leaders.shutdown()
+            del leaders
         self.pipeline.close()
         self._header_segment.close()
         self.control.segment.close()
