@@ -158,7 +158,7 @@ def test_mismatched_sizes_raise_on_every_rank(thread: bool) -> None:
         first = result["first"]
         text = first["wait"]["text"]
         assert first["wait"]["raised"] == "ShmBackendError", first
-        assert "rank 0: 1000 x float32 SUM" in text and "rank 1: 10 x float32 SUM" in text, text
+        assert "rank 0: 1000 x float32 SUM," in text and "rank 1: 10 x float32 SUM)" in text, text
         assert first["left"] == rank + 1.0  # nothing reduced: the sizes were compared first
         _failed_for_good(result)
     assert codes == [0, 0]

@@ -126,6 +126,7 @@ class HostReducer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = False
         self._pending = 0  # calls queued for the thread and not yet done
+        self._pending_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="shmtrain-pg", daemon=True)
         if not self.inline:
@@ -145,7 +146,8 @@ class HostReducer:
             return
         if not self._thread.is_alive():
             self._thread.start()
-        self._pending += 1
+        with self._pending_lock:
+            self._pending += 1
         self._queue.put((tensors, mean, work, counted, profile))
 
     def check(self) -> None:
@@ -162,44 +164,44 @@ class HostReducer:
             try:
                 self._reduce_all(*item)
             finally:
-                self._pending -= 1
+                with self._pending_lock:
+                    self._pending -= 1
 
     def _reduce_all(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
                     counted: Callable[[], None], profile: Any = None) -> None:
-        try:
-            self._reduce_locked(tensors, mean, work, counted)
-        finally:
-            if profile is not None:
-                torch._C._autograd._record_function_with_args_exit(profile)
-
-    def _reduce_locked(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
-                       counted: Callable[[], None]) -> None:
+        error: BaseException | None = None
+        interrupted: BaseException | None = None
         with self._lock:  # one reduction at a time: callers on several threads share the ring
             self._busy = True
             try:
                 self.check()
                 for tensor in tensors:
-                    self._reduce(tensor, mean)
+                    self._reduce(tensor, mean, len(tensors))
                     counted()
-                work.finish()
             except ShmBackendError as exc:  # the group had failed before
-                work.finish(exc)
+                error = exc
             except Exception as exc:  # this call failed: so does the group from here on
-                work.finish(self._fail(exc))
+                error = self._fail(exc)
             except BaseException as exc:  # Ctrl-C inline: the peers must not wait out the timeout
-                work.finish(self._fail(RuntimeError(f"interrupted ({type(exc).__name__})")))
-                raise
+                error = self._fail(RuntimeError(f"interrupted ({type(exc).__name__})"))
+                interrupted = exc
             finally:
                 self._busy = False
+        if profile is not None:  # ended before the work is: a profiler stopped after wait() has it
+            torch._C._autograd._record_function_with_args_exit(profile)
+        work.finish(error)
+        if interrupted is not None:
+            raise interrupted
 
-    def _reduce(self, tensor: torch.Tensor, mean: bool) -> None:
-        """One tensor: the header hand-off, then the pipeline (on a contiguous copy of a
-        strided tensor, copied back; on the data of a tensor that requires grad)."""
+    def _reduce(self, tensor: torch.Tensor, mean: bool, count: int) -> None:
+        """One tensor (of ``count`` in its call): the header hand-off, then the pipeline (on
+        a contiguous copy of a strided tensor, copied back; on the data of a tensor that
+        requires grad)."""
         self.calls += 1
         n = self.calls
         data = tensor.detach()
         self._phase = f"call all_reduce #{n}"
-        self._exchange_headers(n, data, mean)
+        self._exchange_headers(n, data, mean, count)
         buffer = data if data.is_contiguous() else data.contiguous()
         self._phase = f"finish a block of all_reduce #{n}"
         if self.hosts == 1:  # the mean is taken block by block while each is in cache
@@ -217,13 +219,13 @@ class HostReducer:
         if buffer is not data:
             data.copy_(buffer)
 
-    def _exchange_headers(self, n: int, data: torch.Tensor, mean: bool) -> None:
-        """Publish ``(numel, dtype, op, n)``, wait for every local rank's and compare (two
-        slots alternate: a rank writes slot ``n + 2`` only after every rank posted ``n + 1``,
-        that is after every rank compared ``n``)."""
+    def _exchange_headers(self, n: int, data: torch.Tensor, mean: bool, count: int) -> None:
+        """Publish ``(numel, dtype, op, tensors in the call)`` for call ``n``, wait for every
+        local rank's and compare (two slots alternate: a rank writes slot ``n + 2`` only
+        after every rank posted ``n + 1``, that is after every rank compared ``n``)."""
         L, me = self.local_world, self.host.local_rank
         slot = (n % 2) * 4
-        mine = (data.numel(), FLOATS.index(data.dtype), int(mean), n)
+        mine = (data.numel(), FLOATS.index(data.dtype), int(mean), count)
         self._headers[me, slot:slot + 4] = mine
         if L > 1:
             self.control.post(self._channel, me, n)
@@ -241,10 +243,13 @@ class HostReducer:
                 raise _Mismatch(self._mismatch(n, rows, lambda h: f"the host of {self._rank_name(h * L)}"))
 
     def _mismatch(self, n: int, rows: list[tuple[int, ...]], name: Callable[[int], str]) -> str:
-        said = ", ".join(f"{name(r)}: {numel} x {str(FLOATS[dtype]).replace('torch.', '')} "
-                         f"{'AVG' if op else 'SUM'}" for r, (numel, dtype, op, _) in enumerate(rows))
+        def one(numel: int, dtype: int, op: int, count: int) -> str:
+            kind = str(FLOATS[dtype]).replace("torch.", "") if 0 <= dtype < len(FLOATS) else f"dtype #{dtype}"
+            return f"{numel} x {kind} {'AVG' if op else 'SUM'}" + (f" in a call of {count} tensors" if count > 1 else "")
+
+        said = ", ".join(f"{name(r)}: {one(*row)}" for r, row in enumerate(rows))
         return (f"{self.who}: all_reduce #{n}: the ranks passed different tensors ({said}); "
-                "every rank must pass the same numel, dtype and op, in the same order")
+                "every rank must pass the same numel, dtype and op, in the same calls and order")
 
     # -- failures ------------------------------------------------------------------------
     def _fail(self, exc: Exception) -> ShmBackendError:
