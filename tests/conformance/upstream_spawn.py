@@ -57,12 +57,17 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="JSON file of the outcomes")
     parser.add_argument("--tests", nargs="*", help="upstream test names (default: the families)")
     parser.add_argument("--match", help=f"regex of test names (default: {FAMILIES})")
+    parser.add_argument("--start", choices=["spawn", "fork"], default="spawn",
+                        help="how ranks start: spawn, as upstream (each rank imports torch and the suite: "
+                             "~4 s a test on 2 cores), or fork (the same test code, ranks forked from the "
+                             "runner, which has built no group: several times faster)")
     return parser.parse_args()
 
 
 if __name__ == "__main__":  # before torch's test modules read the environment; the spawned
     ARGS = _parse()  # ranks (``__mp_main__``) inherit it
     os.environ["SHMTRAIN_CONFORMANCE_IMPL"] = ARGS.impl
+    os.environ["SHMTRAIN_CONFORMANCE_START"] = ARGS.start
     os.environ["WORLD_SIZE"] = str(ARGS.world_size)
 os.environ["BACKEND"] = "gloo"
 os.environ.setdefault("WORLD_SIZE", "2")
@@ -132,7 +137,10 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
 
     def setUp(self) -> None:
         super().setUp()
-        self._spawn_processes()
+        if os.environ.get("SHMTRAIN_CONFORMANCE_START") == "fork":
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
         torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
 
     @classmethod
