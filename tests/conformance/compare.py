@@ -119,17 +119,23 @@ def main() -> None:
     parser.add_argument("--match")
     parser.add_argument("--work", default="conformance-runs", help="folder of the runs' logs and outcomes")
     parser.add_argument("--json", help="write the comparison here")
+    parser.add_argument("--record", help="write the tests gloo passed, per world size, here "
+                                         "(tests/conformance/gloo_passes.json: the default suite's reference)")
     parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per run")
     parser.add_argument("--start", choices=["spawn", "fork"], default="spawn", help="how ranks start (upstream_spawn.py)")
     args = parser.parse_args()
-    report = []
+    report, record = [], {}
     for world_size in args.world_sizes:
         runs = {impl: run(impl, world_size, Path(args.work) / args.start, tests=args.tests, match=args.match,
                           timeout=args.timeout, start=args.start)
                 for impl in ("gloo", "shm")}
         row = {"start": args.start, **compare(runs["gloo"], runs["shm"])}
+        record[str(world_size)] = sorted(t for t, o in runs["gloo"]["outcomes"].items() if o["outcome"] == "pass")
         report.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "skipped_both"}), flush=True)
+    if args.record:
+        Path(args.record).write_text(json.dumps({"torch": runs["gloo"]["torch"], "start": args.start,
+                                                 "gloo_passes": record}, indent=1) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": runs["shm"]["torch"], "runs": report}, indent=1) + "\n")
     sys.exit(1 if any(row["gloo_pass_shm_fail"] for row in report) else 0)
