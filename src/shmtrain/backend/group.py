@@ -141,75 +141,79 @@ class ShmBackend(Backend):
             raise ShmBackendError(f"{self.who}: the group was destroyed; create a new one")
         return getattr(self.gloo, name)(*args)
 
-    def broadcast(self, tensors, opts=None):
+    # (each of torch's Backend methods, handed to gloo; the group's failure is said first)
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         return self._gloo("broadcast", tensors, opts or dist.BroadcastOptions())
 
-    def barrier(self, opts=None):
+    def barrier(self, opts: Any = None) -> Work:
         return self._gloo("barrier", opts or dist.BarrierOptions())
 
-    def monitored_barrier(self, opts=None, wait_all_ranks: bool = False):
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         self.reducer.check()
         timeout = getattr(opts, "timeout", None)
         if timeout is None or timeout < timedelta(0):
-            return self.gloo.monitored_barrier(wait_all_ranks=wait_all_ranks)
-        return self.gloo.monitored_barrier(timeout, wait_all_ranks)
+            self.gloo.monitored_barrier(wait_all_ranks=wait_all_ranks)
+        else:
+            self.gloo.monitored_barrier(timeout, wait_all_ranks)
 
-    def allgather(self, outputs, inputs, opts=None):
+    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._gloo("allgather", outputs, inputs, opts or dist.AllgatherOptions())
 
-    def _allgather_base(self, output, input, opts=None):
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         return self._gloo("_allgather_base", output, input, opts or dist.AllgatherOptions())
 
-    def all_gather_single(self, output, input, opts=None):
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         return self._gloo("all_gather_single", output, input, opts or dist.AllgatherOptions())
 
-    def allgather_coalesced(self, outputs, inputs, opts=None):
+    def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._gloo("allgather_coalesced", outputs, inputs, opts or dist.AllgatherOptions())
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._gloo("all_gather_single_coalesced", outputs, inputs, opts or dist.AllgatherOptions())
 
-    def gather(self, outputs, inputs, opts=None):
+    def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._gloo("gather", outputs, inputs, opts or dist.GatherOptions())
 
-    def scatter(self, outputs, inputs, opts=None):
+    def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._gloo("scatter", outputs, inputs, opts or dist.ScatterOptions())
 
-    def reduce(self, tensors, opts=None):
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         return self._gloo("reduce", tensors, opts or dist.ReduceOptions())
 
-    def reduce_scatter(self, outputs, inputs, opts=None):
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._gloo("reduce_scatter", outputs, inputs, opts or dist.ReduceScatterOptions())
 
-    def reduce_scatter_single(self, output, input, opts=None):
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         return self._gloo("reduce_scatter_single", output, input, opts or dist.ReduceScatterOptions())
 
-    def _reduce_scatter_base(self, output, input, opts=None):
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         return self._gloo("_reduce_scatter_base", output, input, opts or dist.ReduceScatterOptions())
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._gloo("reduce_scatter_single_coalesced", outputs, inputs, opts or dist.ReduceScatterOptions())
 
-    def alltoall(self, outputs, inputs, opts=None):
+    def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._gloo("alltoall", outputs, inputs, opts or dist.AllToAllOptions())
 
-    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                          input_splits: list[int], opts: Any = None) -> Work:
         return self._gloo("all_to_all_single", output, input, output_splits, input_splits,
                           opts or dist.AllToAllOptions())
 
-    def alltoall_base(self, output, input, output_splits, input_splits, opts=None):
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                      input_splits: list[int], opts: Any = None) -> Work:
         return self.all_to_all_single(output, input, output_splits, input_splits, opts)
 
-    def allreduce_sparse(self, tensors, opts=None):
+    def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         return self._gloo("allreduce_sparse", tensors, opts or dist.AllreduceOptions())
 
-    def send(self, tensors, dst, tag=0):
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
         return self._gloo("send", tensors, dst, tag)
 
-    def recv(self, tensors, src, tag=0):
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
         return self._gloo("recv", tensors, src, tag)
 
-    def recv_anysource(self, tensors, tag=0):
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         return self._gloo("recv_anysource", tensors, tag)
 
     def _set_sequence_number_for_group(self) -> None:
