@@ -86,6 +86,12 @@ elif scenario == "never_calls":  # rank 1 is alive but calls only after rank 0 g
     result["first"] = attempt(all_reduce)
 elif scenario == "mismatch":
     result["first"] = async_wait(1000 if rank == 0 else 10)
+    # the backend's own Work (torch hands dist.* callers a holder that forwards wait() and
+    # the future only): completed, not a success, its exception the group's failure
+    own = backend.allreduce([torch.ones(3)])
+    attempt(own.wait)  # raises (on the group's thread the work may not be done before)
+    result["own_work"] = {"is_completed": own.is_completed(), "is_success": own.is_success(),
+                          "exception": type(own.exception()).__name__}
 elif scenario == "ddp_peer_exit":  # DDP trains; rank 1 leaves after 2 steps
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))

@@ -160,6 +160,7 @@ def test_mismatched_sizes_raise_on_every_rank(thread: bool) -> None:
         assert first["wait"]["raised"] == "ShmBackendError", first
         assert "rank 0: 1000 x float32 SUM," in text and "rank 1: 10 x float32 SUM)" in text, text
         assert first["left"] == rank + 1.0  # nothing reduced: the sizes were compared first
+        assert result["own_work"] == {"is_completed": True, "is_success": False, "exception": "ShmBackendError"}
         _failed_for_good(result)
     assert codes == [0, 0]
 

@@ -225,7 +225,8 @@ class ShmBackend(Backend):
     def set_timeout(self, timeout: timedelta) -> None:
         """The group's new timeout (``dist.distributed_c10d.set_timeout``): gloo's and the
         shared-memory waits'."""
-        self.gloo.set_timeout(timeout)
+        if self.gloo is not None:
+            self.gloo.set_timeout(timeout)
         self.reducer.timeout = self.reducer.host.timeout = timeout.total_seconds()
 
     def shutdown(self) -> None:
