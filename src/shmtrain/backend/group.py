@@ -236,13 +236,15 @@ class ShmBackend(Backend):
             return
         self._closed = True
         _live.discard(self)
-        self.reducer.close()
-        # dropped, not only shut down: its destructor joins its threads now, before the
-        # interpreter's finalization (a gloo thread that frees a work's tensors later needs
-        # the GIL then, and aborts the process: "terminate called without an active exception")
-        gloo, self.gloo = self.gloo, None
-        gloo.shutdown()
-        del gloo
+        try:
+            self.reducer.close()
+        finally:  # gloo's threads are joined even where the shared-memory half failed to stop
+            # dropped, not only shut down: its destructor joins its threads now, before the
+            # interpreter's finalization (a gloo thread that frees a work's tensors later needs
+            # the GIL then, and aborts the process: "terminate called without an active exception")
+            gloo, self.gloo = self.gloo, None
+            gloo.shutdown()
+            del gloo
 
     def abort(self) -> None:
         """``dist.abort``-like teardown: the peers' waits end with this rank's failure."""

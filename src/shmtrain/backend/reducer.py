@@ -47,6 +47,7 @@ TIMED_OUT, FAILED = 254, 1
 _WHAT_TO_DO = "Destroy it (dist.destroy_process_group) and create a new one"
 _LINE = 256  # header bytes per local rank: two slots of 4 int64, then the reason text
 _REASON_AT = 64
+_STOP_S = 10.0  # a stopping reduction thread's waits end within 50 ms of the abort
 
 
 def layout(store: dist.Store, rank: int, size: int, name: str) -> tuple[int, int, int]:
@@ -124,7 +125,6 @@ class HostReducer:
         self._phase = ""
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._busy = False
         self._pending = 0  # calls queued for the thread and not yet done
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -172,7 +172,6 @@ class HostReducer:
         error: BaseException | None = None
         interrupted: BaseException | None = None
         with self._lock:  # one reduction at a time: callers on several threads share the ring
-            self._busy = True
             try:
                 self.check()
                 for tensor in tensors:
@@ -185,8 +184,6 @@ class HostReducer:
             except BaseException as exc:  # Ctrl-C inline: the peers must not wait out the timeout
                 error = self._fail(RuntimeError(f"interrupted ({type(exc).__name__})"))
                 interrupted = exc
-            finally:
-                self._busy = False
         if profile is not None:  # ended before the work is: a profiler stopped after wait() has it
             torch._C._autograd._record_function_with_args_exit(profile)
         work.finish(error)
@@ -313,10 +310,15 @@ class HostReducer:
             return
         self._closed = True
         if self._thread.is_alive():
-            if self._busy or not self._queue.empty():
+            with self._pending_lock:  # queued or running: counted from submit() to the end
+                unfinished = self._pending
+            if unfinished:
                 self.control.abort(self.host.local_rank, FAILED)
             self._queue.put(None)
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=_STOP_S)
+            if self._thread.is_alive():  # it would take the GIL during finalization: an abort
+                raise ShmBackendError(f"{self.who}: the reduction thread did not stop within {_STOP_S:g} s "
+                                      "of the group's shutdown (blocked outside the host's waits)")
         if self.leaders is not None:  # joined now, not at the interpreter's finalization
             leaders, self.leaders = self.leaders, None
             leaders.shutdown()
