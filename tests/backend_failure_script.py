@@ -1,7 +1,8 @@
 """One rank of a 2-rank group on the ``shm`` backend in which something goes wrong (run by
 tests/test_backend.py, without torchrun: it would kill the survivor with the failed peer).
 
-``python backend_failure_script.py SCENARIO RANK PORT TIMEOUT_S``. Rank 1 misbehaves as
+``python backend_failure_script.py SCENARIO RANK PORT TIMEOUT_S [WORLD_SIZE]`` (2 by default;
+``mismatch_across_hosts`` runs 4 ranks as 2 hosts of 2, LOCAL_WORLD_SIZE=2). Rank 1 misbehaves as
 SCENARIO says; rank 0 (and rank 1 where it is still there) reports, as one JSON line
 starting with ``RESULT``, what its calls did: the error's type and text, how long the
 failing call took, and what a later call on the same group did.
@@ -25,7 +26,8 @@ import shmtrain  # noqa: F401 - registers the "shm" backend
 from shmtrain.backend import ShmBackend
 
 scenario, rank, port, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+world = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=timeout))
 backend = dist.group.WORLD._get_backend(torch.device("cpu"))
 assert isinstance(backend, ShmBackend), type(backend)
@@ -44,7 +46,7 @@ def attempt(call) -> dict:
 
 
 def all_reduce(numel: int = 1000) -> float:
-    """SUM of ``rank + 1`` (3.0 when both ranks took part); the value left in the tensor."""
+    """SUM of ``rank + 1`` (3.0 when both of 2 ranks took part); the value left in the tensor."""
     t = torch.full((numel,), float(rank + 1))
     dist.all_reduce(t)
     return float(t[0])
@@ -59,7 +61,7 @@ def async_wait(numel: int = 1000) -> dict:
     return {"wait": waited, "is_success": work.is_success(), "future": future, "left": float(t[0])}
 
 
-assert all_reduce() == 3.0  # the group works before anything goes wrong
+assert all_reduce() == world * (world + 1) / 2  # the group works before anything goes wrong
 if scenario == "raise":  # the reduction itself fails on rank 1 (fault injected into its pipeline)
     if rank == 1:
         class Broken:
@@ -92,6 +94,8 @@ elif scenario == "mismatch":
     attempt(own.wait)  # raises (on the group's thread the work may not be done before)
     result["own_work"] = {"is_completed": own.is_completed(), "is_success": own.is_success(),
                           "exception": type(own.exception()).__name__}
+elif scenario == "mismatch_across_hosts":  # each host agrees inside; the hosts differ
+    result["first"] = async_wait(1000 if rank < 2 else 10)
 elif scenario == "ddp_peer_exit":  # DDP trains; rank 1 leaves after 2 steps
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))

@@ -70,14 +70,16 @@ def test_import_shmtrain_alone_does_not_import_torch() -> None:
 FAILURE_SCRIPT = str(Path(__file__).with_name("backend_failure_script.py"))
 
 
-def _scenario(name: str, timeout: float = 5.0, thread: bool = False) -> tuple[dict[int, dict], list[int]]:
-    """Run ``backend_failure_script.py`` as 2 ranks; each reporting rank's result and the
-    return codes. ``sigkill``: rank 1 is killed while rank 0 waits for it."""
+def _scenario(name: str, timeout: float = 5.0, thread: bool = False,
+              world: int = 2) -> tuple[dict[int, dict], list[int]]:
+    """Run ``backend_failure_script.py`` as ``world`` ranks (more than 2: hosts of 2); each
+    reporting rank's result and the return codes. ``sigkill``: rank 1 is killed while rank
+    0 waits for it."""
     port = str(free_port())
-    extra = {"SHMTRAIN_PG_THREAD": "1" if thread else "0"}
-    procs = [subprocess.Popen([sys.executable, FAILURE_SCRIPT, name, str(r), port, str(timeout)],
+    extra = {"SHMTRAIN_PG_THREAD": "1" if thread else "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, FAILURE_SCRIPT, name, str(r), port, str(timeout), str(world)],
                               env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+             for r in range(world)]
     try:
         if name == "sigkill":
             for line in procs[1].stdout:
@@ -163,6 +165,25 @@ def test_mismatched_sizes_raise_on_every_rank(thread: bool) -> None:
         assert result["own_work"] == {"is_completed": True, "is_success": False, "exception": "ShmBackendError"}
         _failed_for_good(result)
     assert codes == [0, 0]
+
+
+def test_mismatched_sizes_across_hosts_raise_on_every_rank() -> None:
+    """Two hosts of 2 that each agree inside: the leaders see the mismatch (gloo) and tell
+    their host's other rank at once, which would otherwise wait out the timeout."""
+    timeout = 20.0
+    results, codes = _scenario("mismatch_across_hosts", timeout=timeout, world=4)
+    assert set(results) == {0, 1, 2, 3}
+    for rank, result in results.items():
+        first = result["first"]
+        text = first["wait"]["text"]
+        assert first["wait"]["raised"] == "ShmBackendError", first
+        assert "the host of rank 0: 1000 x float32 SUM, the host of rank 2: 10 x float32 SUM" in text, text
+        if rank % 2:  # told by its host's leader
+            assert f"rank {rank - 1} (pid" in text and "failed" in text, text
+        assert first["wait"]["seconds"] < timeout / 2, first  # told, not timed out
+        assert first["left"] == rank + 1.0
+        _failed_for_good(result)
+    assert codes == [0, 0, 0, 0]
 
 
 def test_ddp_gets_an_exception_when_a_bucket_fails() -> None:

@@ -77,7 +77,16 @@ def inline(local_world: int) -> bool:
 
 
 class _Mismatch(Exception):
-    """The ranks' headers differ (the message lists them)."""
+    """The ranks' headers differ (the message lists them). ``across_hosts``: seen by the
+    hosts' leaders only (their hosts' other ranks must be told)."""
+
+    def __init__(self, text: str, across_hosts: bool = False) -> None:
+        super().__init__(text)
+        self.across_hosts = across_hosts
+
+
+#: the header a host's leader sends the other hosts when its own ranks disagree
+_DISAGREE = (-1, -1, -1, -1)
 
 
 class HostReducer:
@@ -224,23 +233,32 @@ class HostReducer:
         slot = (n % 2) * 4
         mine = (data.numel(), FLOATS.index(data.dtype), int(mean), count)
         self._headers[me, slot:slot + 4] = mine
+        local: _Mismatch | None = None
         if L > 1:
             self.control.post(self._channel, me, n)
             self.control.wait(self._channel, self.host.ranks, n, timeout=self.timeout,
                               what=f"all_reduce #{n}", spin=self.spin)
             rows = self._headers[:, slot:slot + 4]
             if not (rows == rows[me]).all():
-                raise _Mismatch(self._mismatch(n, [tuple(int(v) for v in row) for row in rows],
-                                               lambda r: self._rank_name(self.node * L + r)))
-        if self.leaders is not None:  # the hosts' leaders compare theirs through gloo
+                local = _Mismatch(self._mismatch(n, [tuple(int(v) for v in row) for row in rows],
+                                                 lambda r: self._rank_name(self.node * L + r)))
+        if self.leaders is not None:  # the hosts' leaders compare theirs through gloo; a leader
+            # whose host disagrees sends _DISAGREE, so the other hosts raise too (not time out)
+            sent = _DISAGREE if local is not None else mine
             gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(self.hosts)]
-            self.leaders.allgather([gathered], [torch.tensor(mine, dtype=torch.int64)]).wait()
+            self.leaders.allgather([gathered], [torch.tensor(sent, dtype=torch.int64)]).wait()
             rows = [tuple(int(v) for v in g) for g in gathered]
-            if any(row != rows[self.node] for row in rows):
-                raise _Mismatch(self._mismatch(n, rows, lambda h: f"the host of {self._rank_name(h * L)}"))
+            if local is None and any(row != rows[self.node] for row in rows):
+                # the leader alone saw it: its host's other ranks are told through the abort
+                raise _Mismatch(self._mismatch(n, rows, lambda h: f"the host of {self._rank_name(h * L)}"),
+                                across_hosts=True)
+        if local is not None:
+            raise local
 
     def _mismatch(self, n: int, rows: list[tuple[int, ...]], name: Callable[[int], str]) -> str:
         def one(numel: int, dtype: int, op: int, count: int) -> str:
+            if (numel, dtype, op, count) == _DISAGREE:
+                return "its own ranks passed different tensors"
             kind = str(FLOATS[dtype]).replace("torch.", "") if 0 <= dtype < len(FLOATS) else f"dtype #{dtype}"
             return f"{numel} x {kind} {'AVG' if op else 'SUM'}" + (f" in a call of {count} tensors" if count > 1 else "")
 
@@ -256,7 +274,8 @@ class HostReducer:
         aborted = self.control.aborted()
         blame: tuple[int, int] | None = None  # (local rank, code) to record in the control block
         if isinstance(exc, _Mismatch):
-            text = str(exc)  # every rank saw the headers: each raises its own
+            text = str(exc)  # every rank saw the headers (or its leader's abort): each raises its own
+            blame = (me, FAILED) if exc.across_hosts else None
         elif isinstance(exc, PeerTimeout) and exc.peer is not None:
             peer = exc.peer
             text = (f"{self.who}: all_reduce #{n} failed: {self._local(peer)} did not {self._phase} within "
