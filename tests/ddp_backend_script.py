@@ -1,6 +1,7 @@
 """An unchanged DDP script whose backend is the first argument (run by tests/test_backend.py
 under torchrun): collectives, then 5 DDP steps; rank 0 saves the weights to argv[2]."""
 
+import os
 import sys
 
 import torch
@@ -20,6 +21,11 @@ def through_shm(before: int, count: int) -> None:
     assert ShmProcessGroup.reductions - before == (count if shm else 0), (backend, ShmProcessGroup.reductions, before)
 
 
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+threads_before = threads()
 dist.init_process_group(backend)
 r, w = dist.get_rank(), dist.get_world_size()
 t = torch.full((100_003,), float(r + 1))
@@ -47,6 +53,40 @@ dist.barrier()
 through_shm(before, 0)  # MAX, integers, broadcast, all_gather: gloo's
 fallbacks = ShmProcessGroup.fallbacks
 assert not shm or fallbacks >= 2, fallbacks  # MAX and the integers were counted as gloo's
+
+# issue 26: a real c10d backend (group names, per-device dispatch, subgroups), and
+# allreduce_coalesced reducing each tensor on its own whatever the op and the dtypes
+world = dist.group.WORLD
+assert world.group_name, "the group has a name"
+assert dist.get_backend() == backend, dist.get_backend()
+pair = [torch.tensor([1.0, 4.0]) + r, torch.tensor([2.0, 3.0]) - r]
+dist.all_reduce_coalesced(pair, op=dist.ReduceOp.MAX)
+assert pair[0].tolist() == [w, w + 3.0] and pair[1].tolist() == [2.0, 3.0], pair  # not [4, 4]
+before = ShmProcessGroup.reductions
+total = w * (w + 1) / 2
+ints = [torch.full((4,), r + 1), torch.full((3,), 10 * (r + 1))]
+dist.all_reduce_coalesced(ints)  # integers: gloo's, one tensor at a time
+assert ints[0].tolist() == [total] * 4 and ints[1].tolist() == [10 * total] * 3, ints
+floats = [torch.full((4,), float(r + 1)), torch.full((6, 4), float(r + 1))[:, ::2]]
+dist.all_reduce_coalesced(floats)
+assert floats[0].tolist() == [total] * 4 and bool((floats[1] == total).all()), floats
+through_shm(before, 2)  # the two float tensors (one of them strided) in shared memory
+gathered = [[torch.zeros(2), torch.zeros(3)] for _ in range(w)]  # per rank, its two tensors
+dist.all_gather_coalesced(gathered, [torch.full((2,), float(r)), torch.full((3,), float(-r))])
+assert [(float(a[0]), float(b[0])) for a, b in gathered] == [(float(k), float(-k)) for k in range(w)], gathered
+dist.monitored_barrier(wait_all_ranks=True)
+sub = dist.new_group([0, 1])
+if r < 2:
+    assert sub.group_name and dist.get_backend(sub) == dist.get_backend()
+    s = torch.full((7,), float(r + 1))
+    dist.all_reduce(s, group=sub)
+    assert float(s[0]) == 3.0, s
+dist.destroy_process_group(sub)  # a subgroup is destroyed whole; the default group goes on
+halves, _ = dist.new_subgroups(group_size=2, group=world)
+h = torch.ones(5)
+dist.all_reduce(h, group=halves)
+assert float(h[0]) == 2.0, h
+fallbacks = ShmProcessGroup.fallbacks
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets, reduced while backward goes on
@@ -59,7 +99,38 @@ for _ in range(5):
     opt.step()
 assert not shm or ShmProcessGroup.reductions - before >= 5, ShmProcessGroup.reductions  # a bucket a step at least
 assert ShmProcessGroup.fallbacks == fallbacks, "a DDP bucket went to gloo"
+# create_graph=True hands DDP's buckets over as tensors that require grad (this crashed
+# both ranks with SIGSEGV): they are reduced on their data, as gloo does
+before = ShmProcessGroup.reductions
+
+
+
+class Square(nn.Module):  # the model of PyTorch's test_ddp_create_graph
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self) -> torch.Tensor:
+        return self.p.pow(2)
+
+
+graph = DDP(Square())
+for _ in range(3):
+    graph().backward(create_graph=True)
+assert all(p.requires_grad for p in graph.parameters())
+assert not shm or ShmProcessGroup.reductions > before, "create_graph's bucket did not go through shared memory"
 if r == 0:
     torch.save(model.state_dict(), out)
-dist.barrier()  # every rank done before any tears its groups down (gloo aborted once without it)
+dist.barrier()  # every rank done before any tears its groups down
 dist.destroy_process_group()
+if shm:  # the backend joins every thread it started (its own, its gloo's) at destroy
+    assert threads() == threads_before, (threads_before, threads(), "a thread outlived the groups")
+else:
+    # torch's own gloo keeps its threads past destroy_process_group (3 here, whatever the
+    # references dropped), and a gloo thread that frees a finished work's tensors during
+    # the interpreter's finalization needs the GIL and aborts the process ("terminate
+    # called without an active exception"; 1 reference run in ~15 under load). The
+    # reference is done: leave without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

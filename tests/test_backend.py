@@ -3,8 +3,11 @@ an unchanged DDP script runs on it, and its weights equal DDP's over gloo."""
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +64,142 @@ def test_import_shmtrain_alone_does_not_import_torch() -> None:
     code = "import sys, shmtrain; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# -- failures (issue 26): every surviving rank raises, naming the peer or the mismatch -----------
+FAILURE_SCRIPT = str(Path(__file__).with_name("backend_failure_script.py"))
+
+
+def _scenario(name: str, timeout: float = 5.0, thread: bool = False,
+              world: int = 2) -> tuple[dict[int, dict], list[int]]:
+    """Run ``backend_failure_script.py`` as ``world`` ranks (more than 2: hosts of 2); each
+    reporting rank's result and the return codes. ``sigkill``: rank 1 is killed while rank
+    0 waits for it."""
+    port = str(free_port())
+    extra = {"SHMTRAIN_PG_THREAD": "1" if thread else "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, FAILURE_SCRIPT, name, str(r), port, str(timeout), str(world)],
+                              env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    try:
+        if name == "sigkill":
+            for line in procs[1].stdout:
+                if line.startswith("READY"):
+                    break
+            time.sleep(1.0)  # rank 0 is waiting for rank 1 by now
+            procs[1].send_signal(signal.SIGKILL)
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = {}
+    for out in outputs:
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+                results[result["rank"]] = result
+    assert 0 in results, outputs
+    return results, [p.returncode for p in procs]
+
+
+def _failed_for_good(result: dict) -> None:
+    """A later call on the failed group raises (the shared-memory path and gloo's), naming
+    the earlier failure; it never returns the input."""
+    for later in (result["later"], result["later_gloo"]):
+        assert later["raised"] == "ShmBackendError", later
+        assert "failed earlier and cannot continue" in later["text"] and "destroy" in later["text"].lower()
+
+
+def test_a_failing_reduction_fails_the_work_on_every_rank() -> None:
+    results, codes = _scenario("raise")
+    for rank, result in results.items():
+        first = result["first"]
+        assert first["wait"]["raised"] == "ShmBackendError", first  # wait() raises
+        assert "injected fault in the pipeline" in first["wait"]["text"]
+        assert first["future"]["raised"] and "ShmBackendError" in first["future"]["text"]  # so does the future
+        assert first["left"] == rank + 1.0  # unreduced, and said so
+        _failed_for_good(result)
+    assert "rank 1" in results[0]["first"]["wait"]["text"]  # the survivor names the rank that failed
+    assert codes == [0, 0]
+
+
+@pytest.mark.parametrize("how,thread", [("sys_exit", False), ("os_exit", False), ("sigkill", False),
+                                        ("sigkill", True)])
+def test_a_peer_that_dies_makes_the_survivor_raise(how: str, thread: bool) -> None:
+    timeout = 10.0
+    results, codes = _scenario(how, timeout=timeout, thread=thread)
+    first = results[0]["first"]
+    assert first["raised"] == "ShmBackendError" and first["runtime_error"], first
+    assert "rank 1 (pid" in first["text"] and "died" in first["text"], first["text"]
+    assert first["seconds"] < timeout / 2  # found dead, not waited out
+    assert results[0]["inline"] is not thread
+    _failed_for_good(results[0])
+    assert codes[0] == 0
+
+
+def test_a_peer_that_never_calls_times_the_survivor_out() -> None:
+    timeout = 5.0
+    results, codes = _scenario("never_calls", timeout=timeout)
+    first = results[0]["first"]
+    assert first["raised"] == "ShmBackendError", first
+    assert "rank 1 (pid" in first["text"] and f"did not call all_reduce #2 within {timeout:g} s" in first["text"]
+    assert timeout - 0.5 <= first["seconds"] <= timeout + 3
+    _failed_for_good(results[0])
+    late = results[1]["first"]  # the late rank is told at once that its peer gave up on it
+    assert late["raised"] == "ShmBackendError" and "gave up on this rank" in late["text"] and late["seconds"] < 1
+    _failed_for_good(results[1])
+    assert codes == [0, 0]
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_mismatched_sizes_raise_on_every_rank(thread: bool) -> None:
+    results, codes = _scenario("mismatch", thread=thread)
+    assert set(results) == {0, 1}
+    for rank, result in results.items():
+        first = result["first"]
+        text = first["wait"]["text"]
+        assert first["wait"]["raised"] == "ShmBackendError", first
+        assert "rank 0: 1000 x float32 SUM," in text and "rank 1: 10 x float32 SUM)" in text, text
+        assert first["left"] == rank + 1.0  # nothing reduced: the sizes were compared first
+        assert result["own_work"] == {"is_completed": True, "is_success": False, "exception": "ShmBackendError"}
+        _failed_for_good(result)
+    assert codes == [0, 0]
+
+
+def test_mismatched_sizes_across_hosts_raise_on_every_rank() -> None:
+    """Two hosts of 2 that each agree inside: the leaders see the mismatch (gloo) and tell
+    their host's other rank at once, which would otherwise wait out the timeout."""
+    timeout = 20.0
+    results, codes = _scenario("mismatch_across_hosts", timeout=timeout, world=4)
+    assert set(results) == {0, 1, 2, 3}
+    for rank, result in results.items():
+        first = result["first"]
+        text = first["wait"]["text"]
+        assert first["wait"]["raised"] == "ShmBackendError", first
+        assert "the host of rank 0: 1000 x float32 SUM, the host of rank 2: 10 x float32 SUM" in text, text
+        if rank % 2:  # told by its host's leader
+            assert f"rank {rank - 1} (pid" in text and "failed" in text, text
+        assert first["wait"]["seconds"] < timeout / 2, first  # told, not timed out
+        assert first["left"] == rank + 1.0
+        _failed_for_good(result)
+    assert codes == [0, 0, 0, 0]
+
+
+def test_ddp_gets_an_exception_when_a_bucket_fails() -> None:
+    results, codes = _scenario("ddp_peer_exit", timeout=10.0)
+    result = results[0]
+    assert result["bucket_reductions"] >= 2  # DDP's buckets went through shared memory
+    first = result["first"]
+    assert first["raised"] and first["runtime_error"], first  # backward raised: no crash, no silent step
+    assert "ShmBackendError" in first["text"] and "rank 1 (pid" in first["text"] and "died" in first["text"]
+    assert codes[0] == 0
+
+
+def test_a_tensor_that_requires_grad_or_is_strided_is_reduced() -> None:
+    results, codes = _scenario("requires_grad")
+    for result in results.values():
+        assert result["first"] == {"is_success": True, "left": 3.0, "grad_fn": False}
+        assert result["strided"] == [3.0, 3.0]  # a contiguous copy reduced and copied back
+        assert result["later"]["value"] == 3.0
+    assert codes == [0, 0]

@@ -31,18 +31,14 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-# -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend.py) ---------------
-def _create_shm_group(store, rank, size, timeout):
-    from shmtrain.backend import create_group  # only when a group is made: no import cycle
-
-    return create_group(store, rank, size, timeout)
-
-
+# -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend/) ----------------
+# Lazy: shmtrain/backend/__init__.py imports neither torch nor the fabric, so registering
+# while torch.distributed is being imported runs no half-imported module; the group's
+# modules are imported when a group is made (shmtrain.backend._create).
 def _register_backend(dist) -> None:
-    # not shmtrain.backend's register(): importing it here, while torch.distributed is
-    # being imported, would import the fabric half-way through its own imports
-    if "shm" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("shm", _create_shm_group, devices=["cpu"])
+    from shmtrain.backend import register  # imports neither torch nor the backend's modules
+
+    register(dist)
 
 
 class _RegisterWhenImported:

@@ -1,0 +1,347 @@
+"""The ``shm`` backend's allreduce through the host's shared memory, and its failures.
+
+:class:`HostReducer` runs :class:`~shmtrain.fabric.pipeline_allreduce.PipelinedAllreduce`
+inside a host (each private byte through DRAM once in and once out); across hosts it is
+hierarchical (the host sum, then gloo among the hosts' local rank 0s, then the result back
+inside each host). It reduces on the caller's thread where the host has no core to spare,
+else on one thread per group (FIFO: every rank reduces in the order it issued the calls).
+
+Every call first exchanges a header (numel, dtype, op) through a small shared segment
+(one hand-off; every rank reads every header), so ranks that pass different tensors all
+raise, naming the mismatch, before any byte is reduced. A failure (a peer died, did not
+call within the group's timeout, a mismatch, an error of the reduction itself) fails the
+call's :class:`~shmtrain.backend.work.ShmWork` with a :class:`ShmBackendError` naming
+this rank, the peer and the cause; it is recorded in the host's control block (the other
+local ranks' waits end at once, with this rank's reason, which it writes in its line of
+the header segment), and every later call of the group raises that the group failed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shmtrain.backend.work import ShmBackendError, ShmWork
+from shmtrain.fabric.affinity import allowed_cores
+from shmtrain.fabric.control import DIED, PeerFailure, PeerTimeout, first_line
+from shmtrain.fabric.host import HostGroup
+from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
+from shmtrain.fabric.segment import PREFIX
+from shmtrain.fabric.stitch import PAGE
+
+#: dtypes reduced in shared memory (the header's dtype code is the index)
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: abort codes beside :data:`~shmtrain.fabric.control.DIED`: the rank named did not answer
+#: within the timeout (recorded by the peer that gave up on it), or failed on its own
+TIMED_OUT, FAILED = 254, 1
+_WHAT_TO_DO = "Destroy it (dist.destroy_process_group) and create a new one"
+_LINE = 256  # header bytes per local rank: two slots of 4 int64, then the reason text
+_REASON_AT = 64
+_STOP_S = 10.0  # a stopping reduction thread's waits end within 50 ms of the abort
+
+
+def layout(store: dist.Store, rank: int, size: int, name: str) -> tuple[int, int, int]:
+    """``(node, local_rank, local_world)`` of this rank: torchrun's LOCAL_WORLD_SIZE when it
+    divides the world, else from the host names in the store (ranks of a host contiguous)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not (local_world and size % local_world == 0 and int(os.environ.get("WORLD_SIZE", size)) == size):
+        store.set(f"host/{rank}", socket.gethostname())
+        names = [store.get(f"host/{r}").decode() for r in range(size)]
+        local_world = names.count(names[0])
+        if any(names[r] != names[(r // local_world) * local_world] for r in range(size)) or size % local_world:
+            raise ValueError(f"backend {name!r}: ranks must be laid out host after host with the same number "
+                             f"on every host (host names by rank: {names}); set LOCAL_WORLD_SIZE or use gloo")
+    node, local_rank = divmod(rank, local_world)
+    return node, local_rank, local_world
+
+
+def inline(local_world: int) -> bool:
+    """Whether allreduce runs on the caller's thread: when the host has no core to spare
+    for a reduction thread beside every rank's torch threads (2 workers on 2 cores: the
+    thread only time-shares the backward pass's core, and its hand-offs add wake-ups;
+    measured in docs/collectives.md). ``SHMTRAIN_PG_THREAD=1`` or ``0`` decides instead."""
+    forced = os.environ.get("SHMTRAIN_PG_THREAD", "")
+    if forced in ("0", "1"):
+        return forced == "0"
+    return len(allowed_cores()) < local_world * (torch.get_num_threads() + 1)
+
+
+class _Mismatch(Exception):
+    """The ranks' headers differ (the message lists them). ``across_hosts``: seen by the
+    hosts' leaders only (their hosts' other ranks must be told)."""
+
+    def __init__(self, text: str, across_hosts: bool = False) -> None:
+        super().__init__(text)
+        self.across_hosts = across_hosts
+
+
+#: the header a host's leader sends the other hosts when its own ranks disagree
+_DISAGREE = (-1, -1, -1, -1)
+
+
+class HostReducer:
+    """Sum or average float CPU tensors of one group in place through shared memory.
+
+    Args:
+        store: the group's store; rank, size: this rank and the group's size.
+        timeout: how long any wait for a peer lasts (the group's timeout).
+        who: how errors name this rank and group (``"shm backend, rank 1 of group '0'"``).
+        rank_name: how errors name a rank of the group (with its global rank).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, who: str,
+                 rank_name: Callable[[int], str]) -> None:
+        node, local_rank, local_world = layout(store, rank, size, "shm")
+        if rank == 0:
+            store.set("run_id", secrets.token_hex(4))
+        run_id = store.get("run_id").decode()
+        self.timeout = timeout.total_seconds()
+        self.host = HostGroup(dist.PrefixStore(f"host{node}/", store), local_rank, local_world,
+                              f"{PREFIX}-{run_id}-h{node}-pg", None, self.timeout)
+        self.control = self.host.control
+        self.control.set_pid(local_rank, os.getpid())
+        self.who, self._rank_name = who, rank_name
+        self.node, self.local_world, self.size = node, local_world, size
+        self.hosts = size // local_world
+        self.leaders = None
+        if self.hosts > 1 and local_rank == 0:
+            self.leaders = dist.ProcessGroupGloo(dist.PrefixStore("leaders/", store), node, self.hosts, timeout)
+        self.inline = inline(local_world)
+        # on a thread its waits sleep at once: spinning would take the core from the backward
+        # pass running beside it (measured either way, the difference was noise)
+        self.spin = None if self.inline else False
+        self.pipeline = PipelinedAllreduce(self.host, spin=self.spin, tag="pg")
+        segment = self.host.allocate("pg-header", max(PAGE, local_world * _LINE))
+        lines = np.frombuffer(segment.buffer, dtype=np.uint8, count=local_world * _LINE).reshape(local_world, _LINE)
+        self._headers = lines[:, :_REASON_AT].view(np.int64)  # (L, 8): two slots of 4 words
+        self._reasons = lines[:, _REASON_AT:]
+        self._header_segment = segment
+        self._channel = self.host.channel("pg.header")
+        self.host.barrier("the shm backend's set-up")
+        self.calls = 0  # allreduce calls so far (every rank counts alike: the header's number)
+        self.failure: ShmBackendError | None = None
+        self._cause = ""
+        self._phase = ""
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0  # calls queued for the thread and not yet done
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="shmtrain-pg", daemon=True)
+        if not self.inline:
+            self._thread.start()
+
+    # -- calls -------------------------------------------------------------------------
+    def submit(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
+               counted: Callable[[], None], profile: Any = None) -> None:
+        """Reduce ``tensors`` (one after the other) and finish ``work``: now on this thread,
+        or queued for the group's thread. ``counted`` is called per tensor reduced.
+        ``profile``: the call's profiler record (``_record_function_with_args_enter``),
+        ended when the reduction is; a profiled call runs on the group's thread even where
+        reductions are inline, so that its event is asynchronous like gloo's (upstream's
+        profiling tests check it). Calls queued before it keep their order."""
+        if self.inline and profile is None and not self._pending:
+            self._reduce_all(tensors, mean, work, counted)
+            return
+        if not self._thread.is_alive():
+            self._thread.start()
+        with self._pending_lock:
+            self._pending += 1
+        self._queue.put((tensors, mean, work, counted, profile))
+
+    def check(self) -> None:
+        """Raise if the group failed earlier (every later call of the group says so)."""
+        if self.failure is not None:
+            raise ShmBackendError(f"{self.who}: the group failed earlier and cannot continue "
+                                  f"({self._cause}). {_WHAT_TO_DO}")
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._reduce_all(*item)
+            finally:
+                with self._pending_lock:
+                    self._pending -= 1
+
+    def _reduce_all(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
+                    counted: Callable[[], None], profile: Any = None) -> None:
+        error: BaseException | None = None
+        interrupted: BaseException | None = None
+        with self._lock:  # one reduction at a time: callers on several threads share the ring
+            try:
+                self.check()
+                for tensor in tensors:
+                    self._reduce(tensor, mean, len(tensors))
+                    counted()
+            except ShmBackendError as exc:  # the group had failed before
+                error = exc
+            except Exception as exc:  # this call failed: so does the group from here on
+                error = self._fail(exc)
+            except BaseException as exc:  # Ctrl-C inline: the peers must not wait out the timeout
+                error = self._fail(RuntimeError(f"interrupted ({type(exc).__name__})"))
+                interrupted = exc
+        if profile is not None:  # ended before the work is: a profiler stopped after wait() has it
+            torch._C._autograd._record_function_with_args_exit(profile)
+        work.finish(error)
+        if interrupted is not None:
+            raise interrupted
+
+    def _reduce(self, tensor: torch.Tensor, mean: bool, count: int) -> None:
+        """One tensor (of ``count`` in its call): the header hand-off, then the pipeline (on
+        a contiguous copy of a strided tensor, copied back; on the data of a tensor that
+        requires grad)."""
+        self.calls += 1
+        n = self.calls
+        data = tensor.detach()
+        self._phase = f"call all_reduce #{n}"
+        self._exchange_headers(n, data, mean, count)
+        buffer = data if data.is_contiguous() else data.contiguous()
+        self._phase = f"finish a block of all_reduce #{n}"
+        if self.hosts == 1:  # the mean is taken block by block while each is in cache
+            self.pipeline(buffer, op="mean" if mean else "sum")
+        else:
+            self.pipeline(buffer, op="sum")  # the host sums among the hosts' leaders, then back inside the host
+            if self.leaders is not None:
+                self.leaders.allreduce([buffer]).wait()
+            self._phase = f"take all_reduce #{n}'s result from its host's leader"
+            if self.host.local_rank != 0:
+                buffer.zero_()
+            self.pipeline(buffer, op="sum")  # local rank 0's sum into every local rank's
+            if mean:
+                buffer.div_(self.size)
+        if buffer is not data:
+            data.copy_(buffer)
+
+    def _exchange_headers(self, n: int, data: torch.Tensor, mean: bool, count: int) -> None:
+        """Publish ``(numel, dtype, op, tensors in the call)`` for call ``n``, wait for every
+        local rank's and compare (two slots alternate: a rank writes slot ``n + 2`` only
+        after every rank posted ``n + 1``, that is after every rank compared ``n``)."""
+        L, me = self.local_world, self.host.local_rank
+        slot = (n % 2) * 4
+        mine = (data.numel(), FLOATS.index(data.dtype), int(mean), count)
+        self._headers[me, slot:slot + 4] = mine
+        local: _Mismatch | None = None
+        if L > 1:
+            self.control.post(self._channel, me, n)
+            self.control.wait(self._channel, self.host.ranks, n, timeout=self.timeout,
+                              what=f"all_reduce #{n}", spin=self.spin)
+            rows = self._headers[:, slot:slot + 4]
+            if not (rows == rows[me]).all():
+                local = _Mismatch(self._mismatch(n, [tuple(int(v) for v in row) for row in rows],
+                                                 lambda r: self._rank_name(self.node * L + r)))
+        if self.leaders is not None:  # the hosts' leaders compare theirs through gloo; a leader
+            # whose host disagrees sends _DISAGREE, so the other hosts raise too (not time out)
+            sent = _DISAGREE if local is not None else mine
+            gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(self.hosts)]
+            self.leaders.allgather([gathered], [torch.tensor(sent, dtype=torch.int64)]).wait()
+            rows = [tuple(int(v) for v in g) for g in gathered]
+            if local is None and any(row != rows[self.node] for row in rows):
+                # the leader alone saw it: its host's other ranks are told through the abort
+                raise _Mismatch(self._mismatch(n, rows, lambda h: f"the host of {self._rank_name(h * L)}"),
+                                across_hosts=True)
+        if local is not None:
+            raise local
+
+    def _mismatch(self, n: int, rows: list[tuple[int, ...]], name: Callable[[int], str]) -> str:
+        def one(numel: int, dtype: int, op: int, count: int) -> str:
+            if (numel, dtype, op, count) == _DISAGREE:
+                return "its own ranks passed different tensors"
+            kind = str(FLOATS[dtype]).replace("torch.", "") if 0 <= dtype < len(FLOATS) else f"dtype #{dtype}"
+            return f"{numel} x {kind} {'AVG' if op else 'SUM'}" + (f" in a call of {count} tensors" if count > 1 else "")
+
+        said = ", ".join(f"{name(r)}: {one(*row)}" for r, row in enumerate(rows))
+        return (f"{self.who}: all_reduce #{n}: the ranks passed different tensors ({said}); "
+                "every rank must pass the same numel, dtype and op, in the same calls and order")
+
+    # -- failures ------------------------------------------------------------------------
+    def _fail(self, exc: Exception) -> ShmBackendError:
+        """The error that names the cause of ``exc``; the group fails with it, and the other
+        local ranks' waits end (the control block's abort, with this rank's reason)."""
+        me, n = self.host.local_rank, self.calls
+        aborted = self.control.aborted()
+        blame: tuple[int, int] | None = None  # (local rank, code) to record in the control block
+        if isinstance(exc, _Mismatch):
+            text = str(exc)  # every rank saw the headers (or its leader's abort): each raises its own
+            blame = (me, FAILED) if exc.across_hosts else None
+        elif isinstance(exc, PeerTimeout) and exc.peer is not None:
+            peer = exc.peer
+            text = (f"{self.who}: all_reduce #{n} failed: {self._local(peer)} did not {self._phase} within "
+                    f"{self.timeout:g} s (the group's timeout): it is alive but did not call the collective, "
+                    "or is stuck")
+            blame = (peer, TIMED_OUT)
+        elif isinstance(exc, PeerFailure) and aborted is not None:
+            who, code = aborted
+            if code == DIED:
+                cause = f"{self._local(who)} died (it exited or was killed) while this rank waited for it to {self._phase}"
+            elif who == me:
+                cause = f"a peer gave up on this rank ({self._reasons_of_peers() or 'no reason recorded'})"
+            elif code == TIMED_OUT:
+                cause = f"{self._local(who)} did not answer within the group's timeout ({self._reasons_of_peers()})"
+            else:
+                cause = f"{self._local(who)} failed ({self._reasons_of_peers() or 'no reason recorded'})"
+            text = f"{self.who}: all_reduce #{n} failed: {cause}"
+        else:
+            text = f"{self.who}: all_reduce #{n} failed on this rank: {type(exc).__name__}: {first_line(exc, 400)}"
+            blame = (me, FAILED)
+        error = ShmBackendError(f"{text}. The group cannot continue: {_WHAT_TO_DO[0].lower()}{_WHAT_TO_DO[1:]}")
+        self._write_reason(text)  # before the abort: a peer woken by it reads the reason
+        if blame is not None:
+            self.control.abort(*blame)
+        self._cause = text.split(": ", 1)[-1]
+        self.failure = error
+        return error
+
+    def _local(self, local_rank: int) -> str:
+        return f"{self._rank_name(self.node * self.local_world + local_rank)} (pid {self.control.pid(local_rank)})"
+
+    def _write_reason(self, text: str) -> None:
+        raw = text.split(": ", 1)[-1].encode()[: _LINE - _REASON_AT - 1]
+        line = self._reasons[self.host.local_rank]
+        line[:] = 0
+        line[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+
+    def _reasons_of_peers(self) -> str:
+        texts = []
+        for r in self.host.ranks:
+            raw = bytes(self._reasons[r]).split(b"\0", 1)[0]
+            if r != self.host.local_rank and raw:
+                texts.append(f"{self._rank_name(self.node * self.local_world + r)} said: {raw.decode(errors='replace')}")
+        return "; ".join(texts)
+
+    def close(self) -> None:
+        """Stop the thread (a reduction still waiting for a peer is failed first: the
+        control block's abort wakes it) and release the shared memory. A second call does
+        nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            with self._pending_lock:  # queued or running: counted from submit() to the end
+                unfinished = self._pending
+            if unfinished:
+                self.control.abort(self.host.local_rank, FAILED)
+            self._queue.put(None)
+            self._thread.join(timeout=_STOP_S)
+            if self._thread.is_alive():  # it would take the GIL during finalization: an abort
+                raise ShmBackendError(f"{self.who}: the reduction thread did not stop within {_STOP_S:g} s "
+                                      "of the group's shutdown (blocked outside the host's waits)")
+        if self.leaders is not None:  # joined now, not at the interpreter's finalization
+            leaders, self.leaders = self.leaders, None
+            leaders.shutdown()
+            del leaders
+        self.pipeline.close()
+        self._header_segment.close()
+        self.control.segment.close()
