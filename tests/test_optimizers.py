@@ -28,6 +28,14 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05, betas=(0.9, 0.95))
 
 
+def nesterov(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD whose foreach step adds the momentum into the gradient in place (no weight decay)."""
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, foreach=True)
+
+
+OPTIMIZERS = {"adamw": adamw, "nesterov": nesterov}
+
+
 def against_ddp_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """Our strategy through Trainer (clip, K micro-batches) and DDP over gloo with
     ``clip_grad_norm_`` on the whole batch, on the same data, side by side."""
@@ -37,11 +45,12 @@ def against_ddp_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     x, y = batches(STEPS, BATCH * ctx.world_size)
     loss_fn = nn.CrossEntropyLoss()
     model = tiny_model()
-    dp = DataParallel(model, adamw(model), payload["strategy"], ctx=ctx, grad_clip=clip, **payload["options"])
+    make = OPTIMIZERS[payload.get("optimizer", "adamw")]
+    dp = DataParallel(model, make(model), payload["strategy"], ctx=ctx, grad_clip=clip, **payload["options"])
     trainer = Trainer(dp, loss_fn, PhaseTimer(), accumulate=k)
     ddp_model = tiny_model()
     ddp = DistributedDataParallel(ddp_model)
-    ddp_opt = adamw(ddp_model)
+    ddp_opt = make(ddp_model)
     ours, theirs, clipped = [], [], 0
     for step in range(STEPS):
         xs, ys = worker_batch(x, y, step, ctx.rank, BATCH, ctx.world_size)
@@ -64,14 +73,19 @@ CASES = {
     "cpu_acc": ("cpu_acc", {}, CLIP, 2),
     "ps_grad": ("ps_grad", {}, CLIP, 1),
     "gpi-accumulate": ("gpi", {}, None, 2),
+    # an optimizer that writes its gradients: given private copies, never the shared slots
+    "ssgd-nesterov": ("ssgd", {}, None, 1, "nesterov"),
+    "cpu_acc-nesterov": ("cpu_acc", {}, None, 1, "nesterov"),
+    "gpi-nesterov": ("gpi", {}, None, 1, "nesterov"),
 }
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_adamw_with_clipping_and_micro_batches_equals_ddp(case: str) -> None:
-    strategy, options, clip, k = CASES[case]
-    payload = {"strategy": strategy, "options": options, "clip": clip, "accumulate": k}
+    strategy, options, clip, k, *optimizer = CASES[case]
+    payload = {"strategy": strategy, "options": options, "clip": clip, "accumulate": k,
+               "optimizer": optimizer[0] if optimizer else "adamw"}
     results = launch("test_optimizers:against_ddp_worker", 2, payload, threads=1)
     for rank, result in enumerate(results):
         for step in range(STEPS):
@@ -79,6 +93,35 @@ def test_adamw_with_clipping_and_micro_batches_equals_ddp(case: str) -> None:
     assert relative_error(results[0]["ddp"][0], results[0]["ddp"][-1]) > 1e-2  # the weights moved
     if clip is not None:
         assert results[0]["clipped"] > 0, "the clip must bite in some step, or the test shows nothing"
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_what_grad_safety_says_of_each_optimizer_holds_on_this_torch(foreach: bool) -> None:
+    """The optimizers it calls read-only leave the gradient as it was after three steps
+    (with weight decay, momentum, maximize); the Nesterov SGD it calls a writer does write
+    it on the foreach path."""
+    from shmtrain.strategies.grad_safety import READ_ONLY, writes_gradients
+
+    def step(cls: type, **kwargs: Any) -> tuple[bool, bool]:
+        p = nn.Parameter(torch.randn(64))
+        p.grad = torch.randn(64)
+        before = p.grad.clone()
+        optimizer = cls([p], lr=0.1, foreach=foreach, **kwargs)
+        for _ in range(3):
+            optimizer.step()
+        return writes_gradients(optimizer), not torch.equal(p.grad, before)
+
+    for cls in READ_ONLY:
+        for kwargs in ({}, {"weight_decay": 0.1}, {"maximize": True}):
+            if cls is torch.optim.Rprop and "weight_decay" in kwargs:
+                continue
+            said, wrote = step(cls, **kwargs)
+            assert not wrote or said, (cls.__name__, kwargs)  # never a writer called read-only
+            if cls is not torch.optim.SGD:
+                assert not said, (cls.__name__, kwargs)
+    said, wrote = step(torch.optim.SGD, momentum=0.9, nesterov=True)
+    assert said and (wrote or not foreach)
+    assert not step(torch.optim.SGD, momentum=0.9)[0]
 
 
 def test_optimizer_names_and_arguments_are_resolved_or_refused() -> None:

@@ -94,7 +94,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size)  # rank 0: eval, TensorBoard
     stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/stop.py)
     try:
-        outcome = trainer.train(prefetch.next, RunServices(checkpoints, stop, monitor, log, progress), total)
+        outcome = trainer.train(prefetch.next, RunServices(checkpoints, stop, monitor, log, progress, ctx.rank), total)
         dp.close()
     finally:
         trainer.close()

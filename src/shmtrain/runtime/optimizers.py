@@ -14,6 +14,7 @@ docs/optimizers.md; a strategy that cannot honour one says so
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +27,7 @@ from shmtrain.typed_options import parse_kwargs
 COMMON = ("sgd", "adamw", "adam", "rmsprop", "adagrad")
 
 
+@functools.cache
 def _classes() -> dict[str, type[torch.optim.Optimizer]]:
     found = {}
     for name in dir(torch.optim):

@@ -98,6 +98,8 @@ class RunServices:
     monitor: Monitor
     log: IO[str]
     progress: Progress
+    #: this worker's rank (named when its loss diverges)
+    rank: int = 0
 
 
 @dataclass
@@ -272,7 +274,7 @@ class Trainer:
             row = {"iteration": iteration, "loss": value, "lr": self.lr,
                    "t0": run.monitor.stamp(iter_start), "time": phases, **timer.take_details()}
             run.log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/finite.py)
-            check_loss(value, iteration, run.checkpoints.ctx.rank, self.lr)  # diverged: stop, name it
+            check_loss(value, iteration, run.rank, self.lr)  # diverged: stop, name it
             run.monitor.after_iteration(row, run.log)  # outside the iteration's time
             run.progress.update(iteration, value)
             if run.stop.check(iteration):

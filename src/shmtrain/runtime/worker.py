@@ -34,15 +34,21 @@ def _terminate(signum, frame):  # noqa: ARG001
     raise SystemExit(128 + signum)
 
 
-def _says_it_all(exc: BaseException) -> bool:
-    """shmtrain's own errors, whose message alone names the cause (no type name needed)."""
+def _plain_errors() -> tuple[type[BaseException], ...]:
+    """shmtrain's own errors whose message alone names the cause: a peer's failure, a
+    checkpoint file, a diverged loss (one line; a traceback would say nothing more)."""
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
     from shmtrain.runtime.checkpoint_files import CheckpointError
-    from shmtrain.runtime.files import OutputError
     from shmtrain.runtime.finite import TrainingDiverged
 
-    return isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | OutputError | TrainingDiverged
-                      | ValueError) and bool(str(exc))
+    return PeerFailure, PeerTimeout, CheckpointError, TrainingDiverged
+
+
+def _says_it_all(exc: BaseException) -> bool:
+    """An error whose message alone names the cause (no type name needed)."""
+    from shmtrain.runtime.files import OutputError
+
+    return isinstance(exc, (*_plain_errors(), OutputError, ValueError)) and bool(str(exc))
 
 
 def _report(ctx, exc: BaseException) -> None:
@@ -99,13 +105,9 @@ def main() -> int:
         if ctx is not None:
             ctx.fail(1)
             _report(ctx, exc)
-        from shmtrain.fabric.control import PeerFailure, PeerTimeout
-        from shmtrain.runtime.checkpoint_files import CheckpointError
-        from shmtrain.runtime.finite import TrainingDiverged
-
-        # a peer's failure, a checkpoint file, a diverged loss: a traceback would say nothing more;
-        # anything else (a bad image deep in the data, a full disk) keeps its traceback in the log
-        if isinstance(exc, PeerFailure | PeerTimeout | CheckpointError | TrainingDiverged):
+        # anything but shmtrain's own one-line errors (a bad image deep in the data, a full
+        # disk) keeps its traceback in the log
+        if isinstance(exc, _plain_errors()):
             print(f"shmtrain: worker rank {rank}: {exc}", file=sys.stderr)
         else:
             print(f"shmtrain: worker rank {rank} failed:", file=sys.stderr)

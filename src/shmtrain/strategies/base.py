@@ -47,6 +47,7 @@ from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.flat import FlatLayout
 from shmtrain.fabric.staging import HostStaging, staged
 from shmtrain.fabric.transports import Transports
+from shmtrain.strategies.grad_safety import writes_gradients
 from shmtrain.timing import PhaseTimer
 
 
@@ -242,12 +243,12 @@ class Strategy:
 
     def step_optimizer(self) -> None:
         """The optimizer's step, through the GradScaler when one is attached, after
-        ``--grad-clip`` (:meth:`clip_gradients`)."""
+        ``--grad-clip`` (:meth:`clip_gradients`). Unscaling, or an optimizer that writes its
+        gradients (``strategies/grad_safety.py``), gets private copies first: a gradient
+        that is not staged may be a view of shared memory other workers read."""
+        if not self.staged and (self.scaler is not None or writes_gradients(self.optimizer)):
+            self.private_gradients(self.params)
         if self.scaler is not None:
-            if not self.staged:  # unscaling writes the gradients: never into shared memory
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad = p.grad.clone()
             if self.grad_clip is not None:
                 self.scaler.unscale_(self.optimizer)
             self.clip_gradients()
@@ -255,6 +256,13 @@ class Strategy:
         else:
             self.clip_gradients()
             self.optimizer.step()
+
+    @staticmethod
+    def private_gradients(params: list[torch.Tensor]) -> None:
+        """Point every ``param.grad`` at a private copy of itself."""
+        for p in params:
+            if p.grad is not None:
+                p.grad = p.grad.clone()
 
     def clip_gradients(self) -> None:
         """``--grad-clip``: scale the gradients by ``max_norm / (norm + 1e-6)`` when that is

@@ -12,6 +12,7 @@ reads and writes copy between it and the host buffers (W_g, dW_x stay in host me
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -191,11 +192,20 @@ class SharedWeightsStrategy(Strategy):
             finally:
                 self.close_exchange()  # the update thread is joined even when the server is gone
             if self.service.rank == MASTER:  # the job's model: W_g as this worker ends
-                self.final_global_weights = self.service.read(
-                    self.global_weights, torch.empty(self.layout.numel, dtype=self.layout.dtype))
+                self.final_global_weights = self._read_global_weights()
         finally:
             self.service.close()
             super().finish()
+
+    def _read_global_weights(self) -> torch.Tensor | None:
+        """W_g for the run's ``model.pt``; None, with a warning, when the buffer service is
+        gone (a lost memory server ends no run that tolerates it: rank 0's weights are saved)."""
+        try:
+            return self.service.read(self.global_weights, torch.empty(self.layout.numel, dtype=self.layout.dtype))
+        except Exception as exc:  # noqa: BLE001 - the server's own error, named below
+            print(f"shmtrain: warning: the global weights could not be read at the end ({exc}); "
+                  "model.pt holds rank 0's own weights", file=sys.stderr)
+            return None
 
     # -- state (checkpoints) ------------------------------------------------------
     def quiesce(self) -> None:
