@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iterations", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--class-split", type=int, default=0, help="host k trains on classes c with c mod N == k")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--out", required=True, help="run folder (metrics/rank-<r>.jsonl, summary.json)")
     return p.parse_args(argv)
@@ -102,8 +103,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from shmtrain.fabric.context import from_env
     from shmtrain.models import build_model
     from shmtrain.runtime import schedule
+    from shmtrain.runtime.class_split import shard_sampler
     from shmtrain.runtime.config import resolve
-    from shmtrain.runtime.data import Prefetcher, ShardSampler, load_data
+    from shmtrain.runtime.data import Prefetcher, load_data
     from shmtrain.runtime.loop import planned_iterations
     from shmtrain.runtime.monitor import Monitor
     from shmtrain.runtime.report import phase_means, read_metrics
@@ -117,6 +119,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         config = resolve({"device": "cpu", "model": args.model, "data": args.data, "batch_size": args.batch_size, "lr": args.lr,
                           "momentum": args.momentum, "weight_decay": args.weight_decay,
                           "iterations": args.iterations, "seed": args.seed, "eval_every": args.eval_every,
+                          "class_split": args.class_split,
                           "workers": ctx.world_size, "out": str(out), "progress": False})
         torch.manual_seed(config.seed)  # the same order of calls as shmtrain train's worker loop
         data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
@@ -130,7 +133,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         engine.net.register_comm_hook(None, comm.hook)
         total = planned_iterations(config, data, ctx.world_size)
         trainer = Trainer(engine, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total))
-        sampler = ShardSampler(len(data.train_x), config.batch_size, ctx.world_size, ctx.rank, config.seed)
+        sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)
         prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch)
         (out / "metrics").mkdir(parents=True, exist_ok=True)
         monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size)

@@ -118,11 +118,16 @@ class DataOptions:
     samples: int = option(1024, "synthetic samples", "data")
     image_size: int = option(32, "side images of a folder are resized to", "data")
     prefetch: int = option(10, "batches the prefetch thread keeps ready", "data")
+    class_split: int = option(0, "deal the classes into N groups (class c to group c mod N); host k's workers "
+                              "train only on group k mod N (a label-skewed shard per host; "
+                              "runtime/class_split.py); 0: no split", "data", metavar="N")
     skip_bad_files: bool = option(False, "a folder --data: skip images that cannot be read (each named "
                                   "in rank 0's log, counted in summary.json) instead of failing",
                                   "data", action="store_true", default_text="fail, naming the file")
 
     def _check_data(self) -> None:
+        _need(self.class_split >= 0, "class-split", self.class_split, "a number of class groups",
+              "use e.g. --class-split 2, or 0 for no split")
         _need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched", "use e.g. --prefetch 10")
         _need(self.samples >= 2, "samples", self.samples, "synthetic data needs at least 2 samples", "use e.g. --samples 1024")
         _need(self.image_size >= 1, "image-size", self.image_size, "must be positive", "use e.g. --image-size 32")

@@ -23,8 +23,9 @@ from shmtrain.fabric.context import ProcessContext
 from shmtrain.models import build_model
 from shmtrain.runtime import schedule
 from shmtrain.runtime.checkpoint import Checkpointer
+from shmtrain.runtime.class_split import shard_sampler
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.data import Dataset, Prefetcher, ShardSampler, load_data
+from shmtrain.runtime.data import Dataset, Prefetcher, load_data
 from shmtrain.runtime.device import worker_device
 from shmtrain.runtime.files import save_output
 from shmtrain.runtime.monitor import Monitor
@@ -85,13 +86,13 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     # collectively, before the data position is used
     checkpoints = Checkpointer(ctx, config, out, len(data.train_x) // (config.batch_size * ctx.world_size))
     checkpoints.restore(trainer, payload.get("resume"))
-    sampler = ShardSampler(len(data.train_x), config.batch_size, ctx.world_size, ctx.rank, config.seed)
+    sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)  # --class-split
     prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch,
                           start=trainer.state.iteration)
     log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", trainer.state.iteration)
     progress = Progress(total, config.strategy, enabled=config.progress and ctx.rank == 0,
                         first=trainer.state.iteration)
-    monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size)  # rank 0: eval, TensorBoard
+    monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size, dp.strategy)  # rank 0: eval, TensorBoard
     stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/stop.py)
     try:
         outcome = trainer.train(prefetch.next, RunServices(checkpoints, stop, monitor, log, progress, ctx.rank), total)

@@ -7,7 +7,10 @@ iteration's metrics row is written, outside the iteration's timing:
   loss and accuracy, in batches under ``no_grad`` with the model in ``eval()`` mode, and
   writes ``{"eval": {"iteration", "loss", "accuracy", "t0", "time"}}`` to its metrics
   file (``time``: seconds the evaluation took; the other ranks wait for rank 0 at their
-  next exchange meanwhile, which their ``comm`` shows);
+  next exchange meanwhile, which their ``comm`` shows); for a strategy whose job model
+  is not rank 0's own weights (SEASGD, EASGD, Downpour, HSGD: W_g; DiLoCo: θ^(t);
+  ``Strategy.global_weights_now``) it is that model that is evaluated, on a copy of
+  rank 0's module, and the row says ``"weights": "global"``;
 - with ``--tensorboard`` rank 0 writes ``loss/train``, ``lr``, ``time_ms/<phase>`` per
   iteration and ``loss/held_out``, ``accuracy/held_out`` per evaluation to
   ``RUN_DIR/tensorboard/`` (``torch.utils.tensorboard.SummaryWriter``).
@@ -19,7 +22,9 @@ evaluations of a rank never overlap and ranks of one host line up (``runtime/tra
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -78,11 +83,13 @@ class Monitor:
     """
 
     def __init__(self, config: TrainConfig, out: Path, rank: int, model: nn.Module, data: Dataset,
-                 world: int) -> None:
+                 world: int, strategy: Any = None) -> None:
         self.wall0 = time.time()
         self.perf0 = time.perf_counter()
         self.active = rank == 0
         self.model = model
+        #: the job's model, when it is not ``model`` (``Strategy.global_weights_now``)
+        self.job_model = GlobalModel(model, strategy) if self.active and strategy is not None else None
         self.x, self.y = data.test_x, data.test_y
         self.every = eval_interval(config, len(data.train_x), world) if self.active else 0
         self.last_eval: int | None = None
@@ -122,10 +129,13 @@ class Monitor:
     def evaluate(self, iteration: int, log: IO[str]) -> dict[str, Any]:
         """Held-out loss and accuracy now: one ``eval`` row in ``log`` (and TensorBoard)."""
         start = time.perf_counter()
-        loss, accuracy = evaluate(self.model, self.x, self.y)
+        job_model = self.job_model() if self.job_model is not None else None
+        loss, accuracy = evaluate(job_model or self.model, self.x, self.y)
         seconds = time.perf_counter() - start
         entry = {"iteration": iteration, "loss": loss, "accuracy": accuracy,
                  "t0": self.stamp(start), "time": seconds}
+        if job_model is not None:
+            entry["weights"] = "global"
         log.write(json_text({"eval": entry}) + "\n")  # a NaN/inf loss as null, flagged
         self.last_eval = iteration
         if self.writer is not None:
@@ -138,3 +148,30 @@ class Monitor:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+class GlobalModel:
+    """The job's model for evaluation: a copy of ``model`` (made at the first call) whose
+    parameters are ``strategy.global_weights_now()`` and whose buffers (batch-norm
+    statistics) are ``model``'s own; calling it returns None where the strategy has no
+    global weights. ``model`` itself is never touched (an update thread may be writing it)."""
+
+    def __init__(self, model: nn.Module, strategy: Any) -> None:
+        self.model, self.strategy = model, strategy
+        self.read: Callable[[], torch.Tensor | None] = strategy.global_weights_now
+        self.copy: nn.Module | None = None
+
+    def __call__(self) -> nn.Module | None:
+        flat = self.read()
+        if flat is None:
+            return None
+        if self.copy is None:
+            self.copy = copy.deepcopy(self.model)
+        mine = dict(self.copy.named_parameters())
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                self.copy.get_buffer(name).copy_(buffer)
+            for param, view in zip(self.strategy.layout.params, self.strategy.layout.views(flat), strict=True):
+                mine[names[id(param)]].copy_(view)
+        return self.copy

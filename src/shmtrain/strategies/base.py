@@ -192,7 +192,7 @@ class Strategy:
         self.target_iterations: int | None = None
         #: the job's global weights (flat, in ``layout`` order) read at ``finish`` by the
         #: worker that holds them, for strategies whose workers' own weights are not the
-        #: job's model (SEASGD, EASGD, Downpour, HSGD: W_g); None otherwise
+        #: job's model (SEASGD, EASGD, Downpour, HSGD: W_g; DiLoCo: θ^(t)); None otherwise
         self.final_global_weights: torch.Tensor | None = None
         self._hooks: list[Any] = []
         if type(self).on_gradient_ready is not Strategy.on_gradient_ready:
@@ -325,6 +325,12 @@ class Strategy:
         """Restore :meth:`state_dict` (collective where the strategy owns shared buffers:
         every rank calls it, between iterations, after the model and optimizer are loaded)."""
         self.iteration = int(state["iteration"])
+
+    def global_weights_now(self) -> torch.Tensor | None:
+        """The job's model as it stands, flat in ``layout`` order, on the worker that can
+        read it (SEASGD, EASGD, Downpour, HSGD: W_g on rank 0; DiLoCo: θ^(t)), for rank
+        0's held-out evaluation; None where the workers' own weights are the job's model."""
+        return None
 
     def finish(self) -> None:
         """Called once after the last iteration."""

@@ -296,11 +296,19 @@ class DiLoCo(Strategy):
         self.pending = None if pending is None else Flight(
             int(pending["fragment"]), int(pending["apply_at"]), mean=pending["mean"])
 
+    def global_weights_now(self) -> torch.Tensor | None:
+        """θ^(t), the outer model (the same on every worker; a worker's own weights have
+        moved on since the last outer step), flat in ``layout`` order, on the CPU."""
+        with torch.no_grad():
+            return torch.cat([g.detach().to("cpu", self.layout.dtype) for g in self.global_fragments])
+
     def finish(self) -> None:
-        """Wait for an exchange still in flight (its step never came: it is dropped), then
-        release the exchanges."""
+        """Wait for an exchange still in flight (its step never came: it is dropped), keep
+        θ^(t) as the job's model on rank 0 (``model.pt``), then release the exchanges."""
         if self.pending is not None and self.pending.thread is not None:
             self.pending.wait(self.wait_timeout)
+        if getattr(self.ctx, "rank", 0) == 0:
+            self.final_global_weights = self.global_weights_now()
         for exchange in self.exchanges:
             exchange.close()
         self.exchanges = []

@@ -197,6 +197,12 @@ class SharedWeightsStrategy(Strategy):
             self.service.close()
             super().finish()
 
+    def global_weights_now(self) -> torch.Tensor | None:
+        """W_g now, on the master (rank 0's evaluation of the job's model); None elsewhere."""
+        if self.service.rank != MASTER:
+            return None
+        return self.service.read(self.global_weights, torch.empty(self.layout.numel, dtype=self.layout.dtype))
+
     def _read_global_weights(self) -> torch.Tensor | None:
         """W_g for the run's ``model.pt``; None, with a warning, when the buffer service is
         gone (a lost memory server ends no run that tolerates it: rank 0's weights are saved)."""

@@ -1,0 +1,49 @@
+"""A label-skewed shard per host (``--class-split N``): the task no single host can learn alone.
+
+With ``--class-split N`` the classes are dealt into N groups (class ``c`` to group
+``c mod N``) and the workers of host ``k`` (torchrun's node rank) train only on the
+training samples of group ``k mod N``; inside a host they shard that subset as
+:class:`shmtrain.runtime.data.ShardSampler` shards the whole set (no sample twice in an
+epoch of the subset). The held-out split keeps every class, so a host alone reaches at
+most about its share of the classes (``shmtrain bench hosts``' one-host run shows it);
+the job's model must combine the hosts' shards to go further. ``0`` (the default) is
+the usual sharding of the whole set over every worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shmtrain.runtime.data import Dataset, ShardSampler
+
+
+def host_classes(num_classes: int, groups: int, group: int) -> list[int]:
+    """The classes of group ``group`` of ``groups``: ``c`` with ``c mod groups == group``."""
+    if not 1 <= groups <= num_classes:
+        raise ValueError(f"--class-split {groups}: the data set has {num_classes} classes; give at most "
+                         f"{num_classes} groups (or 0: no split)")
+    return [c for c in range(num_classes) if c % groups == group % groups]
+
+
+class SubsetSampler(ShardSampler):
+    """:class:`ShardSampler` over the samples ``subset`` (indices into the training set)."""
+
+    def __init__(self, subset: torch.Tensor, batch: int, world: int, rank: int, seed: int) -> None:
+        super().__init__(len(subset), batch, world, rank, seed)
+        self.subset = subset
+
+    def indices(self, step: int) -> torch.Tensor:
+        return self.subset[super().indices(step)]
+
+
+def shard_sampler(data: Dataset, batch: int, seed: int, ctx: Any, class_split: int = 0) -> ShardSampler:
+    """This worker's sampler: the whole set over every worker, or (``class_split`` N > 0)
+    its host's group of classes over the host's workers."""
+    if not class_split:
+        return ShardSampler(len(data.train_x), batch, ctx.world_size, ctx.rank, seed)
+    node = getattr(ctx, "node_rank", 0)
+    chosen = torch.tensor(host_classes(data.num_classes, class_split, node))
+    subset = torch.nonzero(torch.isin(data.train_y, chosen)).flatten()
+    return SubsetSampler(subset, batch, ctx.local_world, ctx.local_rank, seed + 7919 * node)
