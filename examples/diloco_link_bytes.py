@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from shmtrain.bench.hosts import host_env, two_hosts, why_not
+from shmtrain.bench.hosts_net import host_env, link_bytes, two_hosts, why_not
 
 METHODS = {
     "floor": ["--strategy", "diloco", "--sync-every", "100000"],
@@ -32,13 +31,6 @@ METHODS = {
     "hybrid-H20-bf16": ["--strategy", "diloco", "--sync-every", "20", "--inner", "host-sync",
                         "--outer-dtype", "bf16"],
 }
-
-
-def link_bytes(ns: str, dev: str) -> int:
-    """Bytes sent plus received on ``dev`` inside namespace ``ns``."""
-    info = json.loads(subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show", "dev", dev],
-                                     check=True, capture_output=True, text=True).stdout)[0]["stats64"]
-    return int(info["tx"]["bytes"]) + int(info["rx"]["bytes"])
 
 
 def run_method(hosts: tuple[str, str, str], flags: list[str], args: argparse.Namespace, out: Path) -> dict:
@@ -68,13 +60,12 @@ def main() -> int:
     if reason:
         print(f"skipped: {reason}")
         return 0
-    tag = f"st{os.getpid() % 100000}"  # two_hosts' names for this process
     rows = []
     with two_hosts("none") as hosts, tempfile.TemporaryDirectory() as tmp:
         for name in args.methods:
-            before = link_bytes(hosts[0], f"{tag}va")
+            before = link_bytes(hosts[0])
             summary = run_method(hosts, METHODS[name], args, Path(tmp) / name)
-            total = link_bytes(hosts[0], f"{tag}va") - before
+            total = link_bytes(hosts[0]) - before
             rows.append({"method": name, "link_bytes": total, "iterations": summary["iterations"],
                          "accuracy": summary.get("accuracy"),
                          "comm_ms": summary["phases_ms"].get("comm")})

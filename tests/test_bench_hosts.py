@@ -1,9 +1,10 @@
-"""``shmtrain bench hosts`` (issue 12): time to accuracy across two namespaced hosts.
+"""``shmtrain bench hosts`` (issues 12, 27): time to accuracy across two namespaced hosts.
 
-The quick variant runs every method (ssgd, hsgd, seasgd, DDP) on two network
-namespaces joined by a veth pair shaped to 1 Gbit; it needs root and ``ip netns`` and
-skips with the reason elsewhere (like ``tests/test_netns.py``). No namespace may be
-left behind.
+The quick variant runs the methods on two network namespaces joined by a veth pair
+shaped to 1 Gbit; it needs root and ``ip netns`` and skips with the reason elsewhere
+(like ``tests/test_netns.py``). No namespace may be left behind. The rows' arithmetic
+(per-host numbers, medians, the grid's choice, the rotation, the one-host verdict) is
+checked on written metrics files, without hosts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from shmtrain.bench import hosts
 
@@ -65,6 +67,120 @@ def test_an_unknown_method_or_rate_is_refused(capsys) -> None:
     from shmtrain.cli import main
 
     assert main(["bench", "hosts", "--methods", "ssgd", "nccl"]) == 2
-    assert "--methods ['nccl']: unknown; choose from ssgd, hsgd, seasgd, ddp" in capsys.readouterr().err
+    assert f"--methods ['nccl']: unknown; choose from {', '.join(hosts.METHODS)}" in capsys.readouterr().err
     assert main(["bench", "hosts", "--rate", "fast"]) == 2
     assert "--rate 'fast'" in capsys.readouterr().err
+
+
+def _write_run(folder: Path, ranks: dict[int, list[tuple[float, int]]], evals: list[dict]) -> None:
+    """A run folder as a job leaves it: per rank, rows (t0, iteration); rank 0's evals."""
+    (folder / "metrics").mkdir(parents=True)
+    for rank, rows in ranks.items():
+        lines = [json.dumps({"iteration": it, "loss": 1.0, "t0": t0,
+                             "time": {"compute": 0.01, "comm": 0.03, "iteration": 0.04}}) for t0, it in rows]
+        if rank == 0:
+            lines += [json.dumps({"eval": e}) for e in evals]
+        (folder / "metrics" / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_a_row_gives_per_host_iterations_startups_link_bytes_and_the_global_curve(tmp_path: Path) -> None:
+    from shmtrain.bench.hosts_rows import summarize
+
+    start = 1000.0
+    ranks = {0: [(1003.0, 1), (1003.1, 2), (1003.2, 3), (1003.3, 4)], 1: [(1003.05, 1), (1003.2, 2), (1003.3, 3), (1003.4, 4)],
+             2: [(1004.0, 1), (1004.5, 2)], 3: [(1004.2, 1), (1004.6, 2)]}  # host b: later, fewer
+    evals = [{"iteration": 2, "accuracy": 0.4, "t0": 1003.15, "weights": "global"},
+             {"iteration": 4, "accuracy": 0.8, "t0": 1003.35, "weights": "global"}]
+    _write_run(tmp_path / "run", ranks, evals)
+    row = summarize("seasgd", tmp_path / "run", start, 5.0, 0.75, link=3_000_000, per_node=2)
+    assert row["evaluated"] == "global"
+    assert row["time_to_target_s"] == pytest.approx(3.35) and row["iterations_to_target"] == 4
+    assert row["train_time_to_target_s"] == pytest.approx(0.35)  # after host a's first iteration
+    assert row["best_accuracy"] == 0.8 and row["final_accuracy"] == 0.8
+    assert row["iterations_per_rank"] == [4, 4, 2, 2] and row["iterations_per_host"] == [4, 2]
+    assert row["startup_per_host_s"] == [3.0, 4.0] and row["startup_s"] == 4.0  # the later host
+    assert row["link_mb"] == 3.0 and row["link_kb_per_iteration"] == pytest.approx(1000.0)  # 3 MB / 3 iterations
+    assert row["comm_share"] == pytest.approx(0.75)
+
+
+def test_rounds_give_medians_and_the_grid_point_that_reached_the_target_soonest() -> None:
+    from shmtrain.bench.hosts_rows import combine, pick, rotated
+
+    def run(t: float | None, best: float, startups: list[float]) -> dict:
+        return {"time_to_target_s": t, "train_time_to_target_s": t, "best_accuracy": best, "final_accuracy": best,
+                "iterations": 10, "iterations_per_host": [10, 4], "startup_per_host_s": startups, "link_mb": 2.0}
+
+    row = combine("diloco", [run(9.0, 0.9, [3, 4]), run(7.0, 0.92, [2, 5]), run(8.0, 0.91, [4, 3])], {"grid_point": {"lr": 0.05}})
+    assert row["time_to_target_s"] == 8.0 and row["time_to_target_range_s"] == [7.0, 9.0] and row["reached"] == 3
+    assert row["startup_per_host_s"] == [3, 4] and row["iterations_per_host"] == [10, 4]
+    assert row["grid_point"] == {"lr": 0.05} and row["best_accuracy"] == 0.91
+    missed = combine("hsgd", [run(9.0, 0.9, [3, 4]), run(None, 0.7, [3, 4])])
+    assert missed["time_to_target_s"] is None and missed["reached"] == 1  # a median only when every round reached it
+    trials = [({"lr": 0.02}, run(None, 0.85, [])), ({"lr": 0.05}, run(12.0, 0.9, [])), ({"lr": 0.1}, run(10.0, 0.9, []))]
+    assert pick(trials) == {"lr": 0.1}
+    assert pick([({"lr": 0.02}, run(None, 0.6, [])), ({"lr": 0.1}, run(None, 0.7, []))]) == {"lr": 0.1}
+    assert [rotated(["a", "b", "c"], r) for r in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                               ["a", "b", "c"]]
+    assert hosts.grid_points({"lr": [0.1, 0.2], "batch_size": [8]}) == [{"lr": 0.1, "batch_size": 8},
+                                                                         {"lr": 0.2, "batch_size": 8}]
+
+
+def test_the_one_host_verdict_and_the_written_down_settings() -> None:
+    below = {"method": "one-host", "reached": 0, "rounds": 3, "best_accuracy": 0.52}
+    assert "one host alone cannot reach 90%: best held-out accuracy 0.5200" in hosts.one_host_verdict([below], 0.9)
+    assert "does not need both hosts" in hosts.one_host_verdict([dict(below, reached=3)], 0.9)
+    assert hosts.one_host_verdict([{"method": "ssgd"}], 0.9) is None
+    for name, preset in hosts.SETTINGS.items():  # every method tuned on the same grid, a class split, one host
+        assert preset["class_split"] == 2 and hosts.ONE_HOST in preset["methods"], name
+        assert set(preset["methods"]) >= {"ssgd", "hsgd", "seasgd", "diloco", "hybrid", "ddp"}, name
+        assert len(hosts.grid_points(preset["grid"])) in (2, 3), name
+    assert hosts.SETTINGS["mlp-100mbit"]["rate"] == "100mbit" and hosts.SETTINGS["resnet18-1gbit"]["rate"] == "1gbit"
+
+
+@pytest.mark.parametrize("strategy", [["seasgd"], ["hsgd", "--groups", "2", "--group-size", "1"],
+                                      ["diloco", "--sync-every", "4"],
+                                      ["diloco", "--inner", "host-sync", "--sync-every", "4"]])
+def test_rank_0_evaluates_the_job_model_of_every_asynchronous_or_hybrid_method(tmp_path: Path,
+                                                                             strategy: list[str]) -> None:
+    """The curve of bench hosts is the job's model (W_g, DiLoCo's θ^(t)), not rank 0's
+    copy: every eval row says so, and the last one is the model.pt the run saves."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "shmtrain", "train", "--workers", "2", "--iterations", "10",
+                           "--eval-every", "4", "--strategy", *strategy, "--no-progress", "--checkpoint-every", "0",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    evals = [json.loads(line)["eval"] for line in (out / "metrics" / "rank-0.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    assert evals and all(e.get("weights") == "global" for e in evals), evals
+    summary = json.loads((out / "summary.json").read_text())
+    assert "accuracy_rank0_local" in summary  # model.pt is the global model, rank 0's own beside it
+    if strategy[0] == "diloco":  # deterministic: θ^(t) after the outer step at 8, unchanged at 10
+        assert evals[-1]["iteration"] == 10 and evals[-1]["accuracy"] == summary["accuracy"]
+
+
+def test_the_class_split_gives_each_host_its_classes_shared_by_its_workers() -> None:
+    from types import SimpleNamespace
+
+    from shmtrain.runtime.class_split import host_classes, shard_sampler
+    from shmtrain.runtime.data import load_digits_data
+
+    data = load_digits_data()
+    assert host_classes(10, 2, 0) == [0, 2, 4, 6, 8] and host_classes(10, 3, 4) == [1, 4, 7]
+    seen = {}
+    for node in (0, 1):
+        for local in (0, 1):
+            ctx = SimpleNamespace(world_size=4, rank=2 * node + local, node_rank=node, local_world=2,
+                                  local_rank=local)
+            sampler = shard_sampler(data, 16, 0, ctx, class_split=2)
+            steps = sampler.steps_per_epoch
+            seen[node, local] = torch.cat([sampler.indices(s) for s in range(steps)])
+            assert {int(c) % 2 for c in data.train_y[seen[node, local]]} == {node}  # only its host's classes
+    for node in (0, 1):
+        a, b = seen[node, 0], seen[node, 1]
+        assert not set(a.tolist()) & set(b.tolist())  # the host's workers share its subset, no sample twice
+        subset = int((data.train_y % 2 == node).sum())
+        assert len(a) + len(b) >= subset - 2 * 16 * 2  # an epoch covers the subset (less a last partial step)
+    whole = shard_sampler(data, 16, 0, SimpleNamespace(world_size=4, rank=1), class_split=0)
+    assert type(whole).__name__ == "ShardSampler"
+    with pytest.raises(ValueError, match="--class-split 11: the data set has 10 classes"):
+        host_classes(10, 11, 0)
