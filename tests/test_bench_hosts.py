@@ -184,3 +184,23 @@ def test_the_class_split_gives_each_host_its_classes_shared_by_its_workers() -> 
     assert type(whole).__name__ == "ShardSampler"
     with pytest.raises(ValueError, match="--class-split 11: the data set has 10 classes"):
         host_classes(10, 11, 0)
+
+
+def test_startup_marks_are_read_back_from_the_logs_per_phase(tmp_path: Path, monkeypatch, capsys) -> None:
+    from shmtrain import startup
+    from shmtrain.bench.hosts_rows import startup_phases
+
+    monkeypatch.setenv(startup.ENV, "1")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(startup, "_started", False)
+    startup.mark("imports")
+    err = capsys.readouterr().err
+    assert "shmtrain-startup rank=3 t=" in err and err.splitlines()[0].endswith(" process")
+    log = tmp_path / "x-node0.log"
+    log.write_text("[default0]:shmtrain-startup rank=0 t=100.5 process\nnoise\n"
+                   "[default1]:shmtrain-startup rank=1 t=101.0 process\nshmtrain-startup rank=0 t=103.0 imports\n"
+                   "shmtrain-startup rank=1 t=103.5 imports\nshmtrain-startup rank=0 t=104.0 strategy\n")
+    assert startup_phases([log, tmp_path / "missing.log"], 100.0) == {"process": 1.0, "imports": 3.5, "strategy": 4.0}
+    monkeypatch.delenv(startup.ENV)
+    startup.mark("gloo")
+    assert capsys.readouterr().err == ""  # nothing without the variable

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "shmtrain"
 
 #: layer of each top-level part; a module may import only from its own layer or below
 LAYERS = {
-    "timing": 0, "memory": 0, "argtypes": 0, "typed_options": 0, "models": 0,
+    "timing": 0, "startup": 0, "memory": 0, "argtypes": 0, "typed_options": 0, "models": 0,
     "fabric": 1,
     "strategies": 2,
     "api": 3, "ddp": 3, "backend": 3,

@@ -142,9 +142,11 @@ def run_method(method: str, hosts: tuple[str, str, str], port: int, settings: di
     from the launch, link bytes counted). ``name``: of its logs (default the method)."""
     load = os.getloadavg()[0]  # the machine's load as the job starts (a shared machine's noise)
     nodes = 1 if method == ONE_HOST else NODES
-    start, wall, link = launch(hosts, port, _worker_command(method, settings, out), logs, name or method,
-                               limit, nodes)
-    return dict(summarize(method, out, start, wall, settings["target"], link, PER_NODE), loadavg_1m=round(load, 2))
+    name = name or method
+    start, wall, link = launch(hosts, port, _worker_command(method, settings, out), logs, name, limit, nodes)
+    row = summarize(method, out, start, wall, settings["target"], link, PER_NODE,
+                    [logs / f"{name}-node{n}.log" for n in range(nodes)])
+    return dict(row, loadavg_1m=round(load, 2))
 
 
 def _tune(methods: list[str], settings: dict[str, Any], job: Any, log: Any) -> tuple[dict[str, dict], dict[str, list]]:

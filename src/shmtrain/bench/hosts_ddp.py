@@ -110,9 +110,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from shmtrain.runtime.monitor import Monitor
     from shmtrain.runtime.report import phase_means, read_metrics
     from shmtrain.runtime.trainer import Trainer
+    from shmtrain.startup import mark
     from shmtrain.timing import PhaseTimer
 
     torch.set_num_threads(1)
+    mark("imports")
     ctx = from_env(args.timeout)
     out = Path(args.out)
     try:
@@ -124,19 +126,23 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(config.seed)  # the same order of calls as shmtrain train's worker loop
         data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
                          image_size=config.image_size)
+        mark("data")
         model = build_model(config.model, data.input_shape, data.num_classes, config.model_args)
+        mark("model")
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                                     weight_decay=config.weight_decay)
         timer = PhaseTimer()
         engine = DDPEngine(model, optimizer, timer)  # flat: the default gloo group of every rank
         comm = CommTimer()
         engine.net.register_comm_hook(None, comm.hook)
+        mark("strategy")
         total = planned_iterations(config, data, ctx.world_size)
         trainer = Trainer(engine, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total))
         sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)
         prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch)
         (out / "metrics").mkdir(parents=True, exist_ok=True)
         monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size)
+        mark("first-iteration")
         start = time.perf_counter()
         with open(out / "metrics" / f"rank-{ctx.rank}.jsonl", "w") as log:
             for iteration in range(1, total + 1):

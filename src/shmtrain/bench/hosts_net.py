@@ -98,9 +98,10 @@ def link_bytes(ns: str, dev: str | None = None) -> int:
 
 def host_env() -> dict[str, str]:
     """A namespaced host's environment: as a new user has it (no GLOO_SOCKET_IFNAME), one
-    torch thread per worker, no progress line."""
+    torch thread per worker, no progress line, start-up marks in the logs
+    (:mod:`shmtrain.startup`)."""
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    return dict(env, OMP_NUM_THREADS="1", SHMTRAIN_NO_PROGRESS="1")
+    return dict(env, OMP_NUM_THREADS="1", SHMTRAIN_NO_PROGRESS="1", SHMTRAIN_STARTUP_LOG="1")
 
 
 def launch(hosts: tuple[str, str, str], port: int, worker: list[str], logs: Path, name: str,

@@ -20,8 +20,20 @@ MEDIAN_KEYS = ("time_to_target_s", "train_time_to_target_s", "iterations_to_targ
                "startup_s", "wall_s", "link_mb", "link_kb_per_iteration", "loadavg_1m")
 
 
+def startup_phases(logs: list[Path], start: float) -> dict[str, float]:
+    """Seconds from the launch until every worker had passed each start-up mark
+    (:mod:`shmtrain.startup`; the last worker's time per phase), in the marks' order."""
+    from shmtrain.startup import read_marks
+
+    phases: dict[str, float] = {}
+    for marks in read_marks(logs).values():
+        for phase, t in marks.items():
+            phases[phase] = max(phases.get(phase, 0.0), round(t - start, 3))
+    return dict(sorted(phases.items(), key=lambda item: item[1]))
+
+
 def summarize(method: str, out: Path, start: float, wall: float, target: float, link: int = 0,
-              per_node: int = 2) -> dict[str, Any]:
+              per_node: int = 2, logs: list[Path] | None = None) -> dict[str, Any]:
     """A job's row from its run folder: rank 0's evaluations (of the job's model: W_g or
     θ^(t) where the method has one, ``evaluated``) against seconds since ``start`` (the
     launch), the iterations of every rank and host, the start-up of every host and the
@@ -57,6 +69,7 @@ def summarize(method: str, out: Path, start: float, wall: float, target: float, 
         "comm_share": round(means.get("comm", 0.0) / iteration_s, 4) if iteration_s else None,
         "startup_s": max(startup) if startup else None,  # launch to the first iteration on every host
         "startup_per_host_s": startup,
+        "startup_phases_s": startup_phases(logs or [], start),
         "wall_s": round(wall, 3),
         "link_mb": round(link / 1e6, 3),
         "link_kb_per_iteration": round(link / 1e3 / mean_iterations, 3) if mean_iterations else None,

@@ -22,6 +22,7 @@ from shmtrain.fabric.control import ControlBlock, PeerFailure, alive, first_line
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.netif import choose_interface, rendezvous_error
 from shmtrain.fabric.segment import PREFIX, SharedSegment
+from shmtrain.startup import mark
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -109,12 +110,15 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     _choose_gloo_interface(addr, world, local_rank)
     store = _open_store(addr, rank, world, timeout)
+    mark("store")
     if rank == 0 and not store.check(["run_id"]):  # shmtrain's launcher set it: keep it,
         store.set("run_id", secrets.token_hex(4))  # so its sweep(prefix) finds our segments
     run_id = store.get("run_id").decode()
     host = _host_group(store, node_rank, local_rank, local_world, run_id, timeout)
     host.control.set_pid(local_rank, os.getpid())
+    mark("host")
     leaders = _join_groups(store, rank, world, local_world, num_nodes, timeout)
+    mark("gloo")
     host.barrier("set-up")
     return ProcessContext(
         rank=rank,

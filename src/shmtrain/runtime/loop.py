@@ -33,6 +33,7 @@ from shmtrain.runtime.optimizers import build_optimizer
 from shmtrain.runtime.progress import Progress
 from shmtrain.runtime.stop import StopRequest
 from shmtrain.runtime.trainer import RunServices, Trainer
+from shmtrain.startup import mark
 from shmtrain.timing import PhaseTimer
 
 
@@ -64,12 +65,15 @@ def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[Any, torch.device,
     torch.manual_seed(config.seed)
     data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
                      image_size=config.image_size, skip_bad_files=config.skip_bad_files)
+    mark("data")
     device = worker_device(config.device, ctx.host.local_rank)  # GPU local_rank % count, or the CPU
     model = build_model(config.model, data.input_shape, data.num_classes, config.model_args).to(device)
+    mark("model")
     optimizer = build_optimizer(config, model.parameters())  # --optimizer (runtime/optimizers.py)
     timer = PhaseTimer(device)  # on a GPU: forward, backward, update timed by CUDA events
     dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer,
                       grad_clip=config.grad_clip)
+    mark("strategy")
     total = planned_iterations(config, data, ctx.world_size)
     trainer = Trainer(dp, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total),
                       sub_batch=config.sub_batch, amp=config.amp, accumulate=config.accumulate)  # --sub-batch K: K threads per worker (SUB-BATCH)
@@ -94,6 +98,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
                         first=trainer.state.iteration)
     monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size, dp.strategy)  # rank 0: eval, TensorBoard
     stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/stop.py)
+    mark("first-iteration")  # what follows is the loop (its first row's t0)
     try:
         outcome = trainer.train(prefetch.next, RunServices(checkpoints, stop, monitor, log, progress, ctx.rank), total)
         dp.close()

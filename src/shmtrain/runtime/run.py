@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
-from shmtrain.runtime import checkpoint_files, report, runlock
+from shmtrain.runtime import checkpoint_files, report, runlock, smb_server
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launcher import WorkerFailed, launch
 from shmtrain.runtime.preflight import preflight
 from shmtrain.runtime.zygote import under_torchrun
+from shmtrain.startup import mark
 
 TARGET = "shmtrain.runtime.loop:train_worker"
 
@@ -237,6 +238,9 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
 
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
+    mark("imports")
+    if smb_server.wanted(config):  # rank 0 of an asynchronous job across hosts: its memory server
+        smb_server.prefork(int(os.environ["WORLD_SIZE"]), config.timeout)  # forked now, no second torch import
     ctx = from_env(config.timeout)
     lock: runlock.RunLock | None = None  # rank 0 holds the run folder's lock for the job
     try:
@@ -248,6 +252,7 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
         if info["error"]:
             raise ValueError(info["error"])
         out = Path(info["out"])
+        mark("joined")
         result = train_worker(ctx, {"config": config, "out": str(out), "resume": info["resume"]})
         if ctx.num_nodes > 1 and strategies.get(config.strategy).tolerates_host_loss:
             results = _gather_survivors(ctx, result)  # a lost host must not hang the others

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 SNAPSHOT = "smb-snapshot.pt"
 
@@ -92,6 +93,59 @@ def _handler(args: argparse.Namespace) -> int:
     if failure:
         raise failure[0]
     return 0
+
+
+def wanted(config: Any) -> bool:
+    """Whether this torchrun worker is the rank 0 that will start the job's memory server:
+    an asynchronous strategy on the buffer service, hosts > 1, no ``--smb-server``."""
+    from shmtrain import strategies
+    from shmtrain.strategies.shared_weights import SharedWeightsStrategy
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    hosts = world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    return (os.environ.get("RANK", "0") == "0" and hosts > 1
+            and issubclass(strategies.get(config.strategy), SharedWeightsStrategy)
+            and not getattr(config.strategy_config, "smb_server", ""))
+
+
+def prefork(world: int, timeout: float) -> None:
+    """Fork the job's memory server now, from a worker that has imported torch and started
+    no thread yet (the zygote's rule, ``runtime/zygote.py``), so the server does not start
+    a new interpreter and import torch again once the job has joined (``start_memory_server``
+    takes it from ``remote.PREFORKED``). Does nothing when a thread is running already."""
+    import secrets
+    import tempfile
+
+    from shmtrain.fabric.smb import remote
+
+    if threading.active_count() > 1:
+        return
+    secret = secrets.token_hex(32)
+    log = os.path.join(tempfile.gettempdir(), f"shmtrain-smb-{os.getpid()}.log")
+    argv = ["--clients", str(world), "--bind", remote.route_address(os.environ.get("MASTER_ADDR", "127.0.0.1")),
+            "--port", "0", "--timeout", str(timeout), "--idle-exit", str(timeout), "--address-file",
+            log + ".addr", "--log-file", log]
+    pid = os.fork()
+    if pid:
+        remote.PREFORKED = (pid, log + ".addr", secret, log, world)
+        return
+    code = 1
+    try:  # the child: the server, in its own session (it outlives rank 0), its output in the log
+        os.setsid()
+        sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(sink, 1)
+        os.dup2(sink, 2)
+        os.environ[remote.SECRET_ENV] = secret
+        parser = argparse.ArgumentParser(prog="shmtrain")
+        add_parser(parser.add_subparsers())
+        code = _handler(parser.parse_args(["smb-server", *argv]))
+    except BaseException as exc:  # noqa: BLE001 - the child never returns into the worker
+        print(f"shmtrain smb-server: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -309,6 +310,25 @@ class RemoteBufferService(BufferService):
                 pass
 
 
+#: a memory server already forked for this job by rank 0 before it joined
+#: (``shmtrain.runtime.smb_server.prefork``): (pid, address file, secret, log, world)
+PREFORKED: tuple[int, str, str, str, int] | None = None
+
+
+class _Forked:
+    """``Popen.poll`` for a forked child: its exit status once it ended, else None."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.status = pid, None
+
+    def poll(self) -> int | None:
+        if self.status is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.status = os.waitstatus_to_exitcode(status)
+        return self.status
+
+
 def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: float,
                         log: str | None = None) -> tuple[str, bytes]:
     """Start the job's memory server next to global rank 0 (collective; ``torchrun
@@ -326,7 +346,12 @@ def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: fl
     import sys
     import tempfile
 
-    if rank == 0:
+    global PREFORKED
+    if rank == 0 and PREFORKED is not None and PREFORKED[4] == world:  # forked before joining: no new interpreter
+        pid, _, secret, log, _ = PREFORKED
+        PREFORKED = None
+        proc: Any = _Forked(pid)
+    elif rank == 0:
         bind = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         secret = secrets.token_hex(32)
         log = log or os.path.join(tempfile.gettempdir(), f"shmtrain-smb-{os.getpid()}.log")
@@ -337,6 +362,7 @@ def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: fl
                  "--log-file", log],
                 env={**os.environ, SECRET_ENV: secret}, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
                 start_new_session=True)
+    if rank == 0:
         deadline = time.monotonic() + timeout
         while not os.path.exists(log + ".addr"):
             if proc.poll() is not None or time.monotonic() > deadline:
