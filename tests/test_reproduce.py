@@ -82,3 +82,25 @@ def test_the_frame_writes_all_three_files_with_the_numbers_first(tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "README.md", "frame-test.json", "frame-test.md", "frame-test.png"]
     assert "| [frame-test](frame-test.md) | a paper | a claim |" in (tmp_path / "README.md").read_text()
+
+
+def test_shmcaffe_table2_multi_host_verdict_is_drawn_against_the_papers_2_8x(monkeypatch) -> None:
+    from shmtrain.bench import hosts
+    from shmtrain.reproduce.shmcaffe import table2_hosts as t
+
+    assert t.verdict(2.9) == "reproduced" and t.verdict(2.7) == "reproduced"  # within 5% of 2.8
+    assert t.verdict(2.3) == "reproduced in ratio" and t.verdict(1.04) == "not reproduced"
+    assert t.verdict(None) == "not reproducible here"
+    rows = {"seasgd": {"train_s": 2.0}, "ps_grad": {"train_s": 5.0}, "ssgd": {"train_s": 4.0}}
+    assert t.ratio_of(rows) == 2.5 and t.ratio_of({"seasgd": {"train_s": 2.0}}) is None
+    line = t.claim({"rows": rows, "ratio": 2.5, "verdict": t.verdict(2.5)})
+    assert line.holds and "2.50x of the paper's 2.8x: reproduced in ratio" in line.compare
+    assert "seasgd 2.00 s, ps_grad 5.00 s, ssgd 4.00 s" == line.ours
+    monkeypatch.setattr(hosts, "why_not", lambda rate: "network namespaces need root (run it as root, e.g. with sudo)")
+    skipped = t.measure(quick=False)
+    assert skipped == {"skipped": "network namespaces need root (run it as root, e.g. with sudo)",
+                       "verdict": "not reproducible here"}
+    assert not t.claim(skipped).holds and "not measured: network namespaces need root" in t.claim(skipped).ours
+    monkeypatch.setattr(hosts, "why_not", lambda rate: None)
+    monkeypatch.delenv(t.HOSTS_ENV, raising=False)
+    assert "--quick leaves the multi-host setting out" in t.measure(quick=True)["skipped"]

@@ -91,6 +91,8 @@ METHODS: dict[str, list[str] | None] = {
     "ddp": None,
     # not in the default set: ssgd averaging its gradients in bfloat16 (half the bytes on the link)
     "ssgd-bf16": ["--strategy", "ssgd", "--allreduce", "shm", "--comm-dtype", "bf16"],
+    # not in the default set: Caffe-MPI's star (rank 0 averages the gradients, updates, broadcasts)
+    "ps_grad": ["--strategy", "ps_grad"],
     # ssgd on host a alone, with host a's shard: what one host reaches without the other
     "one-host": ["--strategy", "ssgd", "--allreduce", "shm"],
 }

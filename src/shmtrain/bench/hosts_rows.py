@@ -17,7 +17,7 @@ from shmtrain.bench.common import table
 #: the per-run numbers a method's row gives as the median over its rounds
 MEDIAN_KEYS = ("time_to_target_s", "train_time_to_target_s", "iterations_to_target", "final_accuracy",
                "best_accuracy", "iterations", "comm_ms", "compute_ms", "iteration_ms", "comm_share",
-               "startup_s", "wall_s", "link_mb", "link_kb_per_iteration", "loadavg_1m")
+               "startup_s", "wall_s", "train_s", "link_mb", "link_kb_per_iteration", "loadavg_1m")
 
 
 def startup_phases(logs: list[Path], start: float) -> dict[str, float]:
@@ -49,6 +49,7 @@ def summarize(method: str, out: Path, start: float, wall: float, target: float, 
     hosts = sorted({rank // per_node for rank in rows})
     per_host = [[r for r in sorted(rows) if r // per_node == h] for h in hosts]
     startup = [round(min(firsts[r] for r in ranks) - start, 3) for ranks in per_host]
+    ends = [r["t0"] + r["time"].get("iteration", 0.0) for rank_rows in rows.values() for r in rank_rows]
     means = phase_means(rows)
     iteration_s = means.get("iteration", 0.0)
     mean_iterations = statistics.mean(per_rank.values()) if per_rank else 0
@@ -71,6 +72,8 @@ def summarize(method: str, out: Path, start: float, wall: float, target: float, 
         "startup_per_host_s": startup,
         "startup_phases_s": startup_phases(logs or [], start),
         "wall_s": round(wall, 3),
+        # the first iteration anywhere to the last one's end anywhere (Table II's training time)
+        "train_s": round(max(ends) - min(firsts.values()), 3) if ends else None,
         "link_mb": round(link / 1e6, 3),
         "link_kb_per_iteration": round(link / 1e3 / mean_iterations, 3) if mean_iterations else None,
         "curve": [{"s": round(s, 3), "accuracy": acc, "iteration": it} for s, acc, it in curve],
