@@ -87,7 +87,7 @@ def test_the_other_host_trains_on_and_names_the_lost_workers(tmp_path: Path, str
     assert all(n >= 10 for n in lost.values()), lost  # each had trained when it was lost
     assert summary["iterations"] >= 120  # rank 0 reached its target
     assert "lost during the run" in outputs[0] and "rank 2 after iteration" in outputs[0], outputs[0]
-    deadline = time.monotonic() + 15  # the memory server ends once every client left or was lost
+    deadline = time.monotonic() + 45  # the memory server ends once every client left or was lost (a loaded host: slow)
     while set(_smb_servers()) - before:
         assert time.monotonic() < deadline, "the memory server outlived the job"
         time.sleep(0.2)

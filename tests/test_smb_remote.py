@@ -432,9 +432,10 @@ def _smb_servers() -> list[int]:
     import psutil
 
     found = []
-    for process in psutil.process_iter(["cmdline"]):
+    for process in psutil.process_iter(["cmdline", "name"]):
         cmdline = process.info["cmdline"] or []
-        if "smb-server" in cmdline and "--address-file" in cmdline:
+        # started as a command, or forked by rank 0 (runtime/smb_server.py prefork: named)
+        if ("smb-server" in cmdline and "--address-file" in cmdline) or process.info["name"] == "shmtrain-smb":
             found.append(process.pid)
     return found
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 SNAPSHOT = "smb-snapshot.pt"
+#: the process name of a memory server forked by a worker (``prefork``)
+SERVER_NAME = b"shmtrain-smb"
 
 
 def _handler(args: argparse.Namespace) -> int:
@@ -132,6 +134,9 @@ def prefork(world: int, timeout: float) -> None:
     code = 1
     try:  # the child: the server, in its own session (it outlives rank 0), its output in the log
         os.setsid()
+        from shmtrain.runtime.zygote import _PR_SET_NAME, _prctl
+
+        _prctl(_PR_SET_NAME, SERVER_NAME)  # found by name: its command line is the worker's
         sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(sink, 1)
