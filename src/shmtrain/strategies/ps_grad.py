@@ -117,6 +117,7 @@ class ParameterServerGrad(ParameterServer):
     """Gradient-averaging parameter server, rank 0 the server (eq. 2.1, Section 6)."""
 
     name = "ps_grad"
+    synchronous = True
     Config = ParameterServerConfig
     fp16_reason = ("only the server steps its optimizer, so the workers' GradScalers would never "
                    "see the gradients they scaled")
