@@ -96,7 +96,9 @@ class DDPStyle:
         if syncing and self.pending == "synced":
             raise RuntimeError("a second backward before optimizer.step(): the first one's gradients were "
                                "already exchanged (and this one would add into buffers other ranks read); "
-                               f"{FIX_STEP}, or run the earlier micro-batches' backward inside model.no_sync()")
+                               f"{FIX_STEP}, with the optimizer given to DataParallel (another optimizer's "
+                               "step is not the job's), or run the earlier micro-batches' backward inside "
+                               "model.no_sync()")
         if not self.zeroed:
             raise RuntimeError("a backward after optimizer.step() with no zero_grad() since: the last step's "
                                "gradients may be views of shared memory the other ranks read; call "
