@@ -303,3 +303,25 @@ def test_ddp_style_off_keeps_model_step_as_the_only_step() -> None:
         model.join()
     model.close()
     assert sys.modules["shmtrain.ddp_style"]
+
+
+@pytest.mark.parametrize("made", ["before", "after"])
+def test_an_lr_scheduler_made_before_or_after_the_wrapper_sees_the_steps(made: str) -> None:
+    """Its own wrapper of optimizer.step and ours compose either way, without its warnings."""
+    import warnings
+
+    net = tiny_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if made == "before" else None
+    model = DataParallel(net, opt, "single")
+    scheduler = scheduler or torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    x, y = batches(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for s in range(2):
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(x[s * 8:(s + 1) * 8]), y[s * 8:(s + 1) * 8]).backward()
+            opt.step()
+            scheduler.step()
+    assert model.iteration == 2 and opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    model.close()

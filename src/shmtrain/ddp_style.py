@@ -80,7 +80,10 @@ class DDPStyle:
         self._versions: list[int] | None = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
-        optimizer.step = types.MethodType(_wrapped_step(self), optimizer)  # type: ignore[method-assign]
+        step = _wrapped_step(self)
+        if hasattr(self._original_step, "_wrapped_by_lr_sched"):  # a scheduler made before: it
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # counts through the original
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer.zero_grad = types.MethodType(_wrapped_zero_grad(self), optimizer)  # type: ignore[method-assign]
         self._hooks = [p.register_hook(self._on_gradient) for p in strategy.params]
 
