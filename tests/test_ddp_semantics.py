@@ -6,6 +6,7 @@ that finished early is named as finished, not dead."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch import nn
 
 from reference import batches, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
+from shmtrain.fabric.staging import STAGING_ENV
 from shmtrain.runtime.launcher import WorkerFailed, launch
 
 STEPS, BATCH, CLIP = 20, 8, 0.5
@@ -57,6 +59,8 @@ def against_ddp_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     x, y = batches(STEPS, BATCH * ctx.world_size)
     steps = [worker_batch(x, y, s, ctx.rank, BATCH, ctx.world_size) for s in range(STEPS)]
     make = OPTIMIZERS[payload["optimizer"]]
+    if payload.get("staged"):  # the GPU data flow on the CPU: private device gradients, copies
+        os.environ[STAGING_ENV] = "copy"
     net = tiny_model()
     opt = make(net)
     theirs, _ = ddp_loop(DistributedDataParallel(net), opt, steps, clip)
@@ -64,6 +68,7 @@ def against_ddp_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     opt = make(net)
     model = DataParallel(net, opt, payload["strategy"], ctx=ctx, **payload["options"])
     ours, clipped = ddp_loop(model, opt, steps, clip)
+    assert model.strategy.staged == bool(payload.get("staged"))
     model.close()
     return {"ours": ours, "ddp": theirs, "clipped": clipped}
 
@@ -80,15 +85,19 @@ SYNC_CASES = {
     "cpu_acc": ("cpu_acc", {}, CLIP, 2, "adamw"),
     "ps_grad": ("ps_grad", {}, CLIP, 2, "adamw"),
     "gpi": ("gpi", {}, None, 2, "sgd"),  # updates during backward: a clip between is refused (below)
+    # staged (the GPU path, on the CPU): the mean copied back into param.grad before the clip
+    "ssgd-staged": ("ssgd", {}, CLIP, 2, "adamw", True),
+    "cpu_acc-staged": ("cpu_acc", {}, CLIP, 2, "adamw", True),
+    "ps_grad-staged": ("ps_grad", {}, CLIP, 2, "adamw", True),
 }
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", sorted(SYNC_CASES))
 def test_a_ddp_loop_converted_by_its_wrapper_line_equals_ddp(case: str) -> None:
-    strategy, options, clip, workers, optimizer = SYNC_CASES[case]
-    results = launch("test_ddp_semantics:against_ddp_worker", workers,
-                     {"strategy": strategy, "options": options, "clip": clip, "optimizer": optimizer}, threads=1)
+    strategy, options, clip, workers, optimizer, *staged = SYNC_CASES[case]
+    payload = {"strategy": strategy, "options": options, "clip": clip, "optimizer": optimizer, "staged": bool(staged)}
+    results = launch("test_ddp_semantics:against_ddp_worker", workers, payload, threads=1)
     for rank, result in enumerate(results):
         for step in range(STEPS):
             assert relative_error(result["ours"][step], result["ddp"][step]) < 1e-5, (case, rank, step)
