@@ -113,12 +113,20 @@ def async_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     model = DataParallel(net, opt, payload["strategy"], ctx=ctx, **payload["options"])
     first = flat_params(net)
-    history, _ = ddp_loop(model, opt, steps, CLIP)
+    refused = ""
+    try:
+        with model.join():  # asynchronous: leaving it marks this worker done for TERM
+            history, _ = ddp_loop(model, opt, steps, CLIP)
+    except ValueError as exc:  # hsgd's groups are synchronous inside: it has no shadow step
+        refused = str(exc)
+        history, _ = ddp_loop(model, opt, steps, CLIP)
+    done = model.strategy.termination.stopped
     iteration = model.iteration
     model.close()
     state = model.global_state_dict()  # rank 0: the job's W_g, which only the exchanges move
     centre = None if state is None else torch.cat([state[n].reshape(-1) for n, _ in net.named_parameters()])
-    return {"first": first, "last": history[-1], "iteration": iteration, "centre": centre}
+    return {"first": first, "last": history[-1], "iteration": iteration, "centre": centre, "refused": refused,
+            "done": done}
 
 
 @pytest.mark.timeout(150)
@@ -128,6 +136,10 @@ def async_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 def test_the_same_loop_runs_the_asynchronous_strategies(strategy: str, options: dict[str, Any]) -> None:
     results = launch("test_ddp_semantics:async_worker", 2, {"strategy": strategy, "options": options}, threads=1)
     for result in results:
+        if strategy == "hsgd":
+            assert "join() with --strategy hsgd" in result["refused"] and "same number of batches" in result["refused"]
+        else:
+            assert not result["refused"] and result["done"]  # join() ended it for TERM
         assert torch.isfinite(result["last"]).all()
         assert result["iteration"] == STEPS  # every optimizer.step() was the strategy's iteration
         assert relative_error(result["first"], result["last"]) > 1e-3
