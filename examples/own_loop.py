@@ -1,4 +1,5 @@
-"""Train with your own PyTorch loop; shmtrain shares the gradients.
+"""Train with your own PyTorch loop, written as for DistributedDataParallel; shmtrain
+shares the gradients (docs/convert_ddp.md: the wrapper line is the only change).
 
 Run on one host with 2 processes:
 
@@ -33,7 +34,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    model = shmtrain.DataParallel(model, optimizer, strategy=args.strategy)  # joins torchrun's job
+    # was: model = DistributedDataParallel(model); joins torchrun's job
+    model = shmtrain.DataParallel(model, optimizer, strategy=args.strategy)
     rank, world = model.ctx.rank, model.ctx.world_size
 
     data = load_digits_data()
@@ -43,10 +45,10 @@ def main() -> None:
         start = (step * global_batch) % (len(data.train_x) - global_batch) + rank * args.batch_size
         x = data.train_x[start : start + args.batch_size]
         y = data.train_y[start : start + args.batch_size]
-        model.zero_grad()
+        optimizer.zero_grad()
         loss = loss_fn(model(x), y)
-        loss.backward()
-        model.step()
+        loss.backward()  # synchronous strategies: the gradients are the job's mean here
+        optimizer.step()  # the strategy's step
         if rank == 0 and step % 10 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
     if rank == 0 and args.out:

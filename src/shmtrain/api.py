@@ -1,13 +1,16 @@
-"""The Python API for one's own training loop, in the spirit of DistributedDataParallel.
+"""The Python API for one's own training loop, with DistributedDataParallel's contract.
 
-Example (started by ``torchrun --nproc-per-node 2 script.py``)::
+Example (started by ``torchrun --nproc-per-node 2 script.py``; a DDP script converts by
+changing its wrapper line only, docs/convert_ddp.md)::
 
-    model = DataParallel(net, optimizer, strategy="ssgd")
-    for x, y in loader:
-        model.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        model.step()
+    model = DataParallel(net, optimizer, strategy="ssgd")  # was: DistributedDataParallel(net)
+    with model.join():  # uneven inputs: a rank out of batches shadows the others
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()  # synchronous strategies: p.grad is the job's mean here
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()  # the strategy's step (shmtrain/ddp_style.py)
     model.close()
 """
 
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from shmtrain import strategies
+from shmtrain.ddp_style import DDPStyle
 from shmtrain.fabric import context as fabric_context
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.transports import Transports
@@ -30,7 +34,19 @@ from shmtrain.timing import PhaseTimer
 
 
 class DataParallel(nn.Module):
-    """Wrap ``module`` and ``optimizer`` so a plain PyTorch loop trains data-parallel.
+    """Wrap ``module`` and ``optimizer`` so a plain PyTorch (DDP) loop trains data-parallel.
+
+    The loop is DDP's: ``optimizer.zero_grad()``, forward, ``loss.backward()``, optionally
+    ``clip_grad_norm_``, ``optimizer.step()`` (the optimizer's ``step`` and ``zero_grad``
+    are wrapped: :mod:`shmtrain.ddp_style`). With a synchronous strategy (ssgd and its
+    variants, gpi, cpu_acc, ps_grad) the gradients are averaged when ``backward()``
+    returns and ``optimizer.step()`` updates, so the weights equal DDP's; with the others
+    (seasgd, easgd, hsgd, downpour, diloco, ps_weight, single) ``optimizer.step()`` runs
+    the strategy's whole exchange and update. :meth:`step` (``model.step()``) does the
+    same as ``optimizer.step()``: call one of the two after each backward, never both.
+    Patterns that would skip communication raise with the fix; :meth:`no_sync`
+    accumulates, :meth:`join` takes uneven inputs. What differs from DDP per strategy:
+    docs/convert_ddp.md.
 
     Args:
         module: the model (the same initial weights are taken from rank 0).
@@ -46,6 +62,9 @@ class DataParallel(nn.Module):
         grad_clip: clip the global L2 norm of the gradient the optimizer steps with (the
             averaged one, for synchronous strategies) to this, before every step
             (``--grad-clip``; refused by the strategies that cannot, with the reason).
+        ddp_style: wrap the optimizer and average in backward (default); False keeps
+            ``model.step()`` as the only step, communicating there (``shmtrain train``'s
+            :class:`~shmtrain.runtime.trainer.Trainer` sets it, see :attr:`ddp_style`).
         **options: the strategy's Config fields (when ``config`` is not given).
     """
 
@@ -61,6 +80,7 @@ class DataParallel(nn.Module):
         transports: Transports | None = None,
         device: torch.device | str | None = None,
         grad_clip: float | None = None,
+        ddp_style: bool = True,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -80,6 +100,9 @@ class DataParallel(nn.Module):
         self.timer = timer or PhaseTimer()
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip={grad_clip!r}: the norm to clip to must be positive; use e.g. 1.0, or None")
+        control = self._control()
+        if control is not None:  # a new training: earlier "finished" marks count for nothing
+            control.generation += 1
         try:
             impl = plan(strategy, config, self.ctx.world_size, self.ctx.num_nodes)
             impl.check_optimizer(type(optimizer).__name__, strategies.get(strategy).chosen_by(config), grad_clip=grad_clip)
@@ -89,6 +112,27 @@ class DataParallel(nn.Module):
             raise
         self.strategy = impl(config, self.ctx, module, optimizer, self.timer, transports=transports)
         self.strategy.grad_clip = grad_clip
+        self._ddp: DDPStyle | None = None
+        self.ddp_style = ddp_style
+
+    @property
+    def ddp_style(self) -> bool:
+        """Whether the loop is DDP's (``optimizer.step()``, averaged in backward, checked);
+        False: ``model.step()`` does all the communication, as :class:`Trainer` wants (its
+        phases time backward and comm apart, and ``--sub-batch`` delivers gradients through
+        one backward per parameter). Set it before the first backward."""
+        return self._ddp is not None
+
+    @ddp_style.setter
+    def ddp_style(self, value: bool) -> None:
+        if value and self._ddp is None:
+            self._ddp = DDPStyle(self.strategy, self.optimizer, self.timer)
+        elif not value and self._ddp is not None:
+            self._ddp.close()
+            self._ddp = None
+
+    def _control(self) -> Any:
+        return getattr(getattr(self.ctx, "host", None), "control", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_forward()
@@ -109,11 +153,33 @@ class DataParallel(nn.Module):
         ``no_sync``; the first backward after it communicates their sum."""
         return self.strategy.no_sync()
 
+    def join(self) -> contextlib.AbstractContextManager[None]:
+        """DDP's ``model.join()`` for uneven inputs; every rank wraps its loop in it.
+
+        Synchronous strategies: a rank that leaves the block shadows every step the others
+        still take (no gradient of its own; the mean is over the initial world size, as
+        DDP's default ``divide_by_initial_world_size=True``) until every rank has left;
+        all ranks keep stepping, so their weights stay equal. Asynchronous strategies: a
+        rank that leaves is done (TERM's policy, ``--terminate``, decides for the others);
+        ps_weight, diloco and hsgd refuse it (their rounds need every worker)."""
+        if self._ddp is None:
+            raise ValueError("join() needs the DDP-style loop; leave ddp_style=True (the default)")
+        return self._ddp.join()
+
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - strategy decides
-        self.strategy.zero_grad()
+        """The strategy's zero_grad (``optimizer.zero_grad()`` is the same)."""
+        if self._ddp is not None:
+            self._ddp.zero_grad()
+        else:
+            self.strategy.zero_grad()
 
     def step(self) -> None:
-        """Finish the iteration: communicate, update the weights, close the step."""
+        """Finish the iteration: communicate (unless backward did), update the weights,
+        close the step. The same as ``optimizer.step()``, without its checks: one of the
+        two after every backward."""
+        if self._ddp is not None:
+            self._ddp.step()
+            return
         self.strategy.after_backward()
         with self.timer.phase("update"):
             self.strategy.apply_update()
@@ -158,7 +224,14 @@ class DataParallel(nn.Module):
         return state
 
     def close(self) -> None:
-        """End the strategy; leave the job if this wrapper joined it."""
+        """End the strategy; leave the job if this wrapper joined it, leaving a process
+        group the script created itself (its ``dist.destroy_process_group()`` ends it).
+        This rank is marked finished: a peer still stepping is told "finished after N
+        steps" (the fix: :meth:`join`), not that it died."""
+        control = self._control()
+        if control is not None:
+            control.set_finished(self.ctx.local_rank, self.strategy.iteration)
+        self.ddp_style = False
         self.strategy.finish()
         if self._own_ctx:
             self.ctx.close()

@@ -42,6 +42,9 @@ class ProcessContext:
     host: HostGroup
     timeout: float
     leaders: dist.ProcessGroup | None = None
+    #: whether this context created the default process group (False: the caller's script
+    #: had called ``init_process_group`` first, and :meth:`close` leaves it to the caller)
+    owns_group: bool = True
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -74,11 +77,18 @@ class ProcessContext:
         self.close()
 
     def close(self) -> None:
-        """Destroy the process groups (at once; see :meth:`shutdown` for the orderly way)."""
+        """Destroy the process groups this context created (at once; see :meth:`shutdown`
+        for the orderly way). A default group the caller created before :func:`from_env`
+        stays (the caller's ``dist.destroy_process_group()`` ends it); the hosts' leaders'
+        group, which this context made, is destroyed either way."""
         if not self._closed:
             self._closed = True
-            if dist.is_initialized():
+            if not dist.is_initialized():
+                return
+            if self.owns_group:
                 dist.destroy_process_group()
+            elif self.leaders is not None:
+                dist.destroy_process_group(self.leaders)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -117,6 +127,7 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
     host = _host_group(store, node_rank, local_rank, local_world, run_id, timeout)
     host.control.set_pid(local_rank, os.getpid())
     mark("host")
+    owns_group = not dist.is_initialized()
     leaders = _join_groups(store, rank, world, local_world, num_nodes, timeout)
     mark("gloo")
     host.barrier("set-up")
@@ -132,6 +143,7 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         host=host,
         timeout=timeout,
         leaders=leaders,
+        owns_group=owns_group,
     )
 
 

@@ -8,7 +8,8 @@ abort word (the first failing rank, set by that rank or by the launcher), a stop
 (a stop was requested: the signal number, set by a worker's signal handler or relayed by
 the launcher; the training loop reads it once per iteration, see
 :mod:`shmtrain.runtime.stop`), and a per-rank progress record (iterations done, state)
-used for termination alignment.
+used for termination alignment, and a per-rank "finished" mark (a worker that ended its
+training normally: a peer still waiting for it says so instead of "died").
 
 Waking is cheap and waiting is short (issue 16, item 2): a waiter first spins briefly on
 the word when every local rank has a core of its own (a peer that is running posts
@@ -110,6 +111,9 @@ class ControlBlock:
         self._base = segment.address(0)
         cores = len(allowed_cores())
         self._me: int | None = None
+        #: the training this process is in (``DataParallel`` counts them; every rank
+        #: creates them in the same order), for :meth:`set_finished`
+        self.generation = 0
         self._indices: dict[int, int] = {}
         self._sleep_lock = threading.Lock()
         self._sleeping: dict[int, int] = {}  # word index -> this process's threads asleep on it
@@ -155,6 +159,35 @@ class ControlBlock:
     def alive(self, rank: int) -> bool:
         """False once local rank ``rank``'s process is known gone (True before it registers)."""
         return alive(self.pid(rank))
+
+    def set_finished(self, rank: int, steps: int) -> None:
+        """Record that local ``rank`` ended its training normally after ``steps`` steps (a
+        peer that then stops answering finished; it did not die). Kept in the rank's pid
+        line with this process's :attr:`generation`, so a mark left by an earlier training
+        in the same job (a new ``DataParallel`` on the same context) counts for nothing."""
+        self._i64[self._pid_off(rank) // 8 + 1] = (self.generation << 32) | (min(steps, 0xFFFFFFFE) + 1)
+
+    def finished(self, rank: int) -> int | None:
+        """The steps after which local ``rank`` finished in this :attr:`generation`, or None."""
+        value = int(self._i64[self._pid_off(rank) // 8 + 1])
+        if not value or value >> 32 != self.generation:
+            return None
+        return (value & 0xFFFFFFFF) - 1
+
+    def finished_failure(self, rank: int, what: str, me: int | None = None) -> PeerFailure | None:
+        """The error for a waiter (local rank ``me``, default this process's) whose peer
+        ``rank`` has finished while it still needs it; None when ``rank`` has not finished,
+        or the waiter has finished too (both are ending: their last exchanges are done)."""
+        steps = self.finished(rank)
+        me = self._me if me is None else me
+        if steps is None or (me is not None and self.finished(me) is not None):
+            return None
+        return PeerFailure(
+            f"local rank {rank} (pid {self.pid(rank)}) finished after {steps} steps while this worker "
+            f"waited for {what}: every rank of a synchronous job takes the same number of steps; "
+            "wrap the training loop in `with model.join():` (shmtrain.DataParallel) so a rank that runs "
+            "out of batches shadows the others' steps until every rank is done, or give every rank the "
+            "same number of batches")
 
     def set_progress(self, rank: int, iterations: int) -> None:
         self._i64[self._progress_off(rank) // 8] = iterations
@@ -317,6 +350,9 @@ class ControlBlock:
             raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) failed (code {code}) during {what}",
                               peer=who)
         for peer in range(self.local_world):
+            finished = self.finished_failure(peer, what, me) if peer != me else None
+            if finished is not None:
+                raise finished
             if peer != me and not alive(self.pid(peer)):
                 self.abort(peer, DIED)
                 raise PeerFailure(f"local rank {peer} (pid {self.pid(peer)}) died during {what}", peer=peer)
@@ -328,6 +364,9 @@ class ControlBlock:
             how = "died" if code == DIED else (f"was killed by signal {code - 128}" if code > 128 else f"failed (exit status {code})")
             raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) {how} while this worker waited for {what}",
                               peer=who)
+        finished = self.finished_failure(rank, what)
+        if finished is not None:
+            raise finished
         if not alive(self.pid(rank)):
             # Record the dead peer as the first failure before this worker's own error
             # does (first writer wins), so every other waiter names the root cause.

@@ -179,6 +179,9 @@ class OneSidedWindow:
                 f"worker waited for {what}"
             )
         for peer in senders:
+            finished = control.finished_failure(peer, what, self.rank)
+            if finished is not None:
+                raise finished
             if not alive(control.pid(peer)):
                 control.abort(peer, DIED)  # the root cause, before this worker's own failure
                 raise PeerFailure(

@@ -153,6 +153,8 @@ class Trainer:
             raise ValueError(f"--amp {amp!r}: choose none, bf16 or fp16")
         self.bf16 = amp == "bf16"
         self.engine = engine
+        if getattr(engine, "ddp_style", False):  # this loop steps with engine.step(), communicating there
+            engine.ddp_style = False  # type: ignore[attr-defined]
         module = getattr(engine, "module", engine)
         first = next(module.parameters(), None) if isinstance(module, nn.Module) else None
         #: where the model computes (the batch is moved there)

@@ -77,6 +77,13 @@ class Strategy:
     optimizers: ClassVar[frozenset[str] | None] = None
     #: why ``--grad-clip`` cannot run with this strategy; None: it can
     grad_clip_reason: ClassVar[str | None] = None
+    #: every rank steps on the job's mean gradient each iteration, so the weights stay
+    #: equal to DDP's (ssgd and its variants, gpi, cpu_acc, ps_grad): ``DataParallel``
+    #: runs ``after_backward`` when backward returns, as DDP averages in backward
+    synchronous: ClassVar[bool] = False
+    #: unstaged, ``param.grad`` after ``after_backward`` may be views of memory other ranks
+    #: read (a slot, a shared sum): ``DataParallel`` hands the user private copies
+    shared_gradients: ClassVar[bool] = True
     #: for a GPU-only implementation: what it does with GPUs and how to run it instead
     device_rule: ClassVar[str] = "runs on GPUs only"
     device_fix: ClassVar[str] = "use --device cuda"
@@ -194,6 +201,9 @@ class Strategy:
         #: worker that holds them, for strategies whose workers' own weights are not the
         #: job's model (SEASGD, EASGD, Downpour, HSGD: W_g; DiLoCo: θ^(t)); None otherwise
         self.final_global_weights: torch.Tensor | None = None
+        #: >0 while a gradient hook of the strategy runs (an optimizer step from there is
+        #: the strategy's own, e.g. gpi's layer-wise update, not the user's)
+        self.busy = 0
         self._hooks: list[Any] = []
         if type(self).on_gradient_ready is not Strategy.on_gradient_ready:
             self.register_gradient_hooks()
@@ -205,7 +215,11 @@ class Strategy:
 
         def guarded(param: torch.Tensor) -> None:
             if self.syncing:
-                call(param)
+                self.busy += 1
+                try:
+                    call(param)
+                finally:
+                    self.busy -= 1
 
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(guarded))

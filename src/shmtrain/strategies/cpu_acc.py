@@ -62,6 +62,7 @@ class CPUAccumulation(Strategy):
     """Synchronous SGD; gradients summed by host threads while backward runs."""
 
     name = "cpu_acc"
+    synchronous = True
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):

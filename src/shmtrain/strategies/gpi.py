@@ -84,6 +84,8 @@ class GPI(Strategy):
     """Synchronous SGD with layer-wise one-sided tree reduction and broadcast."""
 
     name = "gpi"
+    synchronous = True
+    shared_gradients = False  # each rank's own (the root's holds the mean, the others partial sums)
     fp16_reason = ("the root updates layer by layer during backward, while a GradScaler unscales "
                    "and steps the whole optimizer once per iteration")
     grad_clip_reason = ("the root updates each layer as its reduced gradient arrives during backward, "

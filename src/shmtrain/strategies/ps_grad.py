@@ -117,6 +117,7 @@ class ParameterServerGrad(ParameterServer):
     """Gradient-averaging parameter server, rank 0 the server (eq. 2.1, Section 6)."""
 
     name = "ps_grad"
+    synchronous = True
     Config = ParameterServerConfig
     fp16_reason = ("only the server steps its optimizer, so the workers' GradScalers would never "
                    "see the gradients they scaled")
@@ -164,16 +165,18 @@ class ParameterServerGrad(ParameterServer):
         self.layout.bind_grads(self._grad_views)
 
     def after_backward(self) -> None:
-        """Steps 3-4: the server gathers and averages the gradients (into its own)."""
+        """Steps 3-4: the server gathers and averages the gradients (into its own; staged,
+        back into its ``param.grad`` too, so the mean is there before the update, as a
+        user's clip between backward and step expects)."""
         if self.staging is not None:
             self._to_host(self._grad_views, grads=True)
         self.star.gather_mean(self.grad, phase=partial(ps_phase, self.timer))
+        if self.staging is not None and self.is_server:
+            self._to_device(self._grad_views, data=False)
 
     def apply_update(self) -> None:
         """Step 5: only the server applies the averaged gradient to its weights."""
         if self.is_server:
-            if self.staging is not None:  # the mean back into the server's gradients
-                self._to_device(self._grad_views, data=False)
             self.step_optimizer()
             if self.staging is not None:  # the new weights into the server buffer
                 self._to_host(self._weight_views, grads=False)

@@ -38,6 +38,7 @@ class SSGD(SlotGradients, Strategy):
     """Synchronous SGD, gradient averaging through the shared-memory allreduce."""
 
     name = "ssgd"
+    synchronous = True
     #: the allreduce's dtype when it is not the parameters' (CastSSGD)
     comm_dtype: torch.dtype | None = None
     #: a variant's ``--allreduce`` values (None: any) and why it stands alone
@@ -133,4 +134,5 @@ class CastSSGD(CastSlotGradients, SSGD):
     """``ssgd --comm-dtype bf16``: the gradients averaged in bfloat16 (issue 14 item 4)."""
 
     comm_dtype = torch.bfloat16
+    shared_gradients = False  # the mean comes back into a private float32 buffer
     variant_reason = "the narrower allreduce is built for plain ssgd only"

@@ -26,6 +26,7 @@ class NcclSSGD(Strategy):
     with ``allreduce="nccl"`` to it, see ``SSGD.implementation``)."""
 
     name = "ssgd"
+    synchronous = True
     devices = frozenset({"cuda"})
     allreduces = ("nccl",)
     device_rule = "reduces GPU tensors"

@@ -42,6 +42,7 @@ class OverlapSSGD(Strategy):
     ``ssgd`` hands a config with ``overlap`` to it, see ``SSGD.implementation``)."""
 
     name = "ssgd"
+    synchronous = True
     allreduces = ("shm", "gloo")
     variant_reason = "overlapped buckets go through shared memory or gloo only"
 

@@ -51,6 +51,7 @@ class ShardedSSGD(SlotGradients, Strategy):
     ``ssgd`` hands a config with ``sharded_update`` to it, see ``SSGD.implementation``)."""
 
     name = "ssgd"
+    synchronous = True
     fp16_reason = "the sharded update runs SGD's formulas on chunks of host memory, not the optimizer a GradScaler steps"
     devices = frozenset({"cpu"})
     optimizers = frozenset({"sgd"})
