@@ -134,7 +134,7 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
         name = Path(script).stem
     else:
         script, args, name = None, command, module
-    log_dir = Path(log_dir) if log_dir is not None else Path("shmtrain-logs") / name
+    log_dir = (Path(log_dir) if log_dir is not None else Path("shmtrain-logs") / name).absolute()
     header = f"--- shmtrain run {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}): " + " ".join(
         ["-m", module, *args] if module else [script or "", *args]) + " ---"
     mark(log_dir, workers, header)

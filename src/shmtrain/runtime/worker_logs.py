@@ -65,11 +65,11 @@ class WorkerLogs:
 
     def last_line(self, rank: int) -> str:
         """The last line the worker wrote (what it said before a failure it could not report)."""
-        lines = self.tail(rank, 20)
+        lines = self.recent(rank, 20)
         last = next((line.strip() for line in reversed(lines) if line.strip()), "")
         return f" ({last})" if last else ""
 
-    def tail(self, rank: int, count: int = 10) -> list[str]:
+    def recent(self, rank: int, count: int = 10) -> list[str]:
         """The last ``count`` lines the worker wrote in this launch (not a previous one's:
         the log is appended to)."""
         if self.dir is None:
