@@ -149,9 +149,10 @@ def test_sigkill_of_one_worker_stops_the_others(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
     """The example's uninterrupted run: its final checkpoint."""
-    ckpt = tmp_path_factory.mktemp("straight") / "ddp.pt"
-    done = subprocess.run([sys.executable, "-m", "shmtrain", "run", "--workers", "2", str(EXAMPLE), *STEPS,
-                           "--ckpt", str(ckpt)], capture_output=True, text=True, timeout=150, cwd=ROOT)
+    folder = tmp_path_factory.mktemp("straight")
+    ckpt = folder / "ddp.pt"
+    done = subprocess.run([sys.executable, "-m", "shmtrain", "run", "--workers", "2", "--log-dir", str(folder / "logs"),
+                           str(EXAMPLE), *STEPS, "--ckpt", str(ckpt)], capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert step_of(ckpt) == 600 and "finished at step 600" in done.stdout
     return ckpt
