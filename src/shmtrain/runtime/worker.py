@@ -75,7 +75,7 @@ def _join(timeout: float):
     (``shmtrain run``: ``SHMTRAIN_SCRIPT``), the launcher's store and control block only:
     the script joins the job itself (``init_process_group``, ``DataParallel``)."""
     if os.environ.get("SHMTRAIN_SCRIPT"):
-        from shmtrain.runtime.script_launch import ScriptContext
+        from shmtrain.runtime.script_worker import ScriptContext
 
         return ScriptContext.from_env(timeout)
     from shmtrain.fabric import context
