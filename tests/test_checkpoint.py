@@ -165,6 +165,10 @@ def test_ctrl_c_saves_and_the_resume_equals_the_straight_run(straight: Path, tmp
     assert_same_weights(weights(run / "model.pt"), weights(straight / "model.pt"))
     assert_same_weights(weights(run / "checkpoints" / "step-3000"), weights(straight / "checkpoints" / "step-3000"))
     assert iterations_logged(run, 0) == list(range(1, 3001))
+    summary = json.loads((run / "summary.json").read_text())  # both stretches, the whole wall time
+    assert [(s["start_iteration"], s["end_iteration"], s["ended"]) for s in summary["stretches"]] == [
+        (0, stopped_at, "interrupted"), (stopped_at, 3000, "finished")]
+    assert summary["wall_s"] == pytest.approx(sum(s["wall_s"] for s in summary["stretches"]), abs=0.01)
 
 
 def test_killed_worker_restarts_from_the_latest_checkpoint(straight: Path, tmp_path: Path) -> None:

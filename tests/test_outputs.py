@@ -36,3 +36,33 @@ def test_a_synchronous_run_writes_one_model(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy_rank0_local"] is None and "same on every worker" in summary["model_pt"]
     assert (out / "model.pt").exists() and not (out / "model-rank0.pt").exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_resumed_run_sums_its_stretches_and_keeps_their_logs(tmp_path: Path) -> None:
+    """Each launch on a run folder is a stretch (``runtime/stretches.py``): summary.json's
+    wall_s is their sum and lists them; resuming a finished run at its total adds a stretch
+    of no iterations and no second evaluation row."""
+    out = tmp_path / "run"
+    base = ["--workers", "2", "--model", "mlp", "--data", "synthetic", "--samples", "256", "--input-shape",
+            "1x8x8", "--batch-size", "8", "--checkpoint-every", "10", "--eval-every", "10", "--no-progress"]
+    assert main(["train", *base, "--iterations", "20", "--out", str(out)]) == 0
+    first = json.loads((out / "summary.json").read_text())
+    assert [(s["start_iteration"], s["end_iteration"], s["ended"]) for s in first["stretches"]] == [(0, 20, "finished")]
+    assert main(["train", "--resume", str(out)]) == 0  # at its total: nothing to train
+    again = json.loads((out / "summary.json").read_text())
+    assert again["evaluations"] == first["evaluations"] == 2
+    evals = [r for r in (out / "metrics" / "rank-0.jsonl").read_text().splitlines() if '"eval"' in r]
+    assert len(evals) == 2  # the last evaluation row is not written twice
+    assert [(s["start_iteration"], s["end_iteration"]) for s in again["stretches"]] == [(0, 20), (20, 20)]
+    assert main(["train", "--resume", str(out), "--iterations", "30"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    stretches = summary["stretches"]
+    assert [(s["stretch"], s["start_iteration"], s["end_iteration"], s["ended"]) for s in stretches] == [
+        (1, 0, 20, "finished"), (2, 20, 20, "finished"), (3, 20, 30, "finished")]
+    assert summary["wall_s"] == pytest.approx(sum(s["wall_s"] for s in stretches), abs=0.01)
+    assert summary["wall_s"] > stretches[0]["wall_s"] and all(s["started_at"] for s in stretches)
+    assert summary["iterations_per_rank"] == {"0": 30, "1": 30}
+    log = (out / "logs" / "rank-1.log").read_text()
+    assert [log.count(f"--- stretch {k}: started") for k in (1, 2, 3)] == [1, 1, 1]
+    assert "from iteration 20 ---" in log

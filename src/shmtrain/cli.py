@@ -1,4 +1,4 @@
-"""The command line: ``shmtrain train | compare | bench | sim | experiment | reproduce``."""
+"""The command line: ``shmtrain train | run | compare | bench | sim | experiment | reproduce``."""
 
 from __future__ import annotations
 
@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shmtrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train(sub)
+    from shmtrain.runtime.script_launch import add_parser as add_run
+
+    add_run(sub)
     _add_compare(sub)
     _add_bench(sub)
     from shmtrain.sim.cli import add_sim_parser
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     words = sys.argv[1:] if argv is None else argv
-    if words[:1] in (["train"], ["bench"], ["reproduce"], ["experiment"]) and not {"-h", "--help"} & set(words):
+    if words[:1] in (["train"], ["run"], ["bench"], ["reproduce"], ["experiment"]) and not {"-h", "--help"} & set(words):
         from shmtrain.runtime import zygote
 
         zygote.prestart()  # the workers' torch imports while this process builds its parser

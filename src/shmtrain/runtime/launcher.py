@@ -10,7 +10,10 @@ with an error naming it, then terminates them. Ctrl-C and errors end every child
 the run's shared-memory names are swept on every exit path. With ``graceful_stop``
 (``shmtrain train``), the first SIGINT or SIGTERM is relayed to the workers through the
 control block's stop word instead: they finish the iteration, save a checkpoint and
-return (``runtime/stop.py``); a second one ends them at once (SIGHUP too).
+return (``runtime/stop.py``); a second one ends them at once (SIGHUP too). With
+``relay_signals`` (``shmtrain run``: scripts in their own sessions, as torchrun's) the
+first signal is passed on to every worker instead, and they have :data:`STOP_GRACE_S`
+seconds to end (to save what they want) before they are killed.
 
 **Errors.** A worker that fails puts one line with its cause in the store
 (``error/<rank>``: the exception, and the peer it gave up waiting for when it timed
@@ -43,6 +46,8 @@ from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
 from shmtrain.runtime.worker_logs import WorkerLogs
 
 GRACE_S = 10.0
+#: seconds the workers have to end after a relayed SIGINT/SIGTERM (torchrun's figure)
+STOP_GRACE_S = 30.0
 
 
 class WorkerFailed(RuntimeError):
@@ -108,6 +113,7 @@ def launch(
     graceful_stop: bool = False,
     log_dir: Path | None = None,
     verbose: bool = False,
+    relay_signals: bool = False,
 ) -> list[Any]:
     """Run ``target`` (``"module:function"``, called as ``fn(ctx, payload)``) in ``nprocs``
     local worker processes; return their return values by rank.
@@ -135,11 +141,12 @@ def launch(
     children: list[Any] = []  # subprocess.Popen, or zygote.Worker (the same calls)
     logs = WorkerLogs(log_dir, nprocs, verbose)
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there
-    stopping = _StopRelay(job.control) if graceful_stop and in_main else None
+    stopping = (_StopRelay(job.control, children if relay_signals else None)
+                if (graceful_stop or relay_signals) and in_main else None)
     force = False
     try:
         for rank in range(nprocs):
-            child_env = dict(job.env, RANK=str(rank), LOCAL_RANK=str(rank), **logs.env())
+            child_env = dict(job.env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), **logs.env())
             children.append(_start(target, child_env, (job.segment.fd, *logs.fds()), logs.path(rank),
                                    timeout))
         supervisor = _Supervisor(children, job, logs, stopping, tolerate_worker_loss)
@@ -216,6 +223,8 @@ class _Supervisor:
         children, control = self.children, self.job.control
         while True:
             codes = [c.poll() for c in children]
+            if self.stopping is not None and self.stopping.signum and self.stopping.children is not None:
+                self.stopping.drain()  # a relayed signal: every worker ends, then StopNow
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in self.lost]
             if bad and self.stopping is not None and self.stopping.signum and bad[0][1] in _STOP_CODES:
                 _end(children, 3.0)  # the signal reached a worker before its loop: nothing saved
@@ -260,21 +269,47 @@ _STOP_CODES = (129, 130, 143, -signal.SIGHUP, -signal.SIGINT, -signal.SIGTERM)
 
 
 class _StopRelay:
-    """The launcher's SIGINT/SIGTERM handlers under ``graceful_stop``: the first signal
-    sets the control block's stop word, a second raises KeyboardInterrupt."""
+    """The launcher's SIGINT/SIGTERM/SIGHUP handlers under ``graceful_stop``: the first
+    signal sets the control block's stop word, a second raises :class:`StopNow`. With
+    ``children`` (``relay_signals``) the first is sent on to each of them instead."""
 
-    def __init__(self, control: ControlBlock) -> None:
-        self.control = control
+    def __init__(self, control: ControlBlock, children: list[Any] | None = None) -> None:
+        self.control, self.children = control, children
         self.signum = 0
+        self.at = 0.0
+        self.sent: set[int] = set()  # pids the signal was sent to
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         if self.signum:
             raise StopNow(signum, self.signum)
-        self.signum = signum
-        self.control.request_stop(signum)
-        print(f"\nshmtrain: {signal.Signals(signum).name}: every worker finishes its iteration and "
-              "saves a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        self.signum, self.at = signum, time.monotonic()
+        name = signal.Signals(signum).name
+        if self.children is None:
+            self.control.request_stop(signum)
+            print(f"\nshmtrain: {name}: every worker finishes its iteration and "
+                  "saves a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            return
+        self.forward()
+        print(f"\nshmtrain: {name} passed on to every worker; they have {STOP_GRACE_S:.0f} s to end "
+              "(Ctrl-C again to kill them at once)", file=sys.stderr, flush=True)
+
+    def forward(self) -> None:
+        """Send the signal to every worker that has not had it (one started since too)."""
+        for child in list(self.children or ()):
+            if child.pid not in self.sent:
+                self.sent.add(child.pid)
+                child.send_signal(self.signum)
+
+    def drain(self) -> None:
+        """After a relayed signal: wait for every worker to end (killing what is left after
+        :data:`STOP_GRACE_S`), then raise :class:`StopNow`."""
+        children = self.children or []
+        while any(c.poll() is None for c in children) and time.monotonic() < self.at + STOP_GRACE_S:
+            self.forward()
+            time.sleep(0.05)
+        _end(children, 0.0, kill=True)
+        raise StopNow(self.signum)
 
     def close(self) -> None:
         for signum, handler in self.previous.items():

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shmtrain.runtime import stretches
 from shmtrain.runtime.files import figure_output, write_output
 from shmtrain.runtime.finite import json_text
 
@@ -120,8 +121,11 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     anything optional; return the summary."""
     previous = out / "summary.json"
     if previous.is_file() and results and not any(r.get("trained", 1) for r in results):
-        try:  # a finished run resumed at its total: nothing new to report, wall_s kept
-            return json.loads(previous.read_text())
+        try:  # a finished run resumed at its total: nothing new to report but its stretches
+            kept = json.loads(previous.read_text())
+            stretches.apply(out, kept)
+            write_output(previous, (json_text(kept, indent=2) + "\n").encode())
+            return kept
         except (OSError, ValueError):
             pass  # unreadable: written anew below
     rows = read_metrics(out)
@@ -162,6 +166,10 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     summary["lost_workers"] = {
         str(r): n if n >= 0 else (rows[r][-1]["iteration"] if rows.get(r) else 0) for r, n in sorted(lost.items())
     }
+    for r, n in summary["lost_workers"].items():  # every rank's count, the lost ones' too
+        summary["iterations_per_rank"].setdefault(int(r), n)
+    summary["iterations_per_rank"] = dict(sorted(summary["iterations_per_rank"].items()))
+    stretches.apply(out, summary)  # a resumed run: wall_s over every stretch, and the list
     skipped = sorted({f for r in results for f in r.get("skipped_files", [])})
     summary["skipped_files"] = len(skipped)  # --skip-bad-files: each is named in the logs
     write_output(out / "summary.json", (json_text(summary, indent=2) + "\n").encode())

@@ -25,6 +25,7 @@ from shmtrain.runtime import checkpoint_files, report, runlock, smb_server
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launcher import WorkerFailed, launch
 from shmtrain.runtime.preflight import preflight
+from shmtrain.runtime.stretches import Stretch
 from shmtrain.runtime.zygote import under_torchrun
 from shmtrain.startup import mark
 
@@ -101,6 +102,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
     restarts = 0
     while True:
         payload = {"config": config, "out": str(out), "resume": str(start_from) if start_from else None}
+        stretch = Stretch(out, (checkpoint_files.step_of(start_from) if start_from else None) or 0, config.workers)
         try:
             results = launch(TARGET, config.workers, payload, threads=config.threads, timeout=config.timeout,
                              # with restarts left, a death restarts the run instead (item 4)
@@ -110,6 +112,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
                              env=_preload_env(config))
             break
         except WorkerFailed as exc:
+            stretch.end("failed")
             if not exc.stop_signal and restarts < config.max_restarts:  # a dead zygote too: a new one forks
                 restarts += 1
                 start_from = checkpoint_files.resume_point(out, _warn)
@@ -128,9 +131,11 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
                 exc.args = (f"{exc}; {_resume_hint(out)}",)
             raise
         except KeyboardInterrupt as exc:
+            stretch.end("interrupted")
             signum = getattr(exc, "signum", signal.SIGINT)
             raise RunStopped(_interrupted_message(out, exc), 128 + signum) from None
     stopped = [r for r in results if r.get("stopped")]
+    stretch.end("interrupted" if stopped else "finished", max(r["iterations"] for r in results))
     if stopped:
         raise RunStopped(_stopped_message(out, results, stopped[0]["stopped"]), 128 + stopped[0]["stopped"])
     return _finish(out, config, results, time.perf_counter() - start, echo)
@@ -214,8 +219,10 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     for line in strategies.get(config.strategy).describe_metrics(summary):
         echo(line)
     acc = summary["accuracy"]
+    runs = len(summary.get("stretches", [])) or 1
     echo(f"\nheld-out accuracy {acc * 100:.2f}%  |  {summary['iterations']} iterations  |  "
-         f"wall {wall:.1f} s  |  {out}/summary.json, {out}/plot.png")
+         f"wall {summary['wall_s']:.1f} s" + (f" in {runs} stretches (this one {wall:.1f} s)" if runs > 1 else "")
+         + f"  |  {out}/summary.json, {out}/plot.png")
     if summary.get("lost_workers"):
         echo("lost during the run (the others trained to the end): " + ", ".join(
             f"rank {r} after iteration {n}" for r, n in summary["lost_workers"].items()))
@@ -243,6 +250,7 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
         smb_server.prefork(int(os.environ["WORLD_SIZE"]), config.timeout)  # forked now, no second torch import
     ctx = from_env(config.timeout)
     lock: runlock.RunLock | None = None  # rank 0 holds the run folder's lock for the job
+    stretch: Stretch | None = None
     try:
         config.workers = ctx.world_size
         if ctx.rank == 0:
@@ -253,6 +261,8 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
             raise ValueError(info["error"])
         out = Path(info["out"])
         mark("joined")
+        if ctx.rank == 0:  # rank 0 records the job's stretch (stretches.py)
+            stretch = Stretch(out, (checkpoint_files.step_of(info["resume"]) if info["resume"] else None) or 0)
         result = train_worker(ctx, {"config": config, "out": str(out), "resume": info["resume"]})
         if ctx.num_nodes > 1 and strategies.get(config.strategy).tolerates_host_loss:
             results = _gather_survivors(ctx, result)  # a lost host must not hang the others
@@ -263,12 +273,16 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
             ctx.shutdown()  # every peer done before any gloo pair is torn down (no exit abort)
     except BaseException:
         ctx.fail()
+        if stretch is not None:
+            stretch.end("failed")
         raise
     finally:
         ctx.close()
         if lock is not None:
             lock.release()
     stopped = [r for r in results if r.get("stopped")]
+    if stretch is not None:
+        stretch.end("interrupted" if stopped else "finished", max(r["iterations"] for r in results))
     if stopped:
         signum = stopped[0]["stopped"]
         raise RunStopped(_stopped_message(out, results, signum) if ctx.rank == 0 else "", 128 + signum)

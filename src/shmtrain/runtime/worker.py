@@ -70,6 +70,19 @@ def resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _join(timeout: float):
+    """This worker's context: the job joined (``shmtrain train``), or, for a user's script
+    (``shmtrain run``: ``SHMTRAIN_SCRIPT``), the launcher's store and control block only:
+    the script joins the job itself (``init_process_group``, ``DataParallel``)."""
+    if os.environ.get("SHMTRAIN_SCRIPT"):
+        from shmtrain.runtime.script_worker import ScriptContext
+
+        return ScriptContext.from_env(timeout)
+    from shmtrain.fabric import context
+
+    return context.from_env(timeout)
+
+
 def main() -> int:
     _die_with_parent()
     signal.signal(signal.SIGTERM, _terminate)
@@ -85,9 +98,7 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(threads)
-        from shmtrain.fabric import context
-
-        ctx = context.from_env(float(os.environ.get("SHMTRAIN_TIMEOUT", "120")))
+        ctx = _join(float(os.environ.get("SHMTRAIN_TIMEOUT", "120")))
         payload = pickle.loads(ctx.store.get("payload"))
         result = resolve(target)(ctx, payload)
         ctx.store.set(f"result/{ctx.rank}", pickle.dumps(result))

@@ -15,6 +15,7 @@ class WorkerLogs:
     terminal's stderr is passed on as ``SHMTRAIN_CONSOLE_FD`` for the progress line."""
 
     def __init__(self, log_dir: Path | None, nprocs: int, verbose: bool) -> None:
+        # offsets: each log's size at the start of this launch (what it says is after them)
         self.dir, self.nprocs = log_dir, nprocs
         self.console = -1
         self.done = threading.Event()
@@ -64,14 +65,21 @@ class WorkerLogs:
 
     def last_line(self, rank: int) -> str:
         """The last line the worker wrote (what it said before a failure it could not report)."""
-        if self.dir is None:
-            return ""
-        try:
-            lines = self.path(rank).read_bytes()[-4096:].decode(errors="replace").splitlines()  # type: ignore[union-attr]
-        except OSError:
-            return ""
+        lines = self.recent(rank, 20)
         last = next((line.strip() for line in reversed(lines) if line.strip()), "")
         return f" ({last})" if last else ""
+
+    def recent(self, rank: int, count: int = 10) -> list[str]:
+        """The last ``count`` lines the worker wrote in this launch (not a previous one's:
+        the log is appended to)."""
+        if self.dir is None:
+            return []
+        try:
+            with open(self.path(rank), "rb") as f:  # type: ignore[arg-type]
+                f.seek(max(self.offsets[rank], os.fstat(f.fileno()).st_size - 8192))
+                return f.read().decode(errors="replace").splitlines()[-count:]
+        except OSError:
+            return []
 
     def close(self) -> None:
         self.done.set()
@@ -80,3 +88,12 @@ class WorkerLogs:
         if self.console >= 0:
             os.close(self.console)
             self.console = -1
+
+
+def mark(log_dir: Path, nprocs: int, line: str) -> None:
+    """Append ``line`` to every worker's log before a launch (what a later launch in the
+    same folder, a ``--resume`` or a restart, adds is told apart by it)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(nprocs):
+        with open(log_dir / f"rank-{rank}.log", "a", encoding="utf-8") as f:
+            f.write(line.rstrip("\n") + "\n")

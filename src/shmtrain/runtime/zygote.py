@@ -147,6 +147,7 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
     env = request["env"]
     names = {f"{{fd{i}}}": str(fd) for i, fd in enumerate(inherited)}
     env = {key: names.get(value, value) for key, value in env.items()}
+    os.chdir(request["cwd"])  # first: a relative log path is the launcher's
     os.dup2(stdout, 1)
     if request.get("log"):
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -160,7 +161,6 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
         os.set_inheritable(fd, True)
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(request["cwd"])
     for entry in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
         if entry not in sys.path:
             sys.path.insert(0, entry)

@@ -1,0 +1,89 @@
+"""The stretches of a run: each launch of ``shmtrain train`` on one run folder (the first,
+every ``--resume``, every restart after a worker's death) is a stretch.
+
+``RUN_DIR/stretches.json`` lists them, one object each: ``stretch`` (1, 2, ...),
+``started_at`` (local time, ISO 8601), ``start_iteration`` (the checkpoint it started
+from; 0 for the first), ``end_iteration`` (the last iteration it logged), ``wall_s`` and
+``ended`` (``finished``, ``interrupted`` or ``failed``). ``summary.json`` carries the list
+and ``wall_s``, their sum: the whole run's time, not the last stretch's. Each stretch
+first appends a header line (``--- stretch K: started ..., from iteration N ---``) to
+every ``logs/rank-<r>.log``, which later stretches append to, so each stretch's log is
+kept and told apart.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from shmtrain.runtime.files import write_output
+from shmtrain.runtime.worker_logs import mark
+
+FILE = "stretches.json"
+ENDINGS = ("finished", "interrupted", "failed")
+
+
+def read(out: Path) -> list[dict[str, Any]]:
+    """The stretches recorded in ``out`` (none when the file is missing or unreadable)."""
+    try:
+        entries = json.loads((out / FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return entries if isinstance(entries, list) else []
+
+
+class Stretch:
+    """One launch on the run folder ``out``, from ``start_iteration``; with ``workers``
+    (a local launch) its header goes into every worker's log first."""
+
+    def __init__(self, out: Path, start_iteration: int, workers: int | None = None) -> None:
+        self.out = out
+        self.number = len(read(out)) + 1
+        self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.start_iteration = start_iteration
+        self.t0 = time.perf_counter()
+        if workers is not None:
+            mark(out / "logs", workers, f"--- stretch {self.number}: started {self.started_at}, "
+                                        f"from iteration {start_iteration} ---")
+
+    def end(self, ended: str, end_iteration: int | None = None) -> None:
+        """Record how it ended (:data:`ENDINGS`) and the last iteration it logged (read
+        from rank 0's metrics file when not given)."""
+        if ended not in ENDINGS:
+            raise ValueError(f"a stretch ends {', '.join(ENDINGS)}, not {ended!r}")
+        entry = {
+            "stretch": self.number, "started_at": self.started_at, "start_iteration": self.start_iteration,
+            "end_iteration": last_iteration(self.out, self.start_iteration) if end_iteration is None else end_iteration,
+            "wall_s": round(time.perf_counter() - self.t0, 3), "ended": ended,
+        }
+        entries = [e for e in read(self.out) if e.get("stretch") != self.number] + [entry]
+        write_output(self.out / FILE, (json.dumps(entries, indent=2) + "\n").encode())
+
+
+def last_iteration(out: Path, default: int = 0) -> int:
+    """The last iteration rank 0 logged (its metrics file's last whole row)."""
+    try:
+        with open(out / "metrics" / "rank-0.jsonl", "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return default
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "iteration" in row:
+            return int(row["iteration"])
+    return default
+
+
+def apply(out: Path, summary: dict[str, Any]) -> None:
+    """Put the run's stretches in ``summary``, and ``wall_s`` as their sum."""
+    entries = read(out)
+    if entries:
+        summary["stretches"] = entries
+        summary["wall_s"] = round(sum(float(e.get("wall_s", 0.0)) for e in entries), 3)
