@@ -96,7 +96,7 @@ def main() -> None:
     stopped = 0
     while step < args.steps:
         base = (step * per_step) % (len(data.train_x) - per_step)  # the same batches after a resume
-        model.zero_grad()
+        optimizer.zero_grad()
         for micro in range(MICRO_BATCHES):
             start = base + (micro * world + rank) * args.batch_size
             x, y = data.train_x[start:start + args.batch_size], data.train_y[start:start + args.batch_size]
@@ -105,7 +105,7 @@ def main() -> None:
                 loss = loss_fn(model(x), y) / MICRO_BATCHES
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        model.step()  # DDP-style step (optimizer.step() once DataParallel averages in backward)
+        optimizer.step()  # DDP-style step: the gradients were averaged when backward() returned
         step += 1
         if rank == 0 and step % args.log_every == 0:
             print(f"step {step} loss {loss.item() * MICRO_BATCHES:.4f}", flush=True)
@@ -120,9 +120,8 @@ def main() -> None:
         how = f"stopped by {signal.Signals(stopped).name} after" if stopped else "finished at"
         print(f"{how} step {step}" + (f"; checkpoint {args.ckpt}" if args.ckpt else ""), flush=True)
     dist.barrier()  # rank 0's checkpoint is on disk before any worker leaves
-    model.close()
-    if dist.is_initialized():  # DataParallel.close() may have ended it already
-        dist.destroy_process_group()
+    model.close()  # leaves the process group this script created
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
