@@ -158,11 +158,13 @@ class DataOptions:
     def _settle_folder(self) -> None:
         """A folder: it exists; its image size from --image-size or --input-shape (they
         must agree), recorded as ``input_shape = 3xHxW``; its transform; its val folder."""
-        for flag, path in (("--data", self.data), ("--val-data", self.val_data)):
-            if path is not None and not Path(path).is_dir():
-                raise ValueError(f"{flag} {path!r}: not 'digits' or 'synthetic', not module:callable, and no "
-                                 "such folder; give digits, synthetic, module:callable, or a folder with one "
-                                 "sub-folder of images per class")
+        if not Path(self.data).is_dir():
+            raise ValueError(f"--data {self.data!r}: not 'digits' or 'synthetic', not module:callable, and no "
+                             "such folder; give digits, synthetic, module:callable, or a folder with one "
+                             "sub-folder of images per class")
+        if self.val_data is not None and not Path(self.val_data).is_dir():
+            raise ValueError(f"--val-data {self.val_data!r}: no such folder; give a folder with the same class "
+                             "sub-folders as --data")
         side = self.image_size
         if self.input_shape is not None:
             channels, height, width = parse_shape(self.input_shape)
