@@ -45,7 +45,7 @@ from shmtrain.runtime.sources import DataSource
 
 #: samples per forward pass of the held-out evaluation
 EVAL_BATCH = 256
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
 def item_seed(seed: int, epoch: int, index: int) -> int:
@@ -83,14 +83,17 @@ class SeededItems(TorchDataset):
         return self.dataset[index]
 
 
-def _loader_process_init(parent: int, _worker_id: int) -> None:
+def _loader_process_init(parent: int, worker_id: int) -> None:
     """In each DataLoader process: leave Ctrl-C and SIGTERM to the training worker, die
-    with it."""
+    with it, and be named ``shmtrain-data<i>`` (not the training worker's ``shmtrain-w<r>``,
+    which the fork copied)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for signum in (signal.SIGTERM, signal.SIGHUP):  # not the training worker's stop handler
         signal.signal(signum, signal.SIG_DFL)
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(f"shmtrain-data{worker_id}".encode()[:15]))
     except (OSError, AttributeError):  # not Linux: the DataLoader's own watchdog remains
         pass
     if os.getppid() != parent:  # the training worker died before the line above
