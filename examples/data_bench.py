@@ -89,6 +89,29 @@ def run_one(folder: Path, out: Path, args: argparse.Namespace) -> dict:
     }
 
 
+def probe(folder: Path, batches: int = 150) -> dict:
+    """In this process: RSS after opening ``folder`` as the workers do, and after taking
+    ``batches`` of 32 through 2 loader processes (``--probe``)."""
+    from shmtrain.runtime.config import resolve
+    from shmtrain.runtime.data import ShardSampler
+    from shmtrain.runtime.loader import LoaderBatches
+    from shmtrain.runtime.sources import open_data
+
+    me, mib = psutil.Process(), 1 << 20
+    config = resolve({"data": str(folder / "train"), "val_data": str(folder / "val"), "device": "cpu"})
+    source = open_data(config)
+    opened = me.memory_info().rss / mib
+    loader = LoaderBatches(source, ShardSampler(source.train_samples, 32, 2, 0, 0), 2, False, 10, 0)
+    try:
+        for _ in range(batches):
+            loader.next()
+        taken = me.memory_info().rss / mib
+    finally:
+        loader.close()
+    return {"train_files": source.train_samples, "rss_opened_mib": round(opened, 1),
+            "rss_after_batches_mib": round(taken, 1), "batches": batches}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2000, 20000], help="images per folder (train + val)")
@@ -100,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iterations", type=int, default=300)
     p.add_argument("--work", type=Path, help="folder for the images and runs (default: a temporary one)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--probe", action="store_true", help="also measure in one process: RSS after opening each "
+                   "folder and after 150 batches through 2 loader processes (run it once per size: the "
+                   "first folder's imports are in the second's figure)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
@@ -110,8 +136,13 @@ def main(argv: list[str] | None = None) -> None:
                 start = time.perf_counter()
                 make(folder, classes=4, per_class=round(files / 4 / 1.25), size=args.size, val_share=0.25)
                 print(f"generated {folder} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            if args.probe:
+                print(json.dumps({"probe": probe(folder)}))
+                continue
             row = run_one(folder, work / f"run-{files}-{os.getpid()}", args)
             rows.append(row)
+    if args.probe:
+        return
     print(f"{'files':>7} {'worker RSS MiB':>16} {'worker USS MiB':>16} {'loader USS MiB':>16} "
           f"{'data ms':>8} {'iter ms':>8} {'data %':>7}")
     for r in rows:
