@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 
 from shmtrain.cli import main
-from shmtrain.runtime.data import load_image_folder, read_image
+from shmtrain.runtime.data import read_image
 from shmtrain.runtime.finite import FLAG, json_text
+from shmtrain.runtime.image_folder import load_image, open_image_folder
 from shmtrain.runtime.images import image_to_tensor
 
 
@@ -88,9 +89,12 @@ def test_an_image_folder_of_16_bit_and_palette_images(tmp_path: Path) -> None:
         palette = Image.new("P", (4, 4), 1)
         palette.putpalette([0, 0, 0, 0, 255, 0])
         palette.save(tmp_path / "b" / f"{index}.png")
-    data = load_image_folder(tmp_path, 4)
-    x = np.concatenate([data.train_x.numpy(), data.test_x.numpy()])
-    y = np.concatenate([data.train_y.numpy(), data.test_y.numpy()])
+    train, val, classes, _ = open_image_folder(str(tmp_path), None, "3x4x4", "none", 0.2, False)
+    assert classes == {"a": 0, "b": 1} and len(train) + len(val) == 6
+    items = [train[i] for i in range(len(train))] + [val[i] for i in range(len(val))]
+    x = np.stack([item[0].numpy() for item in items])
+    y = np.array([item[1] for item in items])
+    assert load_image(str(tmp_path / "a" / "0.png")).shape == (3, 4, 4)  # the loader: decoded lazily
     np.testing.assert_allclose(x[y == 0].mean(), 30001 / 65535, atol=1e-3)
     np.testing.assert_allclose(x[y == 1].mean(axis=(0, 2, 3)), [0.0, 1.0, 0.0], atol=1e-5)
 

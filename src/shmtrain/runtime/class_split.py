@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shmtrain.runtime.data import Dataset, ShardSampler
+from shmtrain.runtime.data import ShardSampler
 
 
 def host_classes(num_classes: int, groups: int, group: int) -> list[int]:
@@ -38,12 +38,27 @@ class SubsetSampler(ShardSampler):
         return self.subset[super().indices(step)]
 
 
-def shard_sampler(data: Dataset, batch: int, seed: int, ctx: Any, class_split: int = 0) -> ShardSampler:
+def train_labels(data: Any) -> torch.Tensor:
+    """The training labels of ``data``: a :class:`~shmtrain.runtime.sources.DataSource` (its
+    tensors, or a folder's ``targets``) or a tensor :class:`~shmtrain.runtime.data.Dataset`."""
+    tensors = getattr(data, "tensors", None) or data
+    if hasattr(tensors, "train_y"):
+        return tensors.train_y
+    targets = getattr(getattr(data, "train", None), "targets", None)
+    if targets is None:
+        raise ValueError(f"--class-split with --data {data.name}: the training labels are not known up front "
+                         "(no 'targets' attribute); use digits, synthetic or an image folder, or give your "
+                         "Dataset a 'targets' list")
+    return torch.as_tensor(targets)
+
+
+def shard_sampler(data: Any, batch: int, seed: int, ctx: Any, class_split: int = 0) -> ShardSampler:
     """This worker's sampler: the whole set over every worker, or (``class_split`` N > 0)
     its host's group of classes over the host's workers."""
     if not class_split:
-        return ShardSampler(len(data.train_x), batch, ctx.world_size, ctx.rank, seed)
+        size = data.train_samples if hasattr(data, "train_samples") else len(data.train_x)
+        return ShardSampler(size, batch, ctx.world_size, ctx.rank, seed)
     node = getattr(ctx, "node_rank", 0)
     chosen = torch.tensor(host_classes(data.num_classes, class_split, node))
-    subset = torch.nonzero(torch.isin(data.train_y, chosen)).flatten()
+    subset = torch.nonzero(torch.isin(train_labels(data), chosen)).flatten()
     return SubsetSampler(subset, batch, ctx.local_world, ctx.local_rank, seed + 7919 * node)

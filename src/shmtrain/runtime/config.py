@@ -4,8 +4,8 @@ Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. TOM
 are the flags' names (``batch-size`` or ``batch_size``); the chosen strategy's own
 options (its ``Config`` fields, e.g. ``moving-rate``) are accepted the same way.
 
-:class:`TrainConfig` is declared in sections (:class:`JobOptions`, :class:`DataOptions`,
-:class:`OptimOptions`); every field carries ``metadata`` with its ``help`` and its
+:class:`TrainConfig` is declared in sections (:class:`JobOptions`, ``DataOptions``
+in ``runtime/data_options.py``, ``OptimOptions`` in ``runtime/optim_options.py``); every field carries ``metadata`` with its ``help`` and its
 ``section``, and ``shmtrain train``'s flags are generated from those fields (one
 argument group per section, the type and the choices from the annotation). The chosen
 strategy's options are held typed, built once: ``TrainConfig.strategy_config`` is an
@@ -34,15 +34,14 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from shmtrain import strategies
-from shmtrain.models import model_names
-from shmtrain.models.user import is_user_spec, resolve_callable
+from shmtrain.runtime.data_options import DataOptions
 from shmtrain.runtime.device import cuda_count, resolve_device
 from shmtrain.runtime.optim_options import OptimOptions
 from shmtrain.runtime.options import SECTIONS as SECTIONS  # re-exported: the sections of --help
 from shmtrain.runtime.options import need as _need
 from shmtrain.runtime.options import option
 from shmtrain.strategies.base import StrategyConfig, build_config, own_config, plan
-from shmtrain.typed_options import coerce, hint_kind, parse_kwargs, type_rule
+from shmtrain.typed_options import coerce, hint_kind, type_rule
 from shmtrain.typed_options import example as example_value
 from shmtrain.typed_options import hints as type_hints
 
@@ -103,50 +102,6 @@ class JobOptions:
 
 
 @dataclass(kw_only=True)
-class DataOptions:
-    """Section ``model and data``: the network and what it trains on (a mixin, see
-    :class:`JobOptions`)."""
-
-    __slots__ = ()
-
-    model: str = option("smallcnn", "the network: a built-in name, or module:callable, your own (a class or "
-                        "function returning an nn.Module; docs/own_model.md)", "data", names=model_names)
-    model_args: str = option("", "keyword arguments of --model module:callable, as k=v separated by ';' "
-                             "(Python literals), e.g. --model-args 'width=64; depth=3'", "data", metavar="K=V;...")
-    data: str = option("digits", "digits, synthetic, or a folder with one sub-folder of images per class", "data")
-    input_shape: str = option("3x64x64", "CxHxW of synthetic data", "data")
-    samples: int = option(1024, "synthetic samples", "data")
-    image_size: int = option(32, "side images of a folder are resized to", "data")
-    prefetch: int = option(10, "batches the prefetch thread keeps ready", "data")
-    class_split: int = option(0, "deal the classes into N groups (class c to group c mod N); host k's workers "
-                              "train only on group k mod N (a label-skewed shard per host; "
-                              "runtime/class_split.py); 0: no split", "data", metavar="N")
-    skip_bad_files: bool = option(False, "a folder --data: skip images that cannot be read (each named "
-                                  "in rank 0's log, counted in summary.json) instead of failing",
-                                  "data", action="store_true", default_text="fail, naming the file")
-
-    def _check_data(self) -> None:
-        _need(self.class_split >= 0, "class-split", self.class_split, "a number of class groups",
-              "use e.g. --class-split 2, or 0 for no split")
-        _need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched", "use e.g. --prefetch 10")
-        _need(self.samples >= 2, "samples", self.samples, "synthetic data needs at least 2 samples", "use e.g. --samples 1024")
-        _need(self.image_size >= 1, "image-size", self.image_size, "must be positive", "use e.g. --image-size 32")
-        if is_user_spec(self.model):
-            resolve_callable(self.model)  # importable here, so not only in the workers
-            parse_kwargs(self.model_args, "--model-args")
-        elif self.model not in model_names():
-            raise ValueError(f"--model {self.model!r} is unknown; choose one of: {', '.join(model_names())}, "
-                             "or module:callable for your own")
-        elif self.model_args:
-            raise ValueError(f"--model-args {self.model_args!r} with --model {self.model}: a built-in model takes "
-                             "no arguments; leave --model-args out, or give --model module:callable")
-        if self.data not in ("digits", "synthetic") and not Path(self.data).is_dir():
-            raise ValueError(
-                f"--data {self.data!r}: not 'digits' or 'synthetic', and no such folder; "
-                "give digits, synthetic, or a folder with one sub-folder of images per class"
-            )
-
-
 @dataclass(kw_only=True)
 class MonitorOptions:
     """Section ``evaluation and monitoring``: held-out evaluation, TensorBoard, timeline

@@ -1,9 +1,11 @@
 """Training data: loaders, sharding without duplication (DATA), a prefetch thread (IO).
 
-Data sets: ``digits`` (scikit-learn's 8x8 handwritten digits, 1797 images, shipped
-with the package), ``synthetic`` (random tensors of a given shape whose labels a model
-can learn), or a folder of images with one sub-folder per class. Everything is held
-in memory as tensors; a held-out split (20%) is kept for accuracy.
+In-memory data sets: ``digits`` (scikit-learn's 8x8 handwritten digits, 1797 images,
+shipped with the package) and ``synthetic`` (random tensors of a given shape whose labels
+a model can learn), held as tensors, a share ``--val-fraction`` (0.2) held out for
+accuracy. Folders of images and ``--data module:callable`` are opened lazily by
+``runtime/sources.py`` and batched by DataLoader workers (``runtime/loader.py``), through
+the same :class:`ShardSampler`.
 
 Sharding (ShmCaffe, "DATA"): at every epoch a permutation seeded by ``seed + epoch``
 is drawn, identically on every worker; global step ``t`` takes the slice
@@ -18,9 +20,10 @@ ShmCaffe paper uses 10); indexing releases the GIL, so it overlaps the training 
 from __future__ import annotations
 
 import functools
+import math
 import queue
 import threading
-import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +48,15 @@ class Dataset:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.train_x.shape[1:])
 
+    @property
+    def train_samples(self) -> int:
+        return len(self.train_x)
+
+    def held_out_batches(self, batch: int = 256) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The held-out split in batches of ``batch``."""
+        for start in range(0, len(self.test_x), batch):
+            yield self.test_x[start : start + batch], self.test_y[start : start + batch]
+
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"3x64x64"`` -> ``(3, 64, 64)``."""
@@ -57,20 +69,26 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _split(x: torch.Tensor, y: torch.Tensor, seed: int, name: str, classes: int) -> Dataset:
+def held_out(samples: int, fraction: float = 0.2) -> int:
+    """Samples held out of ``samples`` (``--val-fraction``): ``floor(samples * fraction)``,
+    at least 1."""
+    return max(1, math.floor(samples * fraction + 1e-9))
+
+
+def _split(x: torch.Tensor, y: torch.Tensor, seed: int, name: str, classes: int, fraction: float = 0.2) -> Dataset:
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    test = max(1, len(x) // 5)
+    test = held_out(len(x), fraction)
     return Dataset(name, x[order[test:]], y[order[test:]], x[order[:test]], y[order[:test]], classes)
 
 
 @functools.cache
-def load_digits_data() -> Dataset:
-    """scikit-learn's digits (8x8, 10 classes), split 80/20 with seed 0; read once per
-    process (the zygote reads it before forking workers, so they share it)."""
+def load_digits_data(fraction: float = 0.2) -> Dataset:
+    """scikit-learn's digits (8x8, 10 classes), ``fraction`` held out (seed 0); read once
+    per process (the zygote reads it before forking workers, so they share it)."""
     table = _digits_table()
     x = torch.from_numpy((table[:, :64] / 16.0).astype(np.float32)).view(-1, 1, 8, 8)
     y = torch.from_numpy(table[:, 64].astype(np.int64))
-    return _split(x, y, 0, "digits", 10)
+    return _split(x, y, 0, "digits", 10, fraction)
 
 
 def _digits_table() -> np.ndarray:
@@ -90,13 +108,14 @@ def _digits_table() -> np.ndarray:
     return np.concatenate([digits.data, digits.target[:, None]], axis=1)
 
 
-def load_synthetic(shape: tuple[int, ...], samples: int, classes: int = 10, seed: int = 0) -> Dataset:
+def load_synthetic(shape: tuple[int, ...], samples: int, classes: int = 10, seed: int = 0,
+                   fraction: float = 0.2) -> Dataset:
     """Gaussian inputs labelled by a fixed random linear map, so a model can learn them."""
     gen = torch.Generator().manual_seed(10_000 + seed)
     x = torch.randn((samples, *shape), generator=gen)
     projection = torch.randn((int(np.prod(shape)), classes), generator=gen)
     y = (x.flatten(1) @ projection).argmax(1)
-    return _split(x, y, seed, "synthetic", classes)
+    return _split(x, y, seed, "synthetic", classes, fraction)
 
 
 def read_image(file: Path, image_size: int) -> np.ndarray:
@@ -116,44 +135,17 @@ def read_image(file: Path, image_size: int) -> np.ndarray:
     return rgb.permute(1, 2, 0).numpy()
 
 
-def load_image_folder(path: Path, image_size: int, skip_bad_files: bool = False) -> Dataset:
-    """Images under ``path/<class>/...``, resized to ``image_size`` squared, RGB in [0, 1];
-    with ``skip_bad_files`` an unreadable image is left out, named in a warning and in
-    :attr:`Dataset.skipped`."""
-    if not path.is_dir():
-        raise ValueError(f"--data {str(path)!r}: no such folder (expected digits, synthetic, or a folder of images)")
-    classes = sorted(d.name for d in path.iterdir() if d.is_dir())
-    if len(classes) < 2:
-        raise ValueError(f"--data {str(path)!r}: needs one sub-folder per class, at least 2; found {len(classes)}")
-    images, labels, skipped = [], [], []
-    for label, cls in enumerate(classes):
-        for file in sorted((path / cls).rglob("*")):
-            if file.suffix.lower() in IMAGE_SUFFIXES:
-                try:
-                    images.append(read_image(file, image_size))
-                except ValueError as exc:
-                    if not skip_bad_files:
-                        raise
-                    warnings.warn(f"skipped (--skip-bad-files): {exc}", stacklevel=2)
-                    skipped.append(str(file))
-                    continue
-                labels.append(label)
-    if len(images) < 2:
-        raise ValueError(f"--data {str(path)!r}: found {len(images)} images; at least 2 are needed")
-    x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
-    data = _split(x, torch.tensor(labels), 0, path.name, len(classes))
-    data.skipped = skipped
-    return data
-
-
-def load_data(spec: str, *, input_shape: str = "3x64x64", samples: int = 1024, image_size: int = 32,
-              skip_bad_files: bool = False) -> Dataset:
-    """Load ``digits``, ``synthetic`` or a folder path."""
+def load_data(spec: str, *, input_shape: str | None = "3x64x64", samples: int | None = 1024,
+              val_fraction: float | None = 0.2, **_ignored: object) -> Dataset:
+    """The in-memory data sets, ``digits`` or ``synthetic``; any other ``--data`` (a folder,
+    module:callable) is opened by :func:`shmtrain.runtime.sources.open_data`."""
+    fraction = val_fraction or 0.2
     if spec == "digits":
-        return load_digits_data()
+        return load_digits_data(fraction)
     if spec == "synthetic":
-        return load_synthetic(parse_shape(input_shape), samples)
-    return load_image_folder(Path(spec), image_size, skip_bad_files)
+        return load_synthetic(parse_shape(input_shape or "3x64x64"), samples or 1024, fraction=fraction)
+    raise ValueError(f"--data {spec!r}: only digits and synthetic are tensors in memory; open a folder or "
+                     "module:callable with shmtrain.runtime.sources.open_data")
 
 
 class ShardSampler:

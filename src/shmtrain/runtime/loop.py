@@ -25,46 +25,40 @@ from shmtrain.runtime import schedule
 from shmtrain.runtime.checkpoint import Checkpointer
 from shmtrain.runtime.class_split import shard_sampler
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.data import Dataset, Prefetcher, load_data
 from shmtrain.runtime.device import worker_device
 from shmtrain.runtime.files import save_output
-from shmtrain.runtime.monitor import Monitor
+from shmtrain.runtime.loader import HeldOut, open_batches
+from shmtrain.runtime.monitor import Monitor, evaluate_batches
 from shmtrain.runtime.optimizers import build_optimizer
 from shmtrain.runtime.progress import Progress
+from shmtrain.runtime.sources import DataSource, open_data, write_run_facts
 from shmtrain.runtime.stop import StopRequest
 from shmtrain.runtime.trainer import RunServices, Trainer
 from shmtrain.startup import mark
 from shmtrain.timing import PhaseTimer
 
 
-def planned_iterations(config: TrainConfig, data: Dataset, world: int) -> int:
-    """Iterations per worker: ``--iterations``, or ``--epochs`` over the sharded data."""
+def planned_iterations(config: TrainConfig, data: Any, world: int) -> int:
+    """Iterations per worker: ``--iterations``, or ``--epochs`` over the sharded data
+    (``data.train_samples`` training samples)."""
     if config.iterations is not None:
         return config.iterations
-    steps = len(data.train_x) // (config.batch_size * world)
+    steps = data.train_samples // (config.batch_size * world)
     epochs = config.epochs if config.epochs is not None else 20
     return max(1, round(epochs * max(steps, 1)))
 
 
-@torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> float:
-    model.eval()
-    correct = 0
-    device = next(model.parameters()).device
-    for start in range(0, len(x), batch):
-        xb, yb = x[start : start + batch].to(device), y[start : start + batch].to(device)
-        correct += int((model(xb).argmax(1) == yb).sum())
-    model.train()
-    return correct / max(1, len(x))
+    """Held-out accuracy of ``model`` on tensors ``(x, y)``."""
+    return evaluate_batches(model, ((x[s : s + batch], y[s : s + batch]) for s in range(0, len(x), batch)))[1]
 
 
-def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[Any, torch.device, nn.Module, DataParallel,
+def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[DataSource, torch.device, nn.Module, DataParallel,
                                                               Trainer, PhaseTimer, int]:
-    """This worker's data, device, model, DataParallel, Trainer, timer and planned
-    iterations."""
+    """This worker's data (``runtime/sources.py``), device, model, DataParallel, Trainer,
+    timer and planned iterations."""
     torch.manual_seed(config.seed)
-    data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
-                     image_size=config.image_size, skip_bad_files=config.skip_bad_files)
+    data = open_data(config)
     mark("data")
     device = worker_device(config.device, ctx.host.local_rank)  # GPU local_rank % count, or the CPU
     model = build_model(config.model, data.input_shape, data.num_classes, config.model_args).to(device)
@@ -86,28 +80,44 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     config: TrainConfig = payload["config"]
     out = Path(payload["out"])
     data, device, model, dp, trainer, timer, total = _build(ctx, config)
+    if ctx.rank == 0:  # classes.json, and the data's facts in config.toml (runtime/sources.py)
+        write_run_facts(out, data)
     # checkpoints (runtime/checkpoint.py): a resumed run loads every rank's state here,
     # collectively, before the data position is used
-    checkpoints = Checkpointer(ctx, config, out, len(data.train_x) // (config.batch_size * ctx.world_size))
+    checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size))
     checkpoints.restore(trainer, payload.get("resume"))
     sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)  # --class-split
-    prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch,
-                          start=trainer.state.iteration)
+    # the shard's batches from the run's position on (runtime/loader.py): a thread slicing
+    # tensors, or DataLoader processes decoding a folder / module:callable data
+    prefetch = open_batches(data, sampler, config, device, start=trainer.state.iteration)
+    held_out = HeldOut(data, (config.loader_workers or 0) if ctx.rank == 0 else 0, device.type == "cuda")
     log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", trainer.state.iteration)
     progress = Progress(total, config.strategy, enabled=config.progress and ctx.rank == 0,
                         first=trainer.state.iteration)
-    monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size, dp.strategy)  # rank 0: eval, TensorBoard
+    monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size, held_out, dp.strategy)  # rank 0: eval, TensorBoard
     stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/stop.py)
     mark("first-iteration")  # what follows is the loop (its first row's t0)
     try:
         outcome = trainer.train(prefetch.next, RunServices(checkpoints, stop, monitor, log, progress, ctx.rank), total)
         dp.close()
+    except BaseException:
+        held_out.close()
+        raise
     finally:
         trainer.close()
         stop.close()
-        prefetch.close()
+        prefetch.close()  # the loader processes end here on every exit path
         monitor.close()
         log.close()
+    try:
+        return _result(ctx, out, data, model, dp, outcome, stop, total, str(device), held_out)
+    finally:
+        held_out.close()  # rank 0's persistent evaluation processes
+
+
+def _result(ctx: ProcessContext, out: Path, data: DataSource, model: nn.Module, dp: DataParallel, outcome: Any,
+            stop: StopRequest, total: int, device: str, held_out: HeldOut) -> dict[str, Any]:
+    """This worker's summary; rank 0 adds the held-out accuracy and writes ``model.pt``."""
     result: dict[str, Any] = {
         "rank": ctx.rank,
         "iterations": dp.iteration,
@@ -121,16 +131,16 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
         "skipped_files": data.skipped,
         # asynchronous strategies: workers lost during the run (rank -> iterations done)
         "lost": dp.lost_peers,
-        "device": str(device),
+        "device": device,
     }
     if ctx.rank == 0 and not stop.stopped:
         global_state = dp.global_state_dict()  # asynchronous strategies: W_g is the job's model
         if global_state is not None:
-            result["accuracy_rank0_local"] = accuracy(model, data.test_x, data.test_y)
+            result["accuracy_rank0_local"] = evaluate_batches(model, held_out)[1]
             save_output(out / "model-rank0.pt", model.state_dict())
             with torch.no_grad():
                 model.load_state_dict(global_state)
             result["model"] = "global weights (W_g); rank 0's own in model-rank0.pt"
-        result["accuracy"] = accuracy(model, data.test_x, data.test_y)
+        result["accuracy"] = evaluate_batches(model, held_out)[1]
         save_output(out / "model.pt", model.state_dict())
     return result

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,7 +33,6 @@ from torch import nn
 from torch.nn import functional
 
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.data import Dataset
 from shmtrain.runtime.finite import json_text
 
 #: samples per forward pass of the held-out evaluation
@@ -44,20 +43,28 @@ EVAL_BATCH = 256
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = EVAL_BATCH) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``, in batches, in ``eval()``
     mode (the model's mode is restored)."""
+    return evaluate_batches(model, ((x[s : s + batch], y[s : s + batch]) for s in range(0, len(x), batch)))
+
+
+@torch.no_grad()
+def evaluate_batches(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` over ``batches`` of ``(x, y)`` (a
+    folder's held-out set from its DataLoader, ``runtime/loader.py``), in ``eval()`` mode
+    (the model's mode is restored)."""
     was_training = model.training
     model.eval()
     try:
-        loss, correct = 0.0, 0
-        for start in range(0, len(x), batch):
-            xb, yb = x[start : start + batch], y[start : start + batch]
-            device = next(model.parameters()).device
+        loss, correct, n = 0.0, 0, 0
+        device = next(model.parameters()).device
+        for xb, yb in batches:
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             out = model(xb)
             loss += float(functional.cross_entropy(out, yb, reduction="sum"))
             correct += int((out.argmax(1) == yb).sum())
+            n += len(yb)
     finally:
         model.train(was_training)
-    n = max(1, len(x))
+    n = max(1, n)
     return loss / n, correct / n
 
 
@@ -78,20 +85,24 @@ class Monitor:
         rank: this worker's rank.
         model: the model to evaluate (the plain module, not the data-parallel wrapper,
             so evaluating starts no exchange).
-        data: the data set (``test_x``, ``test_y``; ``train_x`` for the epoch length).
+        data: the data set (``train_samples`` for the epoch length; ``test_x``, ``test_y``
+            held out unless ``held_out`` is given).
         world: workers in the job.
+        held_out: the held-out batches (``runtime/loader.py``'s ``HeldOut``).
     """
 
-    def __init__(self, config: TrainConfig, out: Path, rank: int, model: nn.Module, data: Dataset,
-                 world: int, strategy: Any = None) -> None:
+    def __init__(self, config: TrainConfig, out: Path, rank: int, model: nn.Module, data: Any,
+                 world: int, held_out: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 strategy: Any = None) -> None:
         self.wall0 = time.time()
         self.perf0 = time.perf_counter()
         self.active = rank == 0
         self.model = model
         #: the job's model, when it is not ``model`` (``Strategy.global_weights_now``)
         self.job_model = GlobalModel(model, strategy) if self.active and strategy is not None else None
-        self.x, self.y = data.test_x, data.test_y
-        self.every = eval_interval(config, len(data.train_x), world) if self.active else 0
+        # tensors (hosts_ddp's data): slices, iterable again at every evaluation
+        self.held_out = held_out if held_out is not None else _Slices(data.test_x, data.test_y)
+        self.every = eval_interval(config, data.train_samples, world) if self.active else 0
         self.last_eval: int | None = None
         self.writer: Any = None
         if self.active and config.tensorboard:
@@ -130,7 +141,7 @@ class Monitor:
         """Held-out loss and accuracy now: one ``eval`` row in ``log`` (and TensorBoard)."""
         start = time.perf_counter()
         job_model = self.job_model() if self.job_model is not None else None
-        loss, accuracy = evaluate(job_model or self.model, self.x, self.y)
+        loss, accuracy = evaluate_batches(job_model or self.model, self.held_out)
         seconds = time.perf_counter() - start
         entry = {"iteration": iteration, "loss": loss, "accuracy": accuracy,
                  "t0": self.stamp(start), "time": seconds}
@@ -175,3 +186,14 @@ class GlobalModel:
             for param, view in zip(self.strategy.layout.params, self.strategy.layout.views(flat), strict=True):
                 mine[names[id(param)]].copy_(view)
         return self.copy
+
+
+class _Slices:
+    """``(x, y)`` in batches of :data:`EVAL_BATCH`, iterable any number of times."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        for start in range(0, len(self.x), EVAL_BATCH):
+            yield self.x[start : start + EVAL_BATCH], self.y[start : start + EVAL_BATCH]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data import IMAGE_SUFFIXES, parse_shape
+from shmtrain.runtime.data import held_out as _held_out
 
 #: workers per core beyond which a run is refused without --force
 WORKERS_PER_CORE = 8
@@ -33,25 +34,39 @@ class DataFacts:
     train_samples: int
     input_shape: tuple[int, ...]
     num_classes: int
+    #: the samples live in each worker's memory (digits, synthetic), not decoded per batch
+    in_memory: bool = True
 
 
-def held_out(samples: int) -> int:
-    """The held-out split of ``runtime.data`` (20%, at least 1)."""
-    return max(1, samples // 5)
+def held_out(samples: int, fraction: float = 0.2) -> int:
+    """The held-out split of ``runtime.data`` (``--val-fraction``, at least 1)."""
+    return _held_out(samples, fraction)
 
 
 def check_data(config: TrainConfig) -> DataFacts:
-    """The data source exists, has the right shape and classes, and a sample is readable."""
+    """The data source exists, has the right shape and classes, and a sample is readable
+    (a folder or module:callable is opened as the workers will: ``runtime/sources.py``)."""
+    fraction = config.val_fraction or 0.2
     if config.data == "digits":
-        return DataFacts(DIGITS_SAMPLES - held_out(DIGITS_SAMPLES), DIGITS_SHAPE, 10)
+        return DataFacts(DIGITS_SAMPLES - held_out(DIGITS_SAMPLES, fraction), DIGITS_SHAPE, 10)
     if config.data == "synthetic":
+        assert config.input_shape is not None and config.samples is not None  # settled by the config
         shape = parse_shape(config.input_shape)
-        return DataFacts(config.samples - held_out(config.samples), shape, 10)
-    return _check_folder(Path(config.data), config.image_size, config.skip_bad_files)
+        return DataFacts(config.samples - held_out(config.samples, fraction), shape, 10)
+    from shmtrain.runtime.data_options import data_kind
+    from shmtrain.runtime.sources import open_data
+
+    if data_kind(config.data) == "folder":
+        for flag, folder in (("--data", config.data), ("--val-data", config.val_data)):
+            if folder is not None:
+                _check_folder(Path(folder), config.skip_bad_files, flag)
+    source = open_data(config)
+    return DataFacts(source.train_samples, source.input_shape, source.num_classes, in_memory=False)
 
 
-def _check_folder(path: Path, image_size: int, skip_bad_files: bool = False) -> DataFacts:
-    where = f"--data {str(path)!r}"
+def _check_folder(path: Path, skip_bad_files: bool = False, flag: str = "--data") -> None:
+    """Class sub-folders (at least 2), each with an image, the first few readable."""
+    where = f"{flag} {str(path)!r}"
     if not path.is_dir():
         raise ValueError(f"{where}: no such folder; give digits, synthetic, or a folder with one "
                          "sub-folder of images per class")
@@ -59,17 +74,14 @@ def _check_folder(path: Path, image_size: int, skip_bad_files: bool = False) -> 
     if len(classes) < 2:
         raise ValueError(f"{where}: a folder of images needs one sub-folder per class, at least 2; "
                          f"found {len(classes)}; put each class's images in its own sub-folder")
-    total = 0
     for folder in classes:
         files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
             raise ValueError(f"{where}: class folder {folder.name!r} holds no image "
                              f"({', '.join(sorted(IMAGE_SUFFIXES))}); add images or remove the folder")
-        total += len(files)
         if not skip_bad_files:  # with it, the workers skip and count them
             for file in files[:SAMPLE_PER_CLASS]:
                 check_image(file)
-    return DataFacts(total - held_out(total), (3, image_size, image_size), len(classes))
 
 
 def check_image(file: Path) -> None:
@@ -118,7 +130,7 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
     """(private bytes for all workers, shared-memory bytes) the run needs, estimated.
 
     Per worker: weights, gradients, momentum (3 copies of the parameters), the data set
-    in memory, and the activations of one batch, measured by one forward pass at batch
+    when it is held in memory (digits, synthetic), and the activations of one batch, measured by one forward pass at batch
     2 and scaled to the batch (x2: what autograd saves, plus the gradients of the
     activations while backward runs). Shared memory:
     two gradient slot sets per worker (the allreduce's, the largest any strategy uses)."""
@@ -140,8 +152,8 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
     for hook in hooks:
         hook.remove()
     activations = sum(sizes) * config.batch_size // 2 * 2
-    data = (facts.train_samples + held_out(facts.train_samples)) * 4
-    for dim in facts.input_shape:
+    data = (facts.train_samples + held_out(facts.train_samples)) * 4 if facts.in_memory else 0
+    for dim in facts.input_shape:  # decoded per batch (folders, module:callable): batches only
         data *= dim
     private = workers * (3 * params + activations + data)
     shared = workers * 2 * params

@@ -52,9 +52,11 @@ def _warn(message: str) -> None:
 def _preload_env(config: TrainConfig) -> dict[str, str]:
     """What the zygote should import once before forking this run's workers."""
     from shmtrain.models.registry import needs_torchvision
+    from shmtrain.runtime.data_options import data_kind
     from shmtrain.runtime.zygote import PRELOAD_ENV
 
-    return {PRELOAD_ENV: "torchvision"} if needs_torchvision(config.model) else {}
+    folder = data_kind(config.data) == "folder"  # ImageFolder and its transforms
+    return {PRELOAD_ENV: "torchvision"} if needs_torchvision(config.model) or folder else {}
 
 
 def _import_matplotlib() -> None:

@@ -1,0 +1,134 @@
+"""A folder of images, ``--data DIR`` (issue 30, item 1; docs/data.md).
+
+The folder holds one sub-folder per class (``DIR/<class>/...``, any depth below it);
+:class:`torchvision.datasets.ImageFolder` lists the files (labels: the class folders in
+sorted order) and nothing is decoded until a batch asks for it: each item is read by
+:func:`load_image` (every PIL mode scaled by its own value range, ``runtime/images.py``)
+in a DataLoader worker process (``runtime/loader.py``), then transformed.
+
+Transforms (``--transform``), to ``H x W`` from ``--image-size`` / ``--input-shape``:
+
+============  ==============================================  ===============================
+name          training                                         evaluation
+============  ==============================================  ===============================
+none          resize to H x W, values in [0, 1]                the same
+normalize     resize, then (x - mean) / std                    the same
+standard      random resized crop (scale 0.08-1, ratio 3/4-4/3) resize the short side to
+              to H x W, horizontal flip (p 0.5), normalize     min(H, W) / 0.875, center crop,
+                                                               normalize
+============  ==============================================  ===============================
+
+mean and std are ImageNet's (:data:`MEAN`, :data:`STD`), as torchvision's models expect.
+The random choices of sample ``i`` in epoch ``e`` are drawn from a generator seeded by
+(``--seed``, e, i) (``runtime/loader.py``), so they are the same with any number of
+loader workers and after a resume.
+
+Held out: ``--val-data DIR2`` (the same class folders), or else a share ``--val-fraction``
+(0.2) of ``DIR``: a permutation with seed 0 (the same for every ``--seed``), its first
+``floor(N * F)`` files (at least 1), seen with the evaluation transform.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shmtrain.runtime.data import IMAGE_SUFFIXES, held_out, parse_shape
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def load_image(path: str) -> torch.Tensor:
+    """One file as a float tensor ``(3, H, W)`` in [0, 1] (``runtime/images.py``); a
+    ValueError naming the file and the fix when it cannot be decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    from shmtrain.runtime.images import image_to_tensor
+
+    try:
+        with Image.open(path) as img:
+            return image_to_tensor(img)
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise ValueError(f"--data: image {str(path)!r} cannot be read ({exc.__class__.__name__}: "
+                         f"{exc}); remove or replace the file, or pass --skip-bad-files") from None
+
+
+def transforms(name: str, size: tuple[int, int]) -> tuple[Any, Any]:
+    """(training, evaluation) transforms of ``--transform name`` to ``size`` (H, W)."""
+    from torchvision.transforms import v2
+
+    resize = v2.Resize(size, antialias=True)
+    if name == "none":
+        return resize, resize
+    normalize = v2.Normalize(MEAN, STD)
+    if name == "normalize":
+        both = v2.Compose([resize, normalize])
+        return both, both
+    train = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), normalize])
+    evaluation = v2.Compose([v2.Resize(round(min(size) / 0.875), antialias=True), v2.CenterCrop(size), normalize])
+    return train, evaluation
+
+
+class _ValidFile:
+    """ImageFolder's ``is_valid_file``: an image suffix; with ``check``, also a header
+    that PIL can open and verify (an unreadable file is named in a warning and kept in
+    ``skipped``)."""
+
+    def __init__(self, check: bool) -> None:
+        self.check = check
+        self.skipped: list[str] = []
+
+    def __call__(self, path: str) -> bool:
+        if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
+            return False
+        if not self.check:
+            return True
+        from PIL import Image
+
+        try:
+            with Image.open(path) as img:
+                img.verify()
+        except Exception as exc:  # noqa: BLE001 - any failure to read is a bad file here
+            warnings.warn(f"skipped (--skip-bad-files): --data: image {path!r} cannot be read "
+                          f"({exc.__class__.__name__}: {exc})", stacklevel=2)
+            self.skipped.append(path)
+            return False
+        return True
+
+
+def _folder(path: str, flag: str, valid: _ValidFile, transform: Any) -> Any:
+    from torchvision.datasets import ImageFolder
+
+    try:
+        return ImageFolder(path, transform=transform, loader=load_image, is_valid_file=valid)
+    except (FileNotFoundError, OSError) as exc:
+        raise ValueError(f"{flag} {path!r}: {exc}; put each class's images in its own sub-folder") from None
+
+
+def open_image_folder(path: str, val_path: str | None, input_shape: str, transform: str, val_fraction: float | None,
+                      skip_bad_files: bool) -> tuple[Any, Any, dict[str, int], list[str]]:
+    """(train, val, class map, skipped files) of a folder ``--data`` (module docstring)."""
+    _, height, width = parse_shape(input_shape)
+    train_tf, eval_tf = transforms(transform, (height, width))
+    valid = _ValidFile(skip_bad_files)
+    train = _folder(path, "--data", valid, train_tf)
+    if len(train.classes) < 2:
+        raise ValueError(f"--data {path!r}: needs one sub-folder per class, at least 2; found {len(train.classes)}")
+    if val_path is not None:
+        val = _folder(val_path, "--val-data", valid, eval_tf)
+        if val.class_to_idx != train.class_to_idx:
+            raise ValueError(f"--val-data {val_path!r}: its class folders {val.classes} are not those of --data "
+                             f"{path!r} {train.classes}; give both the same class sub-folders")
+        return train, val, dict(train.class_to_idx), valid.skipped
+    if len(train) < 2:
+        raise ValueError(f"--data {path!r}: found {len(train)} images; at least 2 are needed")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
+    test = held_out(len(train), val_fraction or 0.2)
+    evaluation = copy.copy(train)  # the same file list, the evaluation transform
+    evaluation.transform = eval_tf
+    subset = torch.utils.data.Subset
+    return subset(train, order[test:]), subset(evaluation, order[:test]), dict(train.class_to_idx), valid.skipped

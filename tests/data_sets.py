@@ -1,0 +1,86 @@
+"""Data sets for ``--data data_sets:<name>`` in tests/test_data.py (the tests folder is on
+PYTHONPATH, so the workers import them too)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+
+def _blobs(samples: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class c: gaussian noise around the mean c (learnable by a linear model)."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.arange(samples) % classes
+    x = torch.randn((samples, 1, 4, 4), generator=gen) * 0.3 + y.view(-1, 1, 1, 1).float()
+    return x, y
+
+
+def blobs(samples: int = 96, classes: int = 3, seed: int = 0) -> TensorDataset:
+    """One Dataset (the run holds out --val-fraction of it); classes from a scan."""
+    return TensorDataset(*_blobs(samples, classes, seed))
+
+
+def named_pair(samples: int = 96) -> tuple[Dataset, Dataset]:
+    """A (train, val) pair whose training set names its classes."""
+    train = TensorDataset(*_blobs(samples, 3, 0))
+    train.classes = ["low", "mid", "high"]  # type: ignore[attr-defined]
+    return train, TensorDataset(*_blobs(24, 3, 1))
+
+
+class Indexed(Dataset):
+    """Item i is (x, label) with x holding i and a random number drawn while fetching
+    (what a random transform does), label i mod 4; ``num_classes`` declared."""
+
+    num_classes = 4
+
+    def __init__(self, size: int = 40) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.tensor([float(index), float(torch.rand(()))]), index % 4
+
+
+def not_a_dataset() -> int:
+    return 42
+
+
+class _Items(Dataset):
+    def __init__(self, item) -> None:
+        self.item = item
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        return self.item
+
+
+def no_pairs() -> Dataset:
+    return _Items(torch.zeros(3))
+
+
+def int_inputs() -> Dataset:
+    return _Items((torch.zeros(3, dtype=torch.long), 0))
+
+
+def float_labels() -> Dataset:
+    return _Items((torch.zeros(3), 0.5))
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(3), 0
+
+
+def stream() -> IterableDataset:
+    return _Stream()
+
+
+def wrong_classes() -> Dataset:
+    """Declares 2 classes, holds labels up to 3: refused when a batch holds one."""
+    data = blobs(64, 4)
+    data.num_classes = 2  # type: ignore[attr-defined]
+    return data
