@@ -76,6 +76,16 @@ def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[Any, torch.device,
     return data, device, model, dp, trainer, timer, total
 
 
+def rejoin_position(trainer: Trainer, iteration: int) -> None:
+    """A rejoining worker (issue 29, item 5) goes on at ``iteration`` (its strategy's, from
+    the memory server's board): the data position, and the learning-rate schedule stepped
+    as far (its optimizer's momentum starts afresh)."""
+    trainer.state.iteration = iteration
+    if trainer.scheduler is not None:
+        for _ in range(iteration):
+            schedule.step_scheduler(trainer.scheduler)
+
+
 def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Train this worker's shard; return its summary (rank 0 adds accuracy)."""
     config: TrainConfig = payload["config"]
@@ -84,11 +94,15 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     # checkpoints (runtime/checkpoint.py): a resumed run loads every rank's state here,
     # collectively, before the data position is used
     checkpoints = Checkpointer(ctx, config, out, len(data.train_x) // (config.batch_size * ctx.world_size))
-    checkpoints.restore(trainer, payload.get("resume"))
+    if getattr(ctx, "rejoined", False):  # a host started again: the job's state, not a file's
+        rejoin_position(trainer, dp.iteration)
+    else:
+        checkpoints.restore(trainer, payload.get("resume"))
     sampler = ShardSampler(len(data.train_x), config.batch_size, ctx.world_size, ctx.rank, config.seed)
     prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch,
                           start=trainer.state.iteration)
-    log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", trainer.state.iteration)
+    log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", trainer.state.iteration,
+                                   keep=getattr(ctx, "rejoined", False))
     progress = Progress(total, config.strategy, enabled=config.progress and ctx.rank == 0,
                         first=trainer.state.iteration)
     monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size)  # rank 0: eval, TensorBoard
