@@ -18,16 +18,57 @@ import re
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
 
+from shmtrain import strategies
+from shmtrain.fabric import context
+from shmtrain.fabric.control import PeerFailure
 from shmtrain.fabric.segment import leftover
 from test_host_loss import _rows, _workers
 from test_smb_remote import _smb_servers
 from test_torchrun import env, free_port, host_command
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def test_each_start_of_a_host_is_counted_and_its_workers_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local rank 0 counts its node slot's starts; its host's other workers read the count
+    under their agent's pid; a second agent of the same slot is a rejoin (start 2)."""
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setattr(context.os, "getppid", lambda: 1000)
+    assert [context._host_start(store, 1, r, 2) for r in (0, 1)] == [1, 1]
+    assert context._host_start(store, 0, 0, 2) == 1  # another slot counts apart
+    monkeypatch.setattr(context.os, "getppid", lambda: 2000)  # host 1's agent, started again
+    assert [context._host_start(store, 1, r, 2) for r in (0, 1)] == [2, 2]
+    assert context._host_start(store, 1, 0, 1) == 1  # one host: nothing to rejoin
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert context._host_start(store, 1, 0, 2) == 1  # not torchrun: one start
+
+
+def test_a_host_started_after_the_job_ended_is_refused() -> None:
+    store = dist.HashStore()
+    context._check_running(store, 1, "10.0.0.1")  # still training: nothing said
+    store.set("results/done", "1")
+    with pytest.raises(PeerFailure, match="host 1 started again after the job at 10.0.0.1 had ended"):
+        context._check_running(store, 1, "10.0.0.1")
+
+
+@pytest.mark.parametrize("name", ["diloco", "ssgd", "gpi"])
+def test_a_strategy_whose_hosts_meet_in_gloo_refuses_a_rejoin(name: str) -> None:
+    cls = strategies.get(name)
+    ctx = SimpleNamespace(num_nodes=2, node_rank=1, rejoined=True)
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=f"host 1 started again .* --strategy {name} cannot take a lost host "
+                                         "back .* shmtrain train --resume"):
+        cls(cls.Config(), ctx, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not cls.rejoins and all(strategies.get(s).rejoins for s in ("seasgd", "easgd", "downpour", "hsgd"))
 
 #: a paced model (20 ms per forward): the run outlasts host 1's absence on a loaded machine
 ARGS = ["--model", "paced_model:PacedMLP", "--model-args", "delay=0.02", "--iterations", "1500",
