@@ -100,10 +100,13 @@ def _start(node: int, port: int, out: Path, args: list[str]) -> subprocess.Popen
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def test_a_lost_host_started_again_rejoins_and_both_train_to_the_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["seasgd", pytest.param("hsgd", marks=pytest.mark.slow),
+                                      pytest.param("downpour", marks=pytest.mark.slow)])
+def test_a_lost_host_started_again_rejoins_and_both_train_to_the_end(tmp_path: Path, strategy: str) -> None:
     before = set(_smb_servers())
     out, port = tmp_path / "run", free_port()
-    nodes = [_start(0, port, out, ["--strategy", "seasgd", *ARGS]), _start(1, port, out, ["--strategy", "seasgd", *ARGS])]
+    args = ["--strategy", strategy, *ARGS]
+    nodes = [_start(0, port, out, args), _start(1, port, out, args)]
     try:
         deadline = time.monotonic() + 150
         while _rows(out / "metrics" / "rank-2.jsonl") < 40:  # host 1 is training
@@ -116,7 +119,7 @@ def test_a_lost_host_started_again_rejoins_and_both_train_to_the_end(tmp_path: P
         nodes[1].communicate(timeout=10)
         time.sleep(5)
         assert nodes[0].poll() is None, "host 0 stopped when host 1 was lost"
-        nodes.append(_start(1, port, out, ["--strategy", "seasgd", *ARGS]))  # the same command
+        nodes.append(_start(1, port, out, args))  # the same command
         outputs = [nodes[0].communicate(timeout=200)[0].decode(), nodes[2].communicate(timeout=60)[0].decode()]
     finally:
         for p in nodes:
