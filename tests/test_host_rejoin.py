@@ -101,6 +101,7 @@ def _start(node: int, port: int, out: Path, args: list[str]) -> subprocess.Popen
 
 
 @pytest.mark.parametrize("strategy", ["seasgd", pytest.param("hsgd", marks=pytest.mark.slow),
+                                      pytest.param("easgd", marks=pytest.mark.slow),
                                       pytest.param("downpour", marks=pytest.mark.slow)])
 def test_a_lost_host_started_again_rejoins_and_both_train_to_the_end(tmp_path: Path, strategy: str) -> None:
     before = set(_smb_servers())
