@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shmtrain.fabric.control import PeerFailure
 from shmtrain.fabric.smb.api import STATE_DONE, STATE_TRAINING
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.wire import unseal
@@ -112,6 +113,30 @@ def test_a_lost_client_connects_again_and_goes_on_from_the_server() -> None:
     assert again["count"] == TARGET and 0 <= first["final"][1] - TARGET <= 1, (first, again)
     assert "client 1 lost (its link closed" in err and "client 1 (announced address 127.0.0.1) connected again" in err
     assert code == 0 and "0 clients lost, 1 connections again after a loss" in out, out + err
+
+
+def test_a_rank_still_connected_is_refused_naming_it_and_one_that_left_connects_at_once() -> None:
+    """The server serves one connection per rank: a second start of a rank whose earlier
+    process still trains (its host was not lost) waits for that loss, then is refused
+    with a line saying what to end; after the earlier one's goodbye it connects at once."""
+    proc, address = _server(2)
+    try:
+        first = RemoteBufferService(address, 1, 2, timeout=30)
+        first.board.set_progress(5, STATE_TRAINING)
+        start = time.monotonic()
+        with pytest.raises(PeerFailure, match="rank 1 is still connected to the memory server .* end every "
+                                              "process of this host's earlier start"):
+            RemoteBufferService(address, 1, 2, timeout=2)
+        assert time.monotonic() - start < 10
+        first.close()
+        start = time.monotonic()
+        again = RemoteBufferService(address, 1, 2, timeout=30)
+        assert time.monotonic() - start < 5 and again.board.progress(1) == 5  # its TERM counter kept
+        again.close()
+        RemoteBufferService(address, 0, 2, timeout=30).close()
+    finally:
+        code, out, err = _finish(proc)
+    assert code == 0, out + err
 
 
 if __name__ == "__main__":

@@ -55,11 +55,15 @@ def start_hosts(out: Path, args: list[str], nodes: int = 2, per_node: int = 2) -
     """Start ``nodes`` torchrun launches on this machine, each one host of ``per_node``
     workers running ``shmtrain train ARGS --out OUT`` (output piped, not waited for)."""
     port = free_port()
-    return [subprocess.Popen(TORCHRUN + ["--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node",
-                                         str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                         "-m", "shmtrain", "train", *args, "--out", str(out)],
+    return [subprocess.Popen(host_command(node, nodes, per_node, port, [*args, "--out", str(out)]),
                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             for node in range(nodes)]
+
+
+def host_command(node: int, nodes: int, per_node: int, port: int, args: list[str]) -> list[str]:
+    """The torchrun command of host ``node`` running ``shmtrain train ARGS`` on loopback."""
+    return TORCHRUN + ["--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", str(per_node),
+                       "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "shmtrain", "train", *args]
 
 
 def _two_hosts(out: Path, common: list[str], nodes: int = 2, per_node: int = 2) -> None:

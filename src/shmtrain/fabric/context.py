@@ -6,12 +6,21 @@ the same variables plus ``SHMTRAIN_STORE_PORT`` (its store) and ``SHMTRAIN_CONTR
 (the host's control block, which the launcher watches so it can abort the run when a
 worker dies). The control plane is torch.distributed: its TCPStore for rendezvous and
 a gloo process group for everything that crosses hosts.
+
+A host lost from a running job and started again with the same torchrun command
+(issue 29, item 5) *rejoins*: its workers count the starts of their node slot in the
+job's store (:func:`_host_start`), find theirs is not the first, and build their
+context without the job-wide gloo groups (the running hosts formed those once and
+cannot take a new member), with a host group of their own under a fresh key and
+segment namespace. Only strategies whose hosts meet at a memory server can run so
+(``Strategy.rejoins``); they pull the global weights and their TERM counters from it.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,6 +54,9 @@ class ProcessContext:
     #: whether this context created the default process group (False: the caller's script
     #: had called ``init_process_group`` first, and :meth:`close` leaves it to the caller)
     owns_group: bool = True
+    #: this host was lost and started again while the job ran: no job-wide gloo groups
+    #: (no default process group, no leaders' group), see the module docstring
+    rejoined: bool = False
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -124,11 +136,14 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
     if rank == 0 and not store.check(["run_id"]):  # shmtrain's launcher set it: keep it,
         store.set("run_id", secrets.token_hex(4))  # so its sweep(prefix) finds our segments
     run_id = store.get("run_id").decode()
-    host = _host_group(store, node_rank, local_rank, local_world, run_id, timeout)
+    start = _host_start(store, node_rank, local_rank, num_nodes)
+    if start > 1:
+        _check_running(store, node_rank, addr)
+    host = _host_group(store, node_rank, local_rank, local_world, run_id, timeout, start)
     host.control.set_pid(local_rank, os.getpid())
     mark("host")
     owns_group = not dist.is_initialized()
-    leaders = _join_groups(store, rank, world, local_world, num_nodes, timeout)
+    leaders = None if start > 1 else _join_groups(store, rank, world, local_world, num_nodes, timeout)
     mark("gloo")
     host.barrier("set-up")
     return ProcessContext(
@@ -144,7 +159,31 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
         timeout=timeout,
         leaders=leaders,
         owns_group=owns_group,
+        rejoined=start > 1,
     )
+
+
+def _host_start(store: dist.Store, node_rank: int, local_rank: int, num_nodes: int) -> int:
+    """Which start of this host's node slot in this job this is (1: the first; more: the
+    host was lost and started again, issue 29 item 5). Local rank 0 counts the start in
+    the job's store; the host's other workers read the count under their torchrun
+    agent's identity (host name and pid: one agent per start of a host). Outside a
+    torchrun job across hosts there is one start."""
+    if num_nodes == 1 or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return 1
+    key = f"node{node_rank}/start/{socket.gethostname()}:{os.getppid()}"
+    if local_rank == 0:
+        store.set(key, str(store.add(f"node{node_rank}/starts", 1)))
+    return int(store.get(key))
+
+
+def _check_running(store: dist.Store, node_rank: int, addr: str) -> None:
+    """A rejoining host needs a job still training: refuse one that has ended."""
+    if store.check(["results/done"]):
+        raise PeerFailure(
+            f"host {node_rank} started again after the job at {addr} had ended (its results are "
+            "collected): there is nothing to rejoin; start a new run (or `shmtrain train --resume` "
+            "from its checkpoint)")
 
 
 def _choose_gloo_interface(addr: str, world: int, local_rank: int) -> None:
@@ -181,9 +220,12 @@ def _open_store(addr: str, rank: int, world: int, timeout: float) -> dist.Store:
 
 
 def _host_group(store: dist.Store, node_rank: int, local_rank: int, local_world: int, run_id: str,
-                timeout: float) -> HostGroup:
-    """This host's workers, on the launcher's control block when it made one."""
-    host_store = dist.PrefixStore(f"host{node_rank}/", store)
+                timeout: float, start: int = 1) -> HostGroup:
+    """This host's workers, on the launcher's control block when it made one; a host
+    started again (``start`` > 1) under keys and segment names of its own (the lost
+    start's keys are still in the store)."""
+    tag = f"{node_rank}" if start == 1 else f"{node_rank}s{start}"
+    host_store = dist.PrefixStore(f"host{tag}/", store)
     control = None
     control_name = os.environ.get("SHMTRAIN_CONTROL")
     if control_name:
@@ -195,7 +237,7 @@ def _host_group(store: dist.Store, node_rank: int, local_rank: int, local_world:
         host_store,
         local_rank,
         local_world,
-        f"{PREFIX}-{run_id}-h{node_rank}",
+        f"{PREFIX}-{run_id}-h{tag}",
         control,
         timeout,
     )

@@ -100,12 +100,13 @@ class Checkpointer:
         self.resumed_from = step_of(path)
         self.last = Path(path)
 
-    def open_metrics(self, path: Path, upto: int) -> LineLog:
-        """This rank's metrics file: new for a fresh run; for a resumed one, its rows up to
-        iteration ``upto`` kept (rows an interrupted run wrote after its checkpoint are
-        dropped, so none is duplicated) and the file opened for appending."""
+    def open_metrics(self, path: Path, upto: int, keep: bool = False) -> LineLog:
+        """This rank's metrics file: new for a fresh run; for a resumed one (or ``keep``: a
+        rank whose host rejoined the job), its rows up to iteration ``upto`` kept (rows an
+        interrupted run wrote after its checkpoint are dropped, so none is duplicated) and
+        the file opened for appending."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        if self.resumed_from is None or not path.exists():
+        if (self.resumed_from is None and not keep) or not path.exists():
             return LineLog(path, truncate=True)
         kept = []
         for line in path.read_bytes().decode(errors="replace").splitlines():

@@ -75,6 +75,16 @@ def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[DataSource, torch.
     return data, device, model, dp, trainer, timer, total
 
 
+def rejoin_position(trainer: Trainer, iteration: int) -> None:
+    """A rejoining worker (issue 29, item 5) goes on at ``iteration`` (its strategy's, from
+    the memory server's board): the data position, and the learning-rate schedule stepped
+    as far (its optimizer's momentum starts afresh)."""
+    trainer.state.iteration = iteration
+    if trainer.scheduler is not None:
+        for _ in range(iteration):
+            schedule.step_scheduler(trainer.scheduler)
+
+
 def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Train this worker's shard; return its summary (rank 0 adds accuracy)."""
     config: TrainConfig = payload["config"]
@@ -85,13 +95,17 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     # checkpoints (runtime/checkpoint.py): a resumed run loads every rank's state here,
     # collectively, before the data position is used
     checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size))
-    checkpoints.restore(trainer, payload.get("resume"))
+    if getattr(ctx, "rejoined", False):  # a host started again: the job's state, not a file's
+        rejoin_position(trainer, dp.iteration)
+    else:
+        checkpoints.restore(trainer, payload.get("resume"))
     sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)  # --class-split
     # the shard's batches from the run's position on (runtime/loader.py): a thread slicing
     # tensors, or DataLoader processes decoding a folder / module:callable data
     prefetch = open_batches(data, sampler, config, device, start=trainer.state.iteration)
     held_out = HeldOut(data, (config.loader_workers or 0) if ctx.rank == 0 else 0, device.type == "cuda")
-    log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", trainer.state.iteration)
+    log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", trainer.state.iteration,
+                                   keep=getattr(ctx, "rejoined", False))
     progress = Progress(total, config.strategy, enabled=config.progress and ctx.rank == 0,
                         first=trainer.state.iteration)
     monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size, held_out, dp.strategy)  # rank 0: eval, TensorBoard

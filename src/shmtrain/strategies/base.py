@@ -69,6 +69,9 @@ class Strategy:
     #: strategies whose hosts meet only at a memory server); torchrun's agent ends every
     #: worker of a host once one of them dies, so one worker lost is its host lost
     tolerates_host_loss: ClassVar[bool] = False
+    #: across hosts: a lost host started again rejoins the running job (issue 29, item 5;
+    #: it has no job-wide gloo group: the strategies whose hosts meet at a memory server)
+    rejoins: ClassVar[bool] = False
     #: parameter devices the strategy supports (its buffers' staging, ``fabric/staging.py``)
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     #: why ``--amp fp16`` (a GradScaler) cannot run with this strategy; None: it can
@@ -169,6 +172,12 @@ class Strategy:
         transports: Transports | None = None,
     ) -> None:
         self.check_hosts(config, ctx.num_nodes)
+        if getattr(ctx, "rejoined", False) and not self.rejoins:
+            raise ValueError(
+                f"host {ctx.node_rank} started again while the job ran, but --strategy {self.name} cannot "
+                "take a lost host back (its hosts meet in gloo groups formed once, at the start; only "
+                "seasgd, easgd, downpour and hsgd rejoin); restart the whole job instead, from its "
+                "latest checkpoint: shmtrain train --resume RUN_DIR")
         self.config = config
         self.ctx = ctx
         self.transports = transports if transports is not None else Transports(ctx)

@@ -129,6 +129,11 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
             return shared
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
+    def rejoin_rank(self) -> int:
+        """A rejoining group goes on from its root's iterations, all members alike (their
+        decisions are posted per iteration)."""
+        return self.ctx.rank - self.group_host.local_rank
+
     def zero_grad(self) -> None:
         """The shared-weights order: clear the gradients, then the iteration's exchange."""
         SharedWeightsStrategy.zero_grad(self)

@@ -8,6 +8,11 @@ buffer (dW_x), which only it writes; the others look the global key up and attac
 Each worker's local weights (W_x) live in one private flat tensor with per-layer views,
 on the parameters' device: on a GPU the model stays there, and the buffer service's
 reads and writes copy between it and the host buffers (W_g, dW_x stay in host memory).
+
+A worker of a host that was lost and started again (``ctx.rejoined``, issue 29 item 5)
+finds its buffers by name instead of creating them, takes W_g as its weights and its
+iterations from the board (its TERM counter), and trains on from there; the others
+never stop (torchft recovers a replica from a live peer; here the peer is the server).
 """
 
 from __future__ import annotations
@@ -92,11 +97,13 @@ class ElasticConfig(AsyncConfig):
 
 
 def open_global_weights(
-    service: BufferService, weights: torch.Tensor, *, increment: bool
+    service: BufferService, weights: torch.Tensor, *, increment: bool, rejoin: bool = False
 ) -> tuple[Buffer, Buffer | None]:
     """Collective set-up of Fig. 2 / Fig. 5: W_g (created by the master) and dW_x.
 
     Returns the global weights and, if ``increment``, this worker's increment buffer.
+    ``rejoin``: this worker's host was lost and started again; its buffers exist (it
+    looks them up) and the others are long past the set-up (no collective wait).
     """
     numel = weights.numel()
     global_weights = None
@@ -105,7 +112,8 @@ def open_global_weights(
         service.write(global_weights, weights)
     weight_increment = None
     if increment:
-        key = service.create(f"weight_increment.{service.rank}", numel, weights.dtype)
+        name = f"weight_increment.{service.rank}"
+        key = service.lookup(name) if rejoin else service.create(name, numel, weights.dtype)
         weight_increment = service.attach(key)
     if global_weights is None:
         key = service.lookup(GLOBAL_WEIGHTS)
@@ -115,7 +123,8 @@ def open_global_weights(
                 "worker must build the same model"
             )
         global_weights = service.attach(key)
-    service.ready()
+    if not rejoin:
+        service.ready()
     return global_weights, weight_increment
 
 
@@ -129,6 +138,7 @@ class SharedWeightsStrategy(Strategy):
     #: the launcher records a worker's death without ending the survivors
     tolerates_peer_loss: ClassVar[bool] = True
     tolerates_host_loss: ClassVar[bool] = True
+    rejoins: ClassVar[bool] = True
 
     #: whether this worker writes increments into the global weights
     updates_global: bool = True
@@ -143,12 +153,29 @@ class SharedWeightsStrategy(Strategy):
         if not address and getattr(ctx, "num_nodes", 1) > 1:  # SMB-REMOTE, started for this job
             address, secret = self.transports.memory_server()
         self.service = self.transports.buffer_service("remote" if address else "local", address, secret)
+        rejoined = getattr(ctx, "rejoined", False)
         self.global_weights, self.weight_increment = open_global_weights(
-            self.service, self.weights, increment=self.updates_global
+            self.service, self.weights, increment=self.updates_global, rejoin=rejoined
         )
         self.termination = Termination(config.terminate, self.service.board)
-        self.service.board.set_progress(0, STATE_TRAINING)
+        if rejoined:
+            self.rejoin()
+        self.service.board.set_progress(self.iteration, STATE_TRAINING)
         self._started = -1  # the iteration whose start-of-iteration exchange has run
+
+    def rejoin(self) -> None:
+        """This worker's host was lost and started again: go on from the job's state, not
+        from disk (issue 29, item 5): the global weights W_g as this worker's weights (its
+        first iteration starts from them) and its iterations from the board (the TERM
+        counter it published before the loss; the loop's data position follows)."""
+        self.service.read(self.global_weights, self.weights)
+        self.iteration = self.service.board.progress(self.rejoin_rank())
+        print(f"shmtrain: worker rank {self.ctx.rank} rejoined the running job at iteration {self.iteration} "
+              "(the global weights and its iteration count from the memory server)", file=sys.stderr, flush=True)
+
+    def rejoin_rank(self) -> int:
+        """Whose published iterations a rejoining worker goes on from (its own)."""
+        return self.service.rank
 
     def zero_grad(self) -> None:
         """Clear the gradients, then run the start-of-iteration exchange once per iteration.

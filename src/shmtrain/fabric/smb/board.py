@@ -22,7 +22,9 @@ from shmtrain.fabric.smb.wire import seal, unseal
 
 #: counters and announcements clients keep in the store (no state a reader trusts)
 COUNTERS = ("smb/joined", "smb/joins", "smb/ready")
-DEAD, ALIVE = "1", "0"  # a liveness mark's values (ALIVE: a lost worker connected again)
+#: a liveness mark's values (ALIVE: a lost worker connected again; LEFT: it said goodbye,
+#: so its rank may connect again at once)
+DEAD, ALIVE, LEFT = "1", "0", "2"
 
 
 def _stderr(line: str) -> None:

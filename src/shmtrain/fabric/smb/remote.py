@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.control import PeerFailure, PeerTimeout, first_line
-from shmtrain.fabric.smb.api import Buffer, BufferKey, BufferService, Ticket
-from shmtrain.fabric.smb.board import StoreProgressBoard
+from shmtrain.fabric.smb.api import STATE_DONE, Buffer, BufferKey, BufferService, Ticket
+from shmtrain.fabric.smb.board import DEAD, LEFT, StoreProgressBoard
 from shmtrain.fabric.smb.links import join
 from shmtrain.fabric.smb.wire import (
     _PAYLOAD_IN,
@@ -53,6 +53,7 @@ from shmtrain.fabric.smb.wire import (
     _proof,
     _tag,
     route_address,
+    unseal,
 )
 
 
@@ -101,6 +102,7 @@ class RemoteBufferService(BufferService):
         self._seq = 0
         self._pending: list[tuple[Ticket, dist.Work, torch.Tensor]] = []
         self._done = 0
+        self._await_earlier_lost(secret)
         self.store.set(f"smb/peer/{rank}", route_address(host))  # what the server's log names this client by
         self.store.add("smb/joined", 1)
         self.pg = self._call(lambda: join(self.store, rank, world, route_address(host), delta), "connecting")
@@ -117,6 +119,31 @@ class RemoteBufferService(BufferService):
                 raise
         self.board = StoreProgressBoard(self.store, rank, world, self._lost,
                                         secret=secret if sealed else None, nonce=nonce)
+
+    def _await_earlier_lost(self, secret: bytes | None) -> None:
+        """A rank coming back (its host lost and started again, issue 29 item 5) connects
+        once the server has seen its earlier connection lost (the server serves one
+        connection per rank); one whose earlier process still trains is refused, named."""
+        nonce = self.store.get("smb/nonce").decode()
+        key = secret if self.store.get("smb/secret") == b"1" else None
+
+        def entry(name: str) -> str | None:
+            raw = self.store.get(name) if self.store.check([name]) else b""
+            opened = unseal(key, nonce, name, raw.decode(errors="replace")) if raw else None
+            return None if opened is None else opened[0]
+
+        progress = entry(f"smb/progress/{self.rank}")
+        if progress is None or int(progress.split(",")[1]) == STATE_DONE:  # new, or it finished
+            return
+        deadline = time.monotonic() + self.timeout
+        while entry(f"smb/dead/{self.rank}") not in (DEAD, LEFT):
+            if time.monotonic() > deadline:
+                raise PeerFailure(
+                    f"rank {self.rank} is still connected to the memory server at {self.address} (its earlier "
+                    f"process was not seen lost within {self.timeout:.0f} s): the server serves one connection "
+                    "per rank; end every process of this host's earlier start (its torchrun agent and "
+                    "workers), then start the host again")
+            time.sleep(0.1)
 
     # -- requests --------------------------------------------------------------------
     def _call(self, fn: Callable, what: str):

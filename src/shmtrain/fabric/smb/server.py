@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.control import PeerTimeout, first_line
-from shmtrain.fabric.smb.board import ALIVE, DEAD
+from shmtrain.fabric.smb.board import ALIVE, DEAD, LEFT
 from shmtrain.fabric.smb.gate import Gate
 from shmtrain.fabric.smb.links import Acceptor, receive_requests
 from shmtrain.fabric.smb.snapshot import read_snapshot, write_snapshot
@@ -130,8 +130,7 @@ class MemoryServer(Gate):
 
     @property
     def finished(self) -> bool:
-        """Every worker of the job (its size as its clients announce it) came, and every
-        one has said goodbye or been lost (a lost one may come back until then)."""
+        """Every worker of the job (as its clients announce it) came and left or was lost."""
         return bool(self._links) and len(self._links) >= self._world and not self.remaining
 
     # -- buffers ---------------------------------------------------------------------
@@ -374,6 +373,7 @@ class MemoryServer(Gate):
         name = self._name(client, seq, c) if op in (OP_CREATE, OP_LOOKUP) else None
         if op == OP_BYE:
             self._left.add(client)
+            self._mark(client, LEFT)  # its rank may connect again (a rejoin) at once
             self._reply(client, OK, seq)
             return
         if client not in self._trusted:
