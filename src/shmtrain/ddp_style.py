@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shmtrain.strategies.base import NoComm, Strategy
+from shmtrain.strategies.base import Strategy
+from shmtrain.strategies.nocomm import NoComm
 from shmtrain.timing import PhaseTimer
 
 FIX_STEP = "call optimizer.step() (or model.step()) once after every backward that is outside no_sync()"

@@ -144,24 +144,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size)
         mark("first-iteration")
         start = time.perf_counter()
-        with open(out / "metrics" / f"rank-{ctx.rank}.jsonl", "w") as log:
-            for iteration in range(1, total + 1):
-                iter_start = time.perf_counter()
-                with timer.phase("data"):
-                    x, y = prefetch.next()
-                comm.reset()
-                loss = trainer.step(x, y)
-                phases = timer.finish_iteration()
-                waited = min(comm.exposed(), phases.get("backward", 0.0))
-                phases["comm"] = waited  # inside backward for DDP: moved out of it
-                phases["backward"] = phases.get("backward", 0.0) - waited
-                phases["compute"] -= waited
-                phases["iteration"] = time.perf_counter() - iter_start
-                row = {"iteration": iteration, "loss": float(loss.detach()), "lr": trainer.lr,
-                       "t0": monitor.stamp(iter_start), "time": phases}
-                log.write(json.dumps(row) + "\n")
-                monitor.after_iteration(row, log)
-            monitor.finish(total, log)
+        _iterations(trainer, prefetch, comm, timer, monitor, total, out / "metrics" / f"rank-{ctx.rank}.jsonl")
         wall = time.perf_counter() - start
         prefetch.close()
         engine.close()
@@ -181,6 +164,30 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         raise
     finally:
         ctx.close()
+
+def _iterations(trainer: Any, prefetch: Any, comm: CommTimer, timer: Any, monitor: Any, total: int,
+                metrics: Path) -> None:
+    """``total`` DDP iterations, each row written to ``metrics`` with the communication DDP
+    waited for moved out of backward (its ``comm`` phase)."""
+    with open(metrics, "w") as log:
+        for iteration in range(1, total + 1):
+            iter_start = time.perf_counter()
+            with timer.phase("data"):
+                x, y = prefetch.next()
+            comm.reset()
+            loss = trainer.step(x, y)
+            phases = timer.finish_iteration()
+            waited = min(comm.exposed(), phases.get("backward", 0.0))
+            phases["comm"] = waited  # inside backward for DDP: moved out of it
+            phases["backward"] = phases.get("backward", 0.0) - waited
+            phases["compute"] -= waited
+            phases["iteration"] = time.perf_counter() - iter_start
+            row = {"iteration": iteration, "loss": float(loss.detach()), "lr": trainer.lr,
+                   "t0": monitor.stamp(iter_start), "time": phases}
+            log.write(json.dumps(row) + "\n")
+            monitor.after_iteration(row, log)
+        monitor.finish(total, log)
+
 
 
 def main(argv: list[str] | None = None) -> int:

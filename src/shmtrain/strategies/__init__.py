@@ -7,6 +7,7 @@ from shmtrain.strategies import (
     easgd,  # noqa: F401  (registers)
     gpi,  # noqa: F401  (registers)
     hsgd,  # noqa: F401  (registers)
+    nocomm,  # noqa: F401  (registers)
     ps_grad,  # noqa: F401  (registers)
     ps_weight,  # noqa: F401  (registers)
     seasgd,  # noqa: F401  (registers)

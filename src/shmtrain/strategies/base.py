@@ -436,18 +436,3 @@ def build_config(name: str, options: dict[str, Any]) -> StrategyConfig:
         raise ValueError(f"{flags} does not apply to --strategy {name} (it takes {takes})")
     return cls.Config(**options)
 
-
-@register
-class NoComm(Strategy):
-    """No communication at all: every worker trains alone on its shard (the floor that
-    the step benchmark compares every strategy against)."""
-
-    name = "nocomm"
-
-
-@register
-class Single(NoComm):
-    """One process, plain SGD: the reference every synchronous strategy must equal."""
-
-    name = "single"
-    world = "one"
