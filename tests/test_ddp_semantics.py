@@ -293,7 +293,7 @@ assert dist.is_initialized(), "close() destroyed the script's process group"
 t = torch.ones(1)
 dist.all_reduce(t)
 dist.destroy_process_group()
-print("rank", dist.is_initialized(), int(t.item()), model.iteration)
+sys.stdout.write("rank %s %d %d\\n" % (dist.is_initialized(), int(t.item()), model.iteration))  # one write: no interleaving
 """
 
 

@@ -94,7 +94,9 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     reference.load_state_dict(model.state_dict())
     opt, ref_opt = _optimizer(model), _optimizer(reference)
     timer = PhaseTimer()
-    dp = DataParallel(model, opt, strategy, ctx=ctx, timer=timer, **options)
+    # the strategy's own path, as shmtrain train's Trainer drives it (zero copy: gradients in the
+    # shared slots); tests/test_ddp_semantics.py covers the DDP-style loop
+    dp = DataParallel(model, opt, strategy, ctx=ctx, timer=timer, ddp_style=False, **options)
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1)
     errors, digests, rows = [], [], []

@@ -103,6 +103,7 @@ class DataParallel(nn.Module):
         control = self._control()
         if control is not None:  # a new training: earlier "finished" marks count for nothing
             control.generation += 1
+            control.steps_done = lambda: getattr(getattr(self, "strategy", None), "iteration", 0)
         try:
             impl = plan(strategy, config, self.ctx.world_size, self.ctx.num_nodes)
             impl.check_optimizer(type(optimizer).__name__, strategies.get(strategy).chosen_by(config), grad_clip=grad_clip)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -114,6 +114,9 @@ class ControlBlock:
         #: the training this process is in (``DataParallel`` counts them; every rank
         #: creates them in the same order), for :meth:`set_finished`
         self.generation = 0
+        #: the steps this process's training has completed (set by ``DataParallel``): a peer
+        #: that finished after more steps took part in the one waited for, so it is no failure
+        self.steps_done: Callable[[], int] | None = None
         self._indices: dict[int, int] = {}
         self._sleep_lock = threading.Lock()
         self._sleeping: dict[int, int] = {}  # word index -> this process's threads asleep on it
@@ -182,6 +185,8 @@ class ControlBlock:
         me = self._me if me is None else me
         if steps is None or (me is not None and self.finished(me) is not None):
             return None
+        if self.steps_done is not None and self.steps_done() < steps:
+            return None  # the step waited for is one the peer took: its part is there or coming
         return PeerFailure(
             f"local rank {rank} (pid {self.pid(rank)}) finished after {steps} steps while this worker "
             f"waited for {what}: every rank of a synchronous job takes the same number of steps; "

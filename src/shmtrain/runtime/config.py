@@ -102,7 +102,6 @@ class JobOptions:
 
 
 @dataclass(kw_only=True)
-@dataclass(kw_only=True)
 class MonitorOptions:
     """Section ``evaluation and monitoring``: held-out evaluation, TensorBoard, timeline
     (a mixin, see :class:`JobOptions`)."""
