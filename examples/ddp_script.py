@@ -9,8 +9,12 @@ Ctrl-C (or SIGTERM) stops every worker at the same step; rank 0 saves the model,
 optimizer and the step to --ckpt (atomically: a temporary file, then a rename), as it
 does every --ckpt-every steps and at the end. The same command run again continues from
 it (--resume) and reaches the weights an uninterrupted run reaches. The model is
-examples/mynet.py's Net on scikit-learn's digits; AdamW, gradient clipping, and gradient
-accumulation over 2 micro-batches, the first under ``model.no_sync()``.
+examples/mynet.py's Net, on scikit-learn's digits or, with ``--data DIR``, on a folder of
+images with one sub-folder per class (``python examples/make_image_folder.py DIR`` makes
+one; use DIR/train), read as a DDP script reads one: torchvision's ``ImageFolder``, a
+``DistributedSampler`` re-seeded every epoch, a ``DataLoader`` decoding in
+``--loader-workers`` processes. AdamW, gradient clipping, and gradient accumulation over
+2 micro-batches, the first under ``model.no_sync()``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -45,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from --ckpt when it exists")
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--data", type=Path, help="a folder of images, one sub-folder per class (default: digits)")
+    parser.add_argument("--loader-workers", type=int, default=2, help="DataLoader processes decoding --data")
     return parser.parse_args()
 
 
@@ -62,6 +69,50 @@ def agreed_stop(requested: dict[str, int]) -> int:
     return int(flag.item())
 
 
+def digits_batches(batch: int, rank: int, world: int) -> tuple[tuple[int, ...], int, Callable[[int], Iterator]]:
+    """Input shape, classes, and micro-batches from a step on: slices of the digits, a
+    function of the step (so a resumed run reads what a straight one reads)."""
+    data = load_digits_data()
+    per_step = batch * MICRO_BATCHES * world
+
+    def batches(first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for step in range(first_step, 1 << 62):
+            base = (step * per_step) % (len(data.train_x) - per_step)
+            for micro in range(MICRO_BATCHES):
+                start = base + (micro * world + rank) * batch
+                yield data.train_x[start:start + batch], data.train_y[start:start + batch]
+
+    return (1, 8, 8), 10, batches
+
+
+def folder_batches(root: Path, batch: int, rank: int, world: int,
+                   workers: int) -> tuple[tuple[int, ...], int, Callable[[int], Iterator]]:
+    """Input shape, classes, and micro-batches from a step on, as a DDP script reads an image
+    folder: each epoch a ``DistributedSampler`` order (seed 0 + epoch); a resumed run skips
+    the steps of its epoch already taken."""
+    from torch.utils.data import DataLoader, DistributedSampler
+    from torchvision import datasets, transforms
+
+    dataset = datasets.ImageFolder(str(root), transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))]))
+    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0, drop_last=True)
+    per_step = batch * MICRO_BATCHES
+    steps_per_epoch = len(sampler) // per_step
+    if steps_per_epoch < 1:
+        sys.exit(f"--data {root}: {len(dataset)} images are fewer than one step takes "
+                 f"({per_step * world}); use a smaller --batch-size or more images")
+
+    def batches(first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch, skip = divmod(first_step, steps_per_epoch)
+        while True:
+            sampler.set_epoch(epoch)
+            order = list(sampler)[skip * per_step:steps_per_epoch * per_step]
+            yield from DataLoader(dataset, batch_size=batch, sampler=order, num_workers=workers)
+            epoch, skip = epoch + 1, 0
+
+    return tuple(dataset[0][0].shape), len(dataset.classes), batches
+
+
 def main() -> None:
     args = parse_args()
     requested = {"signum": 0}
@@ -75,8 +126,12 @@ def main() -> None:
     dist.init_process_group("gloo")  # env:// from torchrun's (or shmtrain run's) variables
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    if args.data is not None:
+        shape, classes, batches = folder_batches(args.data, args.batch_size, rank, world, args.loader_workers)
+    else:
+        shape, classes, batches = digits_batches(args.batch_size, rank, world)
     torch.manual_seed(0)
-    net = Net((1, 8, 8), 10, width=args.width)
+    net = Net(shape, classes, width=args.width)
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=1e-2)
     step = 0
     if args.ckpt is not None and args.ckpt.exists():
@@ -90,16 +145,13 @@ def main() -> None:
             print(f"resumed from {args.ckpt} at step {step}", flush=True)
     model = shmtrain.DataParallel(net, optimizer, strategy=args.strategy)  # joins the job (rank 0's weights)
 
-    data = load_digits_data()
     loss_fn = nn.CrossEntropyLoss()
-    per_step = args.batch_size * MICRO_BATCHES * world
+    stream = batches(step)  # the same micro-batches after a resume as in a straight run
     stopped = 0
     while step < args.steps:
-        base = (step * per_step) % (len(data.train_x) - per_step)  # the same batches after a resume
         optimizer.zero_grad()
         for micro in range(MICRO_BATCHES):
-            start = base + (micro * world + rank) * args.batch_size
-            x, y = data.train_x[start:start + args.batch_size], data.train_y[start:start + args.batch_size]
+            x, y = next(stream)
             sync = model.no_sync() if micro < MICRO_BATCHES - 1 else contextlib.nullcontext()
             with sync:  # the first micro-batch only accumulates; the last one communicates
                 loss = loss_fn(model(x), y) / MICRO_BATCHES
@@ -114,6 +166,7 @@ def main() -> None:
             save(args.ckpt, net, optimizer, step)
         if stopped:
             break
+    stream.close()  # its DataLoader processes end here
     if rank == 0 and args.ckpt is not None and not stopped:
         save(args.ckpt, net, optimizer, step)
     if rank == 0:

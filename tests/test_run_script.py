@@ -22,7 +22,7 @@ from shmtrain.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ddp_script.py"
 #: the example's run: long enough to be interrupted after its first checkpoint (step 50)
-STEPS = ["--steps", "600", "--ckpt-every", "50", "--log-every", "100"]
+STEPS = ["--steps", "600", "--ckpt-every", "50", "--log-every", "100", "--batch-size", "8", "--loader-workers", "1"]
 
 PROBE = """\
 import json, os, sys
@@ -147,22 +147,38 @@ def test_sigkill_of_one_worker_stops_the_others(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    """The example's uninterrupted run: its final checkpoint."""
+def shapes(tmp_path_factory) -> list[str]:
+    """``--data DIR``: a generated image folder (examples/make_image_folder.py; 4 classes of
+    60 images, 16x16), which the example reads as a DDP script does (ImageFolder,
+    DistributedSampler, a DataLoader process per worker)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from make_image_folder import make
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    folder = tmp_path_factory.mktemp("shapes")
+    make(folder, classes=4, per_class=60, size=16)
+    return ["--data", str(folder / "train")]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, shapes: list[str]) -> Path:
+    """The example's uninterrupted run on the image folder: its final checkpoint."""
     folder = tmp_path_factory.mktemp("straight")
     ckpt = folder / "ddp.pt"
     done = subprocess.run([sys.executable, "-m", "shmtrain", "run", "--workers", "2", "--log-dir", str(folder / "logs"),
-                           str(EXAMPLE), *STEPS, "--ckpt", str(ckpt)], capture_output=True, text=True, timeout=150, cwd=ROOT)
+                           str(EXAMPLE), *STEPS, *shapes, "--ckpt", str(ckpt)], capture_output=True, text=True,
+                          timeout=150, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert step_of(ckpt) == 600 and "finished at step 600" in done.stdout
     return ckpt
 
 
-def test_ctrl_c_saves_and_the_same_command_resumes_to_the_straight_runs_weights(straight: Path,
+def test_ctrl_c_saves_and_the_same_command_resumes_to_the_straight_runs_weights(straight: Path, shapes: list[str],
                                                                                  tmp_path: Path) -> None:
     ckpt = tmp_path / "ddp.pt"
-    command = ["--workers", "2", "--log-dir", str(tmp_path / "logs"), str(EXAMPLE), *STEPS, "--ckpt", str(ckpt),
-               "--resume"]
+    command = ["--workers", "2", "--log-dir", str(tmp_path / "logs"), str(EXAMPLE), *STEPS, *shapes, "--ckpt",
+               str(ckpt), "--resume"]
     launcher = start(command)
     wait_for(ckpt.exists, launcher, "the first checkpoint")
     workers = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
@@ -181,14 +197,14 @@ def test_ctrl_c_saves_and_the_same_command_resumes_to_the_straight_runs_weights(
     assert (tmp_path / "logs" / "rank-0.log").read_text().count("--- shmtrain run") == 2  # both kept
 
 
-def test_the_same_script_runs_under_torchrun(straight: Path, tmp_path: Path) -> None:
+def test_the_same_script_runs_under_torchrun(straight: Path, shapes: list[str], tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ckpt = tmp_path / "ddp.pt"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-addr", "127.0.0.1", "--master-port", str(port), str(EXAMPLE), *STEPS,
-                           "--ckpt", str(ckpt)], capture_output=True, text=True, timeout=170, cwd=ROOT,
+                           *shapes, "--ckpt", str(ckpt)], capture_output=True, text=True, timeout=170, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert step_of(ckpt) == 600
