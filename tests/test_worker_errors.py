@@ -133,17 +133,17 @@ def test_a_peer_that_noticed_the_death_first_is_not_blamed() -> None:
 
     import torch.distributed as dist
 
-    from shmtrain.runtime.launcher import _root_cause
+    from shmtrain.runtime.failures import root_cause
     from shmtrain.runtime.worker_logs import WorkerLogs
 
     children = [SimpleNamespace(pid=100, returncode=1), SimpleNamespace(pid=101, returncode=-signal.SIGKILL)]
     record = {"cause": "local rank 1 (pid 101) died while this worker waited for gradients", "peer": 1,
               "timeout": False}
-    failure = _root_cause(children, 0, 1, record, [], {}, WorkerLogs(None, 2, False), dist.HashStore())
+    failure = root_cause(children, 0, 1, record, [], {}, WorkerLogs(None, 2, False), dist.HashStore())
     assert str(failure) == "worker rank 1 (pid 101) failed: killed by SIGKILL" and failure.rank == 1
     # its own error, when it had one, is the cause
     store = dist.HashStore()
     store.set("error/1", json.dumps({"cause": "ValueError: bad", "peer": None, "timeout": False}))
     children[1].returncode = 1
-    failure = _root_cause(children, 0, 1, record, [], {}, WorkerLogs(None, 2, False), store)
+    failure = root_cause(children, 0, 1, record, [], {}, WorkerLogs(None, 2, False), store)
     assert str(failure) == "worker rank 1 (pid 101) failed: ValueError: bad"

@@ -25,11 +25,9 @@ that stalled; with its signal name when a signal ended it.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -43,28 +41,19 @@ import torch.distributed as dist
 
 from shmtrain.fabric.control import ControlBlock, process_state
 from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
+from shmtrain.runtime.failures import (
+    WorkerFailed,
+    describe_exit,
+    error_record,
+    first_cause,
+    root_cause,
+    shm_note,
+)
 from shmtrain.runtime.worker_logs import WorkerLogs
 
 GRACE_S = 10.0
 #: seconds the workers have to end after a relayed SIGINT/SIGTERM (torchrun's figure)
 STOP_GRACE_S = 30.0
-
-
-class WorkerFailed(RuntimeError):
-    """A worker exited with an error; ``rank`` and ``returncode`` say which and how."""
-
-    def __init__(self, message: str, rank: int, returncode: int) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.returncode = returncode
-        #: the signal of a stop under way when it failed (0: none); no restart after a stop
-        self.stop_signal = 0
-        #: the survivors' return values by rank, when a tolerated loss let them finish
-        self.results: dict[int, Any] | None = None
-        #: the worker's own one-line cause (its exception), when it reported one
-        self.cause: str | None = None
-        #: True when the zygote that forked the workers died (and they with it)
-        self.zygote = False
 
 
 class StopNow(KeyboardInterrupt):
@@ -75,29 +64,6 @@ class StopNow(KeyboardInterrupt):
     def __init__(self, signum: int, first: int = 0) -> None:
         super().__init__()
         self.signum, self.first = signum, first
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
-
-
-def shm_note(code: int) -> str:
-    """For a worker killed by SIGBUS: the likely cause (a full /dev/shm) and the fix."""
-    if code not in (-signal.SIGBUS, 128 + signal.SIGBUS):
-        return ""
-    try:
-        usage = shutil.disk_usage("/dev/shm")
-        now = f"it has {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB now"
-    except OSError:
-        now = "it cannot be read now"
-    return (f" (a SIGBUS in a worker means a shared-memory page could not be given, most often because "
-            f"/dev/shm is full: {now}; free space there (df -h /dev/shm), use fewer workers or a "
-            "smaller model, and leave out --force so the memory check can refuse such a run)")
 
 
 def launch(
@@ -206,7 +172,7 @@ class _JobSetup:
 
 class _Supervisor:
     """The supervision policy of a local launch: poll the workers until every one has
-    returned; the first to fail ends the others (its root cause named, :func:`_root_cause`);
+    returned; the first to fail ends the others (its root cause named, :func:`~shmtrain.runtime.failures.root_cause`);
     under ``tolerate_worker_loss`` a worker that dies after it started training is
     recorded and the others train on; under a graceful stop a worker ended by the signal
     before its loop ends the launch as a KeyboardInterrupt."""
@@ -232,7 +198,7 @@ class _Supervisor:
             if bad and self.tolerate and control.aborted() is None and control.state(bad[0][0]) != 0:
                 self.lost[bad[0][0]] = bad[0][1]
             elif bad:
-                raise self._failure(*bad[0])
+                raise self._failure(*first_cause(children, bad, self.lost))
             if all(c == 0 or (c is not None and r in self.lost) for r, c in enumerate(codes)):
                 return
             time.sleep(0.05)
@@ -244,9 +210,9 @@ class _Supervisor:
             failure = WorkerFailed(zygote, rank, code)
             failure.zygote = True
             return failure
-        record = _error_record(self.job.store, rank, code)
+        record = error_record(self.job.store, rank, code)
         stuck = _end(self.children, GRACE_S)
-        failure = _root_cause(self.children, rank, code, record, stuck, self.lost, self.logs, self.job.store)
+        failure = root_cause(self.children, rank, code, record, stuck, self.lost, self.logs, self.job.store)
         failure.stop_signal = self.stopping.signum if self.stopping is not None else 0
         return failure
 
@@ -383,61 +349,3 @@ def _dead_zygote(children: list[Any]) -> str | None:
     return (f"the worker zygote (pid {zygote.process.pid}, the process that forks the workers) died "
             f"({how}), and every worker ended with it; their logs say nothing of it (was it killed, "
             "or by the OOM killer: see dmesg?)")
-
-
-def _error_record(store: dist.TCPStore, rank: int, code: int) -> dict[str, Any]:
-    """The worker's own account of its failure (``error/<rank>``: ``cause``, ``peer``,
-    ``timeout``); empty when it had none to give (killed by a signal, or failed before it
-    joined the job)."""
-    if code < 0:
-        return {}
-    deadline = time.monotonic() + 1.0  # the worker sets it just before it exits
-    while True:
-        try:
-            if store.check([f"error/{rank}"]):
-                return json.loads(store.get(f"error/{rank}").decode())
-        except (RuntimeError, ValueError):
-            return {}
-        if time.monotonic() > deadline:
-            return {}
-        time.sleep(0.02)
-
-
-def _root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any],
-                stuck: list[int], lost: dict[int, int], logs: WorkerLogs, store: dist.TCPStore) -> WorkerFailed:
-    """The one-line failure: the first worker to fail, unless it only failed because of a
-    peer: one it gave up waiting for (that peer stalled; the launcher ended it), or one it
-    found dead or failed (that peer's own failure is the cause)."""
-    peer = record.get("peer")
-    if record.get("timeout") and peer is None and stuck:
-        peer = stuck[0]
-    if peer is None or peer == rank or not 0 <= peer < len(children):
-        failure = _failure_of(children, rank, code, record, logs)
-    elif record.get("timeout"):
-        how = describe_exit(children[peer].returncode) if peer in stuck else "it did not answer"
-        message = (f"worker rank {peer} (pid {children[peer].pid}) stalled: worker rank {rank} gave up "
-                   f"waiting for it ({record.get('cause')}); the launcher ended it ({how})")
-        failure = WorkerFailed(message + logs.where(peer), peer, children[peer].returncode or code)
-        failure.cause = record.get("cause")
-    else:
-        peer_code = children[peer].returncode
-        peer_code = code if peer_code is None else peer_code
-        failure = _failure_of(children, peer, peer_code, _error_record(store, peer, peer_code), logs)
-    if lost:
-        failure.args = (failure.args[0] + "".join(
-            f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),)
-    return failure
-
-
-def _failure_of(children: list[Any], rank: int, code: int, record: dict[str, Any],
-                logs: WorkerLogs) -> WorkerFailed:
-    """``worker rank R (pid P) failed: <its own cause, or how it exited>; its log: ...``."""
-    pid = children[rank].pid
-    cause = record.get("cause")
-    if cause:
-        failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {cause}" + logs.where(rank), rank, code)
-    else:
-        failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {describe_exit(code)}"
-                               + shm_note(code) + logs.last_line(rank) + logs.where(rank), rank, code)
-    failure.cause = cause
-    return failure

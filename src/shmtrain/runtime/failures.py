@@ -1,0 +1,132 @@
+"""What a failed job's one line names: the worker whose failure is the root cause, how it
+exited, and where its log is (``runtime/launcher.py``'s supervisor raises it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from shmtrain.runtime.worker_logs import WorkerLogs
+
+#: how long the supervisor looks for a worker killed by a signal once another failed with an
+#: error: a peer's error on a closed connection follows the kill within milliseconds
+KILLED_FIRST_S = 0.5
+
+
+class WorkerFailed(RuntimeError):
+    """A worker exited with an error; ``rank`` and ``returncode`` say which and how."""
+
+    def __init__(self, message: str, rank: int, returncode: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.returncode = returncode
+        #: the signal of a stop under way when it failed (0: none); no restart after a stop
+        self.stop_signal = 0
+        #: the survivors' return values by rank, when a tolerated loss let them finish
+        self.results: dict[int, Any] | None = None
+        #: the worker's own one-line cause (its exception), when it reported one
+        self.cause: str | None = None
+        #: True when the zygote that forked the workers died (and they with it)
+        self.zygote = False
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def shm_note(code: int) -> str:
+    """For a worker killed by SIGBUS: the likely cause (a full /dev/shm) and the fix."""
+    if code not in (-signal.SIGBUS, 128 + signal.SIGBUS):
+        return ""
+    try:
+        usage = shutil.disk_usage("/dev/shm")
+        now = f"it has {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB now"
+    except OSError:
+        now = "it cannot be read now"
+    return (f" (a SIGBUS in a worker means a shared-memory page could not be given, most often because "
+            f"/dev/shm is full: {now}; free space there (df -h /dev/shm), use fewer workers or a "
+            "smaller model, and leave out --force so the memory check can refuse such a run)")
+
+
+def first_cause(children: list[Any], bad: list[tuple[int, int]], lost: dict[int, int]) -> tuple[int, int]:
+    """``(rank, exit code)`` of the failure to report among ``bad``: a worker killed by a
+    signal before one that failed with an error (the error is most often its peer noticing
+    the kill: "Connection reset by peer"), looked for up to :data:`KILLED_FIRST_S`."""
+    deadline = time.monotonic() + (KILLED_FIRST_S if bad[0][1] > 0 else 0.0)
+    while True:
+        killed = [(r, c) for r, c in bad if c < 0]
+        if killed:
+            return killed[0]
+        if time.monotonic() >= deadline:
+            return bad[0]
+        time.sleep(0.05)
+        codes = [c.poll() for c in children]
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and r not in lost] or bad
+
+
+def root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any],
+                stuck: list[int], lost: dict[int, int], logs: WorkerLogs, store: dist.TCPStore) -> WorkerFailed:
+    """The one-line failure: the first worker to fail, unless it only failed because of a
+    peer: one it gave up waiting for (that peer stalled; the launcher ended it), or one it
+    found dead or failed (that peer's own failure is the cause)."""
+    peer = record.get("peer")
+    if record.get("timeout") and peer is None and stuck:
+        peer = stuck[0]
+    if peer is None or peer == rank or not 0 <= peer < len(children):
+        failure = failure_of(children, rank, code, record, logs)
+    elif record.get("timeout"):
+        how = describe_exit(children[peer].returncode) if peer in stuck else "it did not answer"
+        message = (f"worker rank {peer} (pid {children[peer].pid}) stalled: worker rank {rank} gave up "
+                   f"waiting for it ({record.get('cause')}); the launcher ended it ({how})")
+        failure = WorkerFailed(message + logs.where(peer), peer, children[peer].returncode or code)
+        failure.cause = record.get("cause")
+    else:
+        peer_code = children[peer].returncode
+        peer_code = code if peer_code is None else peer_code
+        failure = failure_of(children, peer, peer_code, error_record(store, peer, peer_code), logs)
+    if lost:
+        failure.args = (failure.args[0] + "".join(
+            f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),)
+    return failure
+
+
+def failure_of(children: list[Any], rank: int, code: int, record: dict[str, Any],
+                logs: WorkerLogs) -> WorkerFailed:
+    """``worker rank R (pid P) failed: <its own cause, or how it exited>; its log: ...``."""
+    pid = children[rank].pid
+    cause = record.get("cause")
+    if cause:
+        failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {cause}" + logs.where(rank), rank, code)
+    else:
+        failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {describe_exit(code)}"
+                               + shm_note(code) + logs.last_line(rank) + logs.where(rank), rank, code)
+    failure.cause = cause
+    return failure
+
+
+def error_record(store: dist.TCPStore, rank: int, code: int) -> dict[str, Any]:
+    """The worker's own account of its failure (``error/<rank>``: ``cause``, ``peer``,
+    ``timeout``); empty when it had none to give (killed by a signal, or failed before it
+    joined the job)."""
+    if code < 0:
+        return {}
+    deadline = time.monotonic() + 1.0  # the worker sets it just before it exits
+    while True:
+        try:
+            if store.check([f"error/{rank}"]):
+                return json.loads(store.get(f"error/{rank}").decode())
+        except (RuntimeError, ValueError):
+            return {}
+        if time.monotonic() > deadline:
+            return {}
+        time.sleep(0.02)
