@@ -195,8 +195,8 @@ class BucketAllreduce:
         mean = self.op == "mean" and self.leaders is None
         if len(slots) == 1:
             out.copy_(slots[0][lo:hi])
-        elif len(slots) == 2 and mean:  # the mean of two in one pass
-            torch.lerp(slots[0][lo:hi], slots[1][lo:hi], 0.5, out=out)
+        elif len(slots) == 2 and mean:  # (a + b) / 2, rounded as DDP's mean is (a lerp is not)
+            torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out).mul_(0.5)
         else:
             torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
             for slot in slots[2:]:

@@ -249,8 +249,8 @@ class GPI(Strategy):
                 grad.add_(slot[layer])
             self._combiner.submit(layer, seq)
             return
-        if self.world == 2:  # the mean of two in one pass
-            grad.lerp_(self._slots[0][layer], 0.5)
+        if self.world == 2:  # (a + b) / 2, rounded as DDP's mean is (a lerp is not)
+            grad.add_(self._slots[0][layer]).mul_(0.5)
         elif self.world > 2:
             for slot in self._slots:
                 grad.add_(slot[layer])
