@@ -48,3 +48,14 @@ def single_process_sgd(steps: int, batch: int, world: int, lr=0.1, momentum=0.9,
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def ddp_step(model: nn.Module, opt: torch.optim.Optimizer, xs: torch.Tensor, ys: torch.Tensor,
+             clip: float | None = None) -> bool:
+    """One step of a plain DDP loop (zero_grad, forward, backward, clip_grad_norm_, step);
+    whether the clip bit (the gradient's norm was above ``clip``)."""
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(model(xs), ys).backward()
+    clipped = clip is not None and bool(torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip)
+    opt.step()
+    return clipped

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from reference import batches, flat_params, relative_error, tiny_model, worker_batch
+from reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.fabric.staging import STAGING_ENV
 from shmtrain.runtime.launcher import WorkerFailed, launch
@@ -39,14 +39,9 @@ def ddp_loop(model: nn.Module, opt: torch.optim.Optimizer, steps: list[tuple[tor
              clip: float | None) -> tuple[list[torch.Tensor], int]:
     """The plain DDP loop, written once for both wrappers; the weights after each step and
     how often the clip bit."""
-    loss_fn = nn.CrossEntropyLoss()
     history, clipped = [], 0
     for xs, ys in steps:
-        opt.zero_grad()
-        loss_fn(model(xs), ys).backward()
-        if clip is not None:
-            clipped += int(torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip)
-        opt.step()
+        clipped += ddp_step(model, opt, xs, ys, clip)
         history.append(flat_params(model))
     return history, clipped
 

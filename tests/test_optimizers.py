@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from reference import batches, flat_params, relative_error, tiny_model, worker_batch
+from reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.cli import main
 from shmtrain.runtime.launcher import launch
@@ -56,11 +56,7 @@ def against_ddp_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
         xs, ys = worker_batch(x, y, step, ctx.rank, BATCH, ctx.world_size)
         trainer.step(xs, ys)
         ours.append(flat_params(model))
-        ddp_opt.zero_grad()
-        loss_fn(ddp(xs), ys).backward()
-        if clip is not None:
-            clipped += int(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip) > clip)
-        ddp_opt.step()
+        clipped += ddp_step(ddp, ddp_opt, xs, ys, clip)
         theirs.append(flat_params(ddp_model))
     dp.close()
     return {"ours": ours, "ddp": theirs, "clipped": clipped}

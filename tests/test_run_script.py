@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from shmtrain.cli import main
+from test_checkpoint import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ddp_script.py"
@@ -60,16 +60,6 @@ def start(args: list[str]) -> subprocess.Popen:
     """``shmtrain run`` in its own session, as a terminal runs it."""
     return subprocess.Popen([sys.executable, "-m", "shmtrain", "run", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=ROOT)
-
-
-def wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        assert launcher.poll() is None, (what, launcher.communicate())
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 def step_of(ckpt: Path) -> int:

@@ -117,12 +117,7 @@ class DDPStyle:
         if self.closed or not (self.average_in_backward and self.strategy.syncing):
             return
         strategy = self.strategy
-        self.internal += 1
-        try:
-            strategy.after_backward()
-        finally:
-            self.internal -= 1
-        self.reduced = True
+        self._exchange()
         if strategy.shared_gradients and not strategy.staged:
             strategy.private_gradients(strategy.params)
         if strategy.grad_clip_reason:  # an edit of these gradients would come too late
@@ -146,15 +141,14 @@ class DDPStyle:
         strategy = self.strategy
         if self.reduced:
             self._check_edits()
-        self.internal += 1
         try:
-            if not self.reduced:
-                strategy.after_backward()
-            with self.timer.phase("update"):
-                strategy.apply_update()
-            strategy.after_update()
+            with self._driving():
+                if not self.reduced:
+                    strategy.after_backward()
+                with self.timer.phase("update"):
+                    strategy.apply_update()
+                strategy.after_update()
         finally:
-            self.internal -= 1
             self.pending, self.reduced, self.zeroed, self._versions = None, False, False, None
 
     def _check_edits(self) -> None:
@@ -173,11 +167,8 @@ class DDPStyle:
 
     def zero_grad(self) -> None:
         """The strategy's zero_grad (it binds the gradients to its buffers)."""
-        self.internal += 1
-        try:
+        with self._driving():
             self.strategy.zero_grad()
-        finally:
-            self.internal -= 1
         self.zeroed = True
 
     # -- join -----------------------------------------------------------------------
@@ -222,13 +213,24 @@ class DDPStyle:
     def _shadow_step(self) -> None:
         """A joined rank's part of a step the others take: no gradient of its own."""
         self.zero_grad()
+        self._exchange()
+        self.step()
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """The optimizer calls made inside are the strategy's own (its wrapped methods pass
+        them to the optimizer's originals)."""
         self.internal += 1
         try:
-            self.strategy.after_backward()
+            yield
         finally:
             self.internal -= 1
+
+    def _exchange(self) -> None:
+        """The strategy's exchange of this step's gradients (``after_backward``)."""
+        with self._driving():
+            self.strategy.after_backward()
         self.reduced = True
-        self.step()
 
     def close(self) -> None:
         """Stop checking; the optimizer's own methods answer from now on."""

@@ -282,10 +282,12 @@ class Strategy:
 
     @staticmethod
     def private_gradients(params: list[torch.Tensor]) -> None:
-        """Point every ``param.grad`` at a private copy of itself."""
+        """Point every ``param.grad`` at a private copy of itself, once: a gradient copied
+        already (``ddp_style.py`` after backward, then ``step_optimizer``) is not copied again."""
         for p in params:
-            if p.grad is not None:
+            if p.grad is not None and not getattr(p.grad, "_shmtrain_private", False):
                 p.grad = p.grad.clone()
+                p.grad._shmtrain_private = True
 
     def clip_gradients(self) -> None:
         """``--grad-clip``: scale the gradients by ``max_norm / (norm + 1e-6)`` when that is
