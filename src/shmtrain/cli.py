@@ -279,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     from shmtrain.runtime.script_launch import add_parser as add_run
 
     add_run(sub)
+    sub.add_parser(  # dispatched before parsing (its options are torchrun's): see _main
+        "torchrun", help="torchrun, its workers forked from one process per host (start-up across hosts)",
+        description="torchrun [its options] train ... | SCRIPT ...: torchrun's agent imports torch and "
+                    "shmtrain once and forks each worker (--start-method fork --run-path); "
+                    "`shmtrain torchrun --help` lists torchrun's options", add_help=False)
     _add_compare(sub)
     _add_bench(sub)
     from shmtrain.sim.cli import add_sim_parser
@@ -305,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["torchrun"]:  # torchrun's own options and parser (docs/hosts.md)
+        from shmtrain.fork_torchrun import main as fork_torchrun
+
+        return fork_torchrun(words[1:])
     if words[:1] in (["train"], ["run"], ["bench"], ["reproduce"], ["experiment"]) and not {"-h", "--help"} & set(words):
         from shmtrain.runtime import zygote
 

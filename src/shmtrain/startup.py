@@ -30,14 +30,18 @@ _started = False
 
 
 def _process_start() -> float | None:
-    """When the kernel started this process, in seconds since the epoch (Linux), or None."""
+    """When the kernel started this process, in seconds since the epoch (Linux), or None.
+
+    The start is counted back from now by the process's age (``/proc/uptime`` less its
+    start in clock ticks after boot), not added to ``/proc/stat``'s ``btime``: that is
+    whole seconds, and made the ``process`` mark up to a second early."""
     try:
+        now = time.time()
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         ticks = int(fields[19])  # starttime: clock ticks after boot (field 22 of proc(5))
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return now - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 

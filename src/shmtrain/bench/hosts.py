@@ -123,8 +123,21 @@ def grid_points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
+#: settings keys that are not flags of a method (the rest of a grid point's keys are:
+#: ``sync_every`` -> ``--sync-every``)
+_COMMON = ("model", "data", "batch_size", "lr", "iterations", "eval_every", "target", "seed", "class_split",
+           "launcher", "grid")
+
+
+def launcher(method: str, settings: dict[str, Any]) -> str:
+    """``torchrun`` for DDP (what its users run); for shmtrain's methods the setting's
+    ``launcher`` (default ``fork``: ``shmtrain torchrun``)."""
+    return "torchrun" if METHODS[method] is None else settings.get("launcher", "fork")
+
+
 def _worker_command(method: str, settings: dict[str, Any], out: Path) -> list[str]:
-    """What each torchrun process runs: ``-m shmtrain train ...`` or the DDP script."""
+    """What each host's launcher runs: ``train ...`` (``-m shmtrain train ...`` under plain
+    torchrun) or the DDP script; a grid point's method flags go last (they win)."""
     common = ["--model", settings["model"], "--data", settings["data"], "--batch-size", str(settings["batch_size"]),
               "--lr", str(settings["lr"]), "--iterations", str(settings["iterations"]),
               "--seed", str(settings["seed"]), "--eval-every", str(settings["eval_every"]),
@@ -134,8 +147,11 @@ def _worker_command(method: str, settings: dict[str, Any], out: Path) -> list[st
     flags = METHODS[method]
     if flags is None:
         return ["-m", "shmtrain.bench.hosts_ddp", *common]
-    return ["-m", "shmtrain", "train", *flags, *common, "--no-progress", "--checkpoint-every", "0",
-            "--device", "cpu"]  # the papers' CPU hosts (and the DDP baseline's)
+    extra = [w for k, v in settings.items() if k not in _COMMON and k not in DEFAULTS
+             for w in (f"--{k.replace('_', '-')}", str(v))]
+    head = ["train"] if launcher(method, settings) == "fork" else ["-m", "shmtrain", "train"]
+    return [*head, *flags, *common, "--no-progress", "--checkpoint-every", "0",
+            "--device", "cpu", *extra]  # the papers' CPU hosts (and the DDP baseline's)
 
 
 def run_method(method: str, hosts: tuple[str, str, str], port: int, settings: dict[str, Any],
@@ -145,7 +161,8 @@ def run_method(method: str, hosts: tuple[str, str, str], port: int, settings: di
     load = os.getloadavg()[0]  # the machine's load as the job starts (a shared machine's noise)
     nodes = 1 if method == ONE_HOST else NODES
     name = name or method
-    start, wall, link = launch(hosts, port, _worker_command(method, settings, out), logs, name, limit, nodes)
+    start, wall, link = launch(hosts, port, _worker_command(method, settings, out), logs, name, limit, nodes,
+                               launcher(method, settings))
     row = summarize(method, out, start, wall, settings["target"], link, PER_NODE,
                     [logs / f"{name}-node{n}.log" for n in range(nodes)])
     return dict(row, loadavg_1m=round(load, 2))
@@ -236,6 +253,7 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], list[str]
         for key in ("model", "data", "batch_size", "lr", "iterations", "eval_every", "target", "seed", "class_split"):
             if getattr(args, key) is not None:
                 settings[key] = getattr(args, key)
+        settings["launcher"] = args.launcher
         settings["grid"] = {"lr": args.grid_lr} if args.grid_lr else preset.get("grid", {"lr": [0.02, 0.05, 0.1]})
         methods = args.methods or preset.get("methods") or DEFAULT_METHODS
         rate = args.rate or preset.get("rate") or "1gbit"
@@ -328,6 +346,10 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                                                    "no split; the settings use 2)")
     p.add_argument("--rate", help="tc tbf rate of the link, both ways (default: the setting's, else 1gbit; "
                                   "none: unshaped)")
+    p.add_argument("--launcher", choices=["fork", "torchrun"], default="fork",
+                   help="what starts shmtrain's workers on each host: fork (`shmtrain torchrun`, torchrun forking "
+                        "them from one process that imported torch) or torchrun (each worker a fresh interpreter); "
+                        "DDP always runs under plain torchrun (default fork)")
     p.add_argument("--tune", action="store_true", help="run every method once per grid point first and use the "
                                                        "best (on by default with --setting)")
     p.add_argument("--no-tune", action="store_true", help="with --setting: use --lr, no tuning")

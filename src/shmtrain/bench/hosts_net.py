@@ -104,9 +104,15 @@ def host_env() -> dict[str, str]:
     return dict(env, OMP_NUM_THREADS="1", SHMTRAIN_NO_PROGRESS="1", SHMTRAIN_STARTUP_LOG="1")
 
 
+#: the launchers a job's hosts run: torchrun, or ``shmtrain torchrun`` (torchrun forking its
+#: workers from one process that imported torch and shmtrain, :mod:`shmtrain.fork_torchrun`)
+LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run"], "fork": ["-m", "shmtrain", "torchrun"]}
+
+
 def launch(hosts: tuple[str, str, str], port: int, worker: list[str], logs: Path, name: str,
-           limit: float, nodes: int = NODES) -> tuple[float, float, int]:
-    """Run ``worker`` (``-m module ...``) as one torchrun job on the first ``nodes`` hosts
+           limit: float, nodes: int = NODES, launcher: str = "torchrun") -> tuple[float, float, int]:
+    """Run ``worker`` (``-m module ...`` for torchrun, ``train ...`` or a script for
+    ``fork``) as one job of ``launcher`` (:data:`LAUNCHERS`) on the first ``nodes`` hosts
     (2 workers each); returns (launch time, wall seconds, link bytes). A failure or a job
     past ``limit`` seconds raises RuntimeError naming its logs (``logs/NAME-node<K>.log``)."""
     a, b, master = hosts
@@ -116,7 +122,7 @@ def launch(hosts: tuple[str, str, str], port: int, worker: list[str], logs: Path
     start = time.time()
     try:
         for node, ns in enumerate((a, b)[:nodes]):
-            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+            cmd = ["ip", "netns", "exec", ns, sys.executable, *LAUNCHERS[launcher], "--nnodes", str(nodes),
                    "--node-rank", str(node), "--nproc-per-node", str(PER_NODE), "--master-addr", master,
                    "--master-port", str(port), "--rdzv-conf", "timeout=60", *worker]
             sink = open(logs / f"{name}-node{node}.log", "w")  # noqa: SIM115 - closed below

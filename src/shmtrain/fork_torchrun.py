@@ -1,0 +1,124 @@
+"""``shmtrain torchrun``: torchrun whose workers are forked from a process that imported torch once.
+
+Each worker torchrun starts is a fresh interpreter: it imports torch, torch._dynamo (a
+torch.optim optimizer's first use imports it) and shmtrain's worker path, 2.7 s of CPU
+here, and torchrun's agent has imported torch already. On a host with 2 workers and 2
+cores that is three imports before the first iteration, and across two hosts on one
+machine six (issue 27, item 4: start-up across hosts was 5.8-6.3 s from the launch).
+
+``shmtrain torchrun [torchrun's options] train [train's options]`` is torchrun itself
+(:mod:`torch.distributed.run`: its options, its rendezvous, its elastic agent, its
+restarts) with two of its own options set: ``--start-method fork`` and ``--run-path``,
+so that its agent forks each worker and runs shmtrain's ``__main__`` in it. Before the
+agent starts, this process imports what every worker would (the zygote's list,
+:data:`shmtrain.runtime.zygote.PRELOAD`, the digits data set, and torchvision when the
+``--model`` or ``--data`` needs it), so a worker begins with them loaded; the pages are
+shared copy-on-write. A script path in place of ``train`` runs that script the same way
+(a DDP script, as ``shmtrain run`` does on one host).
+
+Why forking the agent is safe here (the zygote's rule, :mod:`shmtrain.runtime.zygote`):
+the agent has run no torch operation, so no OpenMP pool or autograd thread exists to be
+copied half-way; its only threads are the rendezvous store's, which a child neither has
+nor uses (a worker connects to the store as a client, as under plain torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+#: the shmtrain commands this launcher runs in its workers (others are a script path)
+COMMANDS = ("train",)
+
+
+def _needs_torchvision(args: list[str]) -> bool:
+    """Whether ``shmtrain train ARGS``' workers will import torchvision (its model or an
+    image folder), judged from the flags without building the config."""
+    from shmtrain.models.registry import needs_torchvision
+    from shmtrain.runtime.data_options import data_kind
+
+    def value(flag: str) -> str | None:
+        for i, a in enumerate(args):
+            if a == flag and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    model, data = value("--model"), value("--data")
+    try:
+        return bool(model and needs_torchvision(model)) or bool(data and data_kind(data) == "folder")
+    except (ValueError, OSError):
+        return False  # the worker reports the bad value itself
+
+
+def preload(command: str, args: list[str]) -> None:
+    """Import, once in this process, what each forked worker would import."""
+    from shmtrain.runtime.zygote import PRELOAD, PRELOAD_ENV
+
+    names = list(PRELOAD) + [n.strip() for n in os.environ.get(PRELOAD_ENV, "").split(",") if n.strip()]
+    if command in COMMANDS and _needs_torchvision(args):
+        names.append("torchvision")
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # the worker imports it itself and says what is missing
+    if command in COMMANDS:
+        try:  # the default data set, read once: every worker shares its pages
+            from shmtrain.runtime.data import load_digits_data
+
+            load_digits_data()
+        except ImportError:
+            pass
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """torchrun's own parser; refuses the options that cannot be forked (``-m``,
+    ``--no-python``) with the fix."""
+    from torch.distributed import run as torchrun
+
+    parser = torchrun.get_args_parser()
+    parser.prog = "shmtrain torchrun"
+    args = parser.parse_args(argv)
+    for flag, given in (("--module/-m", args.module), ("--no-python", args.no_python)):
+        if given:
+            raise SystemExit(f"shmtrain torchrun: {flag} cannot be used: the workers are forked from this "
+                             f"process and run `train` or a script path in it (give `train ...` or "
+                             f"`path/to/script.py ...`, or use plain torchrun)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``shmtrain torchrun [torchrun options] (train ... | SCRIPT ...)``."""
+    args = parse(sys.argv[1:] if argv is None else argv)
+    command = args.training_script
+    if command in COMMANDS:
+        import shmtrain
+
+        args.training_script = str(Path(shmtrain.__file__).with_name("__main__.py"))
+        args.training_script_args = [command, *args.training_script_args]
+    elif not Path(command).is_file():
+        raise SystemExit(f"shmtrain torchrun: {command!r} is neither a shmtrain command ({', '.join(COMMANDS)}) "
+                         f"nor a script file; give `train ...` or the path of a Python script")
+    preload(command, args.training_script_args[1:] if command in COMMANDS else [])
+    args.run_path, args.start_method = True, "fork"
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.run(args)
+    except ChildFailedError as exc:  # torchrun's own report (it names the entrypoint run_script_path)
+        print(exc.format_msg(), file=sys.stderr)
+        what = "shmtrain train" if command in COMMANDS else command
+        ranks = ", ".join(f"rank {r} (exit status {f.exitcode})" for r, f in sorted(exc.failures.items()))
+        print(f"shmtrain torchrun: {what} failed on this host: {ranks}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""``shmtrain torchrun``: torchrun whose workers are forked from one process per host that
+imported torch and shmtrain (issue 27, start-up across hosts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from shmtrain.fabric.segment import leftover
+from test_torchrun import env, free_port
+
+FORK = [sys.executable, "-m", "shmtrain", "torchrun"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+PROBE = """\
+import json, os, sys
+loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.worker", "shmtrain.strategies")}
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+out = sys.argv[1]
+with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
+    json.dump({"loaded": loaded, "sum": t.item(), "world": dist.get_world_size(), "argv": sys.argv[1:]}, f)
+rank = dist.get_rank()
+dist.destroy_process_group()
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")) if rank == 1 else 0)
+"""
+
+
+def _hosts(launcher: list[str], head: list[str], args: list[str], out: Path) -> None:
+    port = free_port()
+    procs = [subprocess.Popen([*launcher, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), *head, *args,
+                               "--out", str(out)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for node in range(2)]
+    outputs = [p.communicate(timeout=170)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+
+
+def test_two_forked_hosts_train_as_two_torchrun_hosts(tmp_path: Path) -> None:
+    """diloco across two hosts: the same weights from ``shmtrain torchrun`` as from torchrun."""
+    args = ["--strategy", "diloco", "--sync-every", "4", "--iterations", "12", "--batch-size", "8", "--seed", "5",
+            "--no-progress", "--checkpoint-every", "0"]
+    _hosts(FORK, ["train"], args, tmp_path / "fork")
+    _hosts(TORCHRUN, ["-m", "shmtrain", "train"], args, tmp_path / "torchrun")
+    a, b = torch.load(tmp_path / "fork" / "model.pt"), torch.load(tmp_path / "torchrun" / "model.pt")
+    for key in a:
+        assert float((b[key] - a[key]).norm() / a[key].norm()) < 1e-6, key
+    summary = json.loads((tmp_path / "fork" / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["iterations"] == 12
+    assert not leftover()
+
+
+def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path) -> None:
+    """The workers are forks of a process that imported what they need (a fresh
+    interpreter under plain torchrun has none of it); a script's arguments and exit
+    status pass through."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    cmd = ["--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)]
+    done = subprocess.run([*FORK, *cmd], env=env(), capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["loaded"] == {"torch": True, "torch._dynamo": True, "shmtrain.runtime.worker": True,
+                                 "shmtrain.strategies": True}, got
+        assert got["sum"] == 3.0 and got["world"] == 2 and got["argv"] == [str(tmp_path)]
+    subprocess.run([*TORCHRUN, *cmd], env=env(), capture_output=True, timeout=150, check=True)
+    assert not json.loads((tmp_path / "rank0.json").read_text())["loaded"]["torch._dynamo"]  # the contrast
+    failed = subprocess.run([*FORK, *cmd], env=dict(env(), PROBE_EXIT="3"), capture_output=True, text=True,
+                            timeout=150)
+    assert failed.returncode == 1, failed.stderr
+    assert f"shmtrain torchrun: {script} failed on this host: rank 1 (exit status 3)" in failed.stderr
+
+
+def test_what_cannot_be_forked_is_refused_with_the_fix(tmp_path: Path) -> None:
+    for head, words in ((["-m", "shmtrain", "train"], "--module/-m cannot be used"),
+                        (["--no-python", "train"], "--no-python cannot be used"),
+                        ([str(tmp_path / "missing.py")], "is neither a shmtrain command")):
+        done = subprocess.run([*FORK, "--standalone", "--nproc-per-node", "1", *head], env=env(),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and words in done.stderr, done.stderr
+        assert "give `train ...`" in done.stderr
