@@ -123,6 +123,15 @@ def test_rounds_give_medians_and_the_grid_point_that_reached_the_target_soonest(
                                                                ["a", "b", "c"]]
     assert hosts.grid_points({"lr": [0.1, 0.2], "batch_size": [8]}) == [{"lr": 0.1, "batch_size": 8},
                                                                          {"lr": 0.2, "batch_size": 8}]
+    # a grid point's method flags reach the command line last (they win), the bench's own keys do not
+    settings = dict(hosts.DEFAULTS, grid={}, launcher="fork", preload="torchvision", sync_every=10,
+                    outer_dtype="bf16")
+    words = hosts._worker_command("diloco", settings, Path("/tmp/x"))
+    assert words[0] == "train" and words[-4:] == ["--sync-every", "10", "--outer-dtype", "bf16"]
+    assert "--preload" not in words and "--launcher" not in words
+    assert hosts._worker_command("ddp", settings, Path("/tmp/x"))[:2] == ["-m", "shmtrain.bench.hosts_ddp"]
+    assert hosts._worker_command("ssgd", dict(settings, launcher="torchrun"), Path("/tmp/x"))[:3] == [
+        "-m", "shmtrain", "train"]
 
 
 def test_the_one_host_verdict_and_the_written_down_settings() -> None:
@@ -133,7 +142,10 @@ def test_the_one_host_verdict_and_the_written_down_settings() -> None:
     for name, preset in hosts.SETTINGS.items():  # every method tuned on the same grid, a class split, one host
         assert preset["class_split"] == 2 and hosts.ONE_HOST in preset["methods"], name
         assert set(preset["methods"]) >= {"ssgd", "hsgd", "seasgd", "diloco", "hybrid", "ddp"}, name
-        assert len(hosts.grid_points(preset["grid"])) in (2, 3), name
+        assert {len(hosts.method_points(preset["grid"], m)) for m in preset["methods"]} == {3}, name  # one budget
+        assert hosts.method_points(preset["grid"], "ddp") == hosts.method_points(preset["grid"], hosts.ONE_HOST)
+    with pytest.raises(ValueError, match="different budgets"):
+        hosts._budget({"*": [{"lr": 0.1}], "diloco": [{"lr": 0.1}, {"lr": 0.2}]}, ["ddp", "diloco"])
     assert hosts.SETTINGS["mlp-100mbit"]["rate"] == "100mbit" and hosts.SETTINGS["resnet18-1gbit"]["rate"] == "1gbit"
 
 

@@ -110,10 +110,12 @@ LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run"], "fork": ["-m", "shmtra
 
 
 def launch(hosts: tuple[str, str, str], port: int, worker: list[str], logs: Path, name: str,
-           limit: float, nodes: int = NODES, launcher: str = "torchrun") -> tuple[float, float, int]:
+           limit: float, nodes: int = NODES, launcher: str = "torchrun",
+           env: dict[str, str] | None = None) -> tuple[float, float, int]:
     """Run ``worker`` (``-m module ...`` for torchrun, ``train ...`` or a script for
     ``fork``) as one job of ``launcher`` (:data:`LAUNCHERS`) on the first ``nodes`` hosts
-    (2 workers each); returns (launch time, wall seconds, link bytes). A failure or a job
+    (2 workers each), ``env`` added to :func:`host_env`; returns (launch time, wall seconds,
+    link bytes). A failure or a job
     past ``limit`` seconds raises RuntimeError naming its logs (``logs/NAME-node<K>.log``)."""
     a, b, master = hosts
     logs.mkdir(parents=True, exist_ok=True)
@@ -127,7 +129,7 @@ def launch(hosts: tuple[str, str, str], port: int, worker: list[str], logs: Path
                    "--master-port", str(port), "--rdzv-conf", "timeout=60", *worker]
             sink = open(logs / f"{name}-node{node}.log", "w")  # noqa: SIM115 - closed below
             files.append(sink)
-            procs.append(subprocess.Popen(cmd, env=host_env(), stdout=sink, stderr=subprocess.STDOUT,
+            procs.append(subprocess.Popen(cmd, env=dict(host_env(), **(env or {})), stdout=sink, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = time.monotonic() + limit
         for p in procs:
