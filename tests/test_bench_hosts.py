@@ -70,6 +70,8 @@ def test_an_unknown_method_or_rate_is_refused(capsys) -> None:
     assert f"--methods ['nccl']: unknown; choose from {', '.join(hosts.METHODS)}" in capsys.readouterr().err
     assert main(["bench", "hosts", "--rate", "fast"]) == 2
     assert "--rate 'fast'" in capsys.readouterr().err
+    assert main(["bench", "hosts", "--setting", "mlp-100mbit", "--grid-point", "4"]) == 2
+    assert "--grid-point 4: the grid has 3 points per method; give 1 to 3" in capsys.readouterr().err
 
 
 def _write_run(folder: Path, ranks: dict[int, list[tuple[float, int]]], evals: list[dict]) -> None:

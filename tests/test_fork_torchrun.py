@@ -17,8 +17,10 @@ FORK = [sys.executable, "-m", "shmtrain", "torchrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 PROBE = """\
-import json, os, sys
+import json, os, signal, sys
 loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.worker", "shmtrain.strategies")}
+signals = [signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+           signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGHUP) == signal.SIG_DFL]
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
@@ -26,7 +28,8 @@ t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 out = sys.argv[1]
 with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
-    json.dump({"loaded": loaded, "sum": t.item(), "world": dist.get_world_size(), "argv": sys.argv[1:]}, f)
+    json.dump({"loaded": loaded, "sum": t.item(), "world": dist.get_world_size(), "argv": sys.argv[1:],
+               "signals": signals, "main": __name__}, f)
 rank = dist.get_rank()
 dist.destroy_process_group()
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")) if rank == 1 else 0)
@@ -59,8 +62,8 @@ def test_two_forked_hosts_train_as_two_torchrun_hosts(tmp_path: Path) -> None:
 
 def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path) -> None:
     """The workers are forks of a process that imported what they need (a fresh
-    interpreter under plain torchrun has none of it); a script's arguments and exit
-    status pass through."""
+    interpreter under plain torchrun has none of it), with Python's signal defaults, not
+    the agent's handlers; a script's arguments and exit status pass through."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     cmd = ["--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)]
@@ -71,6 +74,7 @@ def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path
         assert got["loaded"] == {"torch": True, "torch._dynamo": True, "shmtrain.runtime.worker": True,
                                  "shmtrain.strategies": True}, got
         assert got["sum"] == 3.0 and got["world"] == 2 and got["argv"] == [str(tmp_path)]
+        assert got["signals"] == [True, True, True] and got["main"] == "__main__"  # as a fresh interpreter has them
     subprocess.run([*TORCHRUN, *cmd], env=env(), capture_output=True, timeout=150, check=True)
     assert not json.loads((tmp_path / "rank0.json").read_text())["loaded"]["torch._dynamo"]  # the contrast
     failed = subprocess.run([*FORK, *cmd], env=dict(env(), PROBE_EXIT="3"), capture_output=True, text=True,

@@ -9,7 +9,8 @@ machine six (issue 27, item 4: start-up across hosts was 5.8-6.3 s from the laun
 ``shmtrain torchrun [torchrun's options] train [train's options]`` is torchrun itself
 (:mod:`torch.distributed.run`: its options, its rendezvous, its elastic agent, its
 restarts) with two of its own options set: ``--start-method fork`` and ``--run-path``,
-so that its agent forks each worker and runs shmtrain's ``__main__`` in it. Before the
+so that its agent forks each worker and runs :mod:`shmtrain.fork_worker` in it (Python's
+signal defaults back, then ``shmtrain train`` or the script). Before the
 agent starts, this process imports what every worker would (the zygote's list,
 :data:`shmtrain.runtime.zygote.PRELOAD`, the digits data set, and torchvision when the
 ``--model`` or ``--data`` needs it), so a worker begins with them loaded; the pages are
@@ -96,15 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     """``shmtrain torchrun [torchrun options] (train ... | SCRIPT ...)``."""
     args = parse(sys.argv[1:] if argv is None else argv)
     command = args.training_script
-    if command in COMMANDS:
-        import shmtrain
-
-        args.training_script = str(Path(shmtrain.__file__).with_name("__main__.py"))
-        args.training_script_args = [command, *args.training_script_args]
-    elif not Path(command).is_file():
+    if command not in COMMANDS and not Path(command).is_file():
         raise SystemExit(f"shmtrain torchrun: {command!r} is neither a shmtrain command ({', '.join(COMMANDS)}) "
                          f"nor a script file; give `train ...` or the path of a Python script")
-    preload(command, args.training_script_args[1:] if command in COMMANDS else [])
+    preload(command, args.training_script_args if command in COMMANDS else [])
+    # each worker runs fork_worker.py (Python's signal defaults back, then the command or script)
+    args.training_script = str(Path(__file__).with_name("fork_worker.py"))
+    args.training_script_args = [command if command in COMMANDS else str(Path(command).resolve()),
+                                 *args.training_script_args]
     args.run_path, args.start_method = True, "fork"
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

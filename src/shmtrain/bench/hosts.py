@@ -124,16 +124,16 @@ SETTINGS: dict[str, dict[str, Any]] = {
                              "hsgd": [{"lr": 0.05}, {"lr": 0.05, "update_interval": 10},
                                       {"lr": 0.1, "update_interval": 10}]},
                     "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "ddp", ONE_HOST]},
-    "resnet18-1gbit": {"model": "shmtrain.bench.hosts_models:resnet18_upscaled", "data": "digits",
+    "resnet18-1gbit": {"model": "shmtrain.bench.hosts_models:resnet18_gn_upscaled", "data": "digits",
                        "rate": "1gbit", "batch_size": 8, "iterations": 150, "eval_every": 10, "target": 0.9,
                        "class_split": 2, "preload": "torchvision",
-                       "grid": {"*": [{"lr": 0.01}, {"lr": 0.03}, {"lr": 0.1}],
-                                "diloco": [_outer(0.03, 20), _outer(0.03, 10), _outer(0.01, 10)],
-                                "hybrid": [_outer(0.1, 10), _outer(0.03, 10), _outer(0.03, 20)],
-                                "seasgd": [{"lr": 0.03}, {"lr": 0.03, "update_interval": 10},
-                                           {"lr": 0.1, "update_interval": 10}],
-                                "hsgd": [{"lr": 0.03}, {"lr": 0.03, "update_interval": 10},
-                                         {"lr": 0.1, "update_interval": 10}]},
+                       "grid": {"*": [{"lr": 0.003}, {"lr": 0.01}, {"lr": 0.03}],
+                                "diloco": [_outer(0.01, 20), _outer(0.01, 10), _outer(0.03, 10)],
+                                "hybrid": [_outer(0.03, 10), _outer(0.01, 10), _outer(0.01, 20)],
+                                "seasgd": [{"lr": 0.01}, {"lr": 0.01, "update_interval": 10},
+                                           {"lr": 0.03, "update_interval": 10}],
+                                "hsgd": [{"lr": 0.01}, {"lr": 0.01, "update_interval": 10},
+                                         {"lr": 0.03, "update_interval": 10}]},
                        "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "ddp", ONE_HOST]},
 }
 
@@ -229,9 +229,10 @@ def _tune(methods: list[str], settings: dict[str, Any], job: Any, log: Any) -> t
 
 
 def run(methods: list[str], settings: dict[str, Any], rate: str, out: Path, limit: float, repeat: int = 1,
-        log=print, tune: bool = False) -> dict[str, Any]:
+        log=print, tune: bool = False, point: int | None = None) -> dict[str, Any]:
     """Every method on one pair of namespaced hosts: with ``tune``, once per grid point
-    first; then ``repeat`` rounds, the order rotated per round; the JSON document."""
+    first (or, with ``point`` K, at its K-th grid point, untuned); then ``repeat`` rounds,
+    the order rotated per round; the JSON document."""
     reason = why_not(rate)
     if reason:
         raise HostsUnavailable(f"bench hosts cannot make two hosts here: {reason}")
@@ -246,7 +247,12 @@ def run(methods: list[str], settings: dict[str, Any], rate: str, out: Path, limi
             return run_method(method, hosts, next(ports), chosen, out / name, out / "logs", limit,
                               name.replace("/", "-"))
 
-        chosen, trials = _tune(methods, settings, job, log) if tune else ({m: {} for m in methods}, {})
+        if tune:
+            chosen, trials = _tune(methods, settings, job, log)
+        else:
+            grid = settings.get("grid") or {}
+            chosen = {m: method_points(grid, m)[point - 1] if point else {} for m in methods}
+            trials = {}
         for round_ in range(repeat):
             for method in rotated(methods, round_):
                 row = job(method, dict(settings, **chosen[method]),
@@ -262,7 +268,7 @@ def run(methods: list[str], settings: dict[str, Any], rate: str, out: Path, limi
     return {"bench": "hosts", "date": time.strftime("%Y-%m-%d"), "command": command, "rate": rate,
             "nodes": NODES, "workers_per_node": PER_NODE, "repeat": repeat, "settings": settings,
             "tuning": trials, "namespaces": namespaces,
-            "rows": [combine(m, runs[m], {"grid_point": chosen[m]} if tune else None) for m in methods]}
+            "rows": [combine(m, runs[m], {"grid_point": chosen[m]} if tune or point else None) for m in methods]}
 
 
 def one_host_verdict(rows: list[dict[str, Any]], target: float) -> str | None:
@@ -300,11 +306,12 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], list[str]
         settings["grid"] = {"lr": args.grid_lr} if args.grid_lr else preset.get("grid", {"lr": [0.02, 0.05, 0.1]})
         methods = args.methods or preset.get("methods") or DEFAULT_METHODS
         rate = args.rate or preset.get("rate") or "1gbit"
-        jobs.append((name or "custom", settings, methods, rate, bool(name and not args.no_tune) or args.tune))
+        tune = (bool(name and not args.no_tune) or args.tune) and not args.grid_point
+        jobs.append((name or "custom", settings, methods, rate, tune))
     return jobs
 
 
-def _check(settings: dict[str, Any], methods: list[str], rate: str, repeat: int) -> None:
+def _check(settings: dict[str, Any], methods: list[str], rate: str, repeat: int, point: int | None = None) -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"--methods {unknown}: unknown; choose from {', '.join(METHODS)}")
@@ -316,7 +323,9 @@ def _check(settings: dict[str, Any], methods: list[str], rate: str, repeat: int)
         raise ValueError(f"--target {settings['target']}: an accuracy in (0, 1]")
     if repeat < 1:
         raise ValueError(f"--repeat {repeat}: at least 1 round")
-    _budget(settings.get("grid") or {}, methods)
+    budget = _budget(settings.get("grid") or {}, methods)
+    if point is not None and not 1 <= point <= budget:
+        raise ValueError(f"--grid-point {point}: the grid has {budget} points per method; give 1 to {budget}")
 
 
 def _path(given: str | None, name: str, several: bool) -> Path | None:
@@ -331,7 +340,7 @@ def _path(given: str | None, name: str, several: bool) -> Path | None:
 def _handler(args: argparse.Namespace) -> int:
     jobs = _jobs(args)
     for _, settings, methods, rate, _ in jobs:
-        _check(settings, methods, rate, args.repeat)
+        _check(settings, methods, rate, args.repeat, args.grid_point)
     root = Path(args.out or f"runs/bench-hosts-{time.strftime('%Y%m%d-%H%M%S')}")
     if root.exists() and any(root.iterdir()):
         raise ValueError(f"--out {root}: not empty; give a new folder")
@@ -340,7 +349,7 @@ def _handler(args: argparse.Namespace) -> int:
     for name, settings, methods, rate, tune in jobs:
         out = root / name if several else root
         try:
-            doc = run(methods, settings, rate, out.resolve(), limit, args.repeat, tune=tune)
+            doc = run(methods, settings, rate, out.resolve(), limit, args.repeat, tune=tune, point=args.grid_point)
         except RuntimeError as exc:  # a method's job failed: its logs are named, no traceback
             print(f"shmtrain: error: {exc}", file=sys.stderr)
             return 1
@@ -351,6 +360,7 @@ def _handler(args: argparse.Namespace) -> int:
               + (f" (--class-split {settings['class_split']})" if settings.get("class_split") else "")
               + f", {NODES} hosts x {PER_NODE} workers, batch {settings['batch_size']}/worker, "
               + (f"each method tuned on its {_budget(settings['grid'], methods)} grid points" if tune
+                 else f"each method at its grid point {args.grid_point}, untuned" if args.grid_point
                  else f"lr {settings['lr']}")
               + f", link {rate}" + (f"; medians of {args.repeat} rounds:" if args.repeat > 1 else ":"))
         print(print_table(rows, args.repeat))
@@ -398,6 +408,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--tune", action="store_true", help="run every method once per grid point first and use the "
                                                        "best (on by default with --setting)")
     p.add_argument("--no-tune", action="store_true", help="with --setting: use --lr, no tuning")
+    p.add_argument("--grid-point", type=int, metavar="K", help="no tuning: every method at the K-th point of its "
+                   "own grid (1-based; the setting's grid, SETTINGS in shmtrain/bench/hosts.py)")
     p.add_argument("--grid-lr", type=float, nargs="+", metavar="LR", help="the learning rates of the grid "
                    "(default: the setting's; else 0.02 0.05 0.1)")
     p.add_argument("--repeat", type=int, default=1,
