@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from shmtrain.fabric.segment import leftover
@@ -21,6 +22,7 @@ import json, os, signal, sys
 loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.worker", "shmtrain.strategies")}
 signals = [signal.getsignal(signal.SIGINT) is signal.default_int_handler,
            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGHUP) == signal.SIG_DFL]
+import pytest
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
@@ -91,3 +93,29 @@ def test_what_cannot_be_forked_is_refused_with_the_fix(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=60)
         assert done.returncode != 0 and words in done.stderr, done.stderr
         assert "give `train ...`" in done.stderr
+
+
+def test_ctrl_c_stops_the_workers_saves_and_leaves_nothing(tmp_path: Path) -> None:
+    """SIGINT to the job's process group (a terminal's Ctrl-C): the workers save a
+    checkpoint and stop, the launcher exits 130 with one line, no process or segment is left."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*FORK, "--standalone", "--nproc-per-node", "2", "train", "--iterations", "100000",
+                             "--no-progress", "--checkpoint-every", "0", "--out", str(out)], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while not list((out / "metrics").glob("rank-1.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # a few iterations in
+    os.killpg(proc.pid, signal.SIGINT)
+    text = proc.communicate(timeout=90)[0]
+    assert proc.returncode == 130, text[-3000:]
+    assert "shmtrain torchrun: stopped by SIGINT" in text and "saved" in text and "--resume" in text
+    assert "Traceback" not in text, text[-3000:]
+    assert list((out / "checkpoints").glob("step-*"))
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # the whole group is gone
+    assert not leftover()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -84,6 +85,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
     parser = torchrun.get_args_parser()
     parser.prog = "shmtrain torchrun"
+    parser.description = ("torchrun, with its workers forked from this process after it has imported torch and "
+                          "shmtrain once (its --start-method fork and --run-path set): the same options, "
+                          "rendezvous and restarts; give `train ARGS` (shmtrain train) or `SCRIPT ARGS`.")
+    parser.epilog = ("example, on each of two hosts: shmtrain torchrun --nnodes 2 --node-rank $NODE "
+                     "--nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 train --strategy diloco "
+                     "--inner host-sync --sync-every 10 --outer-dtype bf16")
     args = parser.parse_args(argv)
     for flag, given in (("--module/-m", args.module), ("--no-python", args.no_python)):
         if given:
@@ -100,17 +107,27 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS and not Path(command).is_file():
         raise SystemExit(f"shmtrain torchrun: {command!r} is neither a shmtrain command ({', '.join(COMMANDS)}) "
                          f"nor a script file; give `train ...` or the path of a Python script")
-    preload(command, args.training_script_args if command in COMMANDS else [])
+    try:
+        preload(command, args.training_script_args if command in COMMANDS else [])
+    except KeyboardInterrupt:
+        print("shmtrain torchrun: interrupted by SIGINT while importing; nothing was started", file=sys.stderr)
+        return 130
     # each worker runs fork_worker.py (Python's signal defaults back, then the command or script)
     args.training_script = str(Path(__file__).with_name("fork_worker.py"))
     args.training_script_args = [command if command in COMMANDS else str(Path(command).resolve()),
                                  *args.training_script_args]
     args.run_path, args.start_method = True, "fork"
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         torchrun.run(args)
+    except SignalException as exc:  # Ctrl-C / SIGTERM: the agent passed it to the workers, which stopped
+        name = signal.Signals(exc.sigval).name
+        print(f"shmtrain torchrun: stopped by {name} (the workers were sent it; none is left running)",
+              file=sys.stderr)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:  # torchrun's own report (it names the entrypoint run_script_path)
         print(exc.format_msg(), file=sys.stderr)
         what = "shmtrain train" if command in COMMANDS else command
