@@ -19,6 +19,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 PROBE = """\
 import json, os, signal, sys
+import probe_helper  # a sibling module, found as `python probe.py` finds it
 loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.worker", "shmtrain.strategies")}
 signals = [signal.getsignal(signal.SIGINT) is signal.default_int_handler,
            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGHUP) == signal.SIG_DFL]
@@ -68,6 +69,7 @@ def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path
     the agent's handlers; a script's arguments and exit status pass through."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
+    (tmp_path / "probe_helper.py").write_text("")
     cmd = ["--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)]
     done = subprocess.run([*FORK, *cmd], env=env(), capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr

@@ -11,6 +11,7 @@ see the same under both launchers. So this restores those defaults, then runs
 
 from __future__ import annotations
 
+import os
 import runpy
 import signal
 import sys
@@ -35,6 +36,7 @@ def main() -> None:
             sys.exit(code)
         return
     sys.argv = [target, *args]
+    sys.path.insert(0, os.path.dirname(target))  # as `python SCRIPT` has it: the script's siblings import
     runpy.run_path(target, run_name="__main__")
 
 
