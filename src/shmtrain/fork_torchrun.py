@@ -26,7 +26,6 @@ nor uses (a worker connects to the store as a client, as under plain torchrun).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
@@ -36,46 +35,32 @@ from pathlib import Path
 COMMANDS = ("train",)
 
 
-def _needs_torchvision(args: list[str]) -> bool:
-    """Whether ``shmtrain train ARGS``' workers will import torchvision (its model or an
-    image folder), judged from the flags without building the config."""
-    from shmtrain.models.registry import needs_torchvision
-    from shmtrain.runtime.data_options import data_kind
-
-    def value(flag: str) -> str | None:
-        for i, a in enumerate(args):
-            if a == flag and i + 1 < len(args):
-                return args[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-        return None
-
-    model, data = value("--model"), value("--data")
-    try:
-        return bool(model and needs_torchvision(model)) or bool(data and data_kind(data) == "folder")
-    except (ValueError, OSError):
-        return False  # the worker reports the bad value itself
+def _flag(args: list[str], flag: str, default: str) -> str:
+    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last wins), else ``default``."""
+    value = default
+    for i, word in enumerate(args):
+        if word == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
 
 
 def preload(command: str, args: list[str]) -> None:
-    """Import, once in this process, what each forked worker would import."""
-    from shmtrain.runtime.zygote import PRELOAD, PRELOAD_ENV
+    """Import, once in this process, what each forked worker would
+    (:func:`shmtrain.runtime.zygote.preload_workers`: the zygote's list, the variable's
+    modules, torchvision when ``train``'s ``--model`` or ``--data`` needs it, digits)."""
+    from shmtrain.runtime.run import uses_torchvision
+    from shmtrain.runtime.zygote import PRELOAD_ENV, preload_workers
 
-    names = list(PRELOAD) + [n.strip() for n in os.environ.get(PRELOAD_ENV, "").split(",") if n.strip()]
-    if command in COMMANDS and _needs_torchvision(args):
-        names.append("torchvision")
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass  # the worker imports it itself and says what is missing
+    extra = os.environ.get(PRELOAD_ENV, "")
     if command in COMMANDS:
-        try:  # the default data set, read once: every worker shares its pages
-            from shmtrain.runtime.data import load_digits_data
-
-            load_digits_data()
-        except ImportError:
-            pass
+        try:
+            if uses_torchvision(_flag(args, "--model", ""), _flag(args, "--data", "digits")):
+                extra += ",torchvision"
+        except (ValueError, OSError):
+            pass  # the worker reports the bad value itself
+    preload_workers(extra, data=command in COMMANDS)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

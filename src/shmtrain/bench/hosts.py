@@ -110,6 +110,12 @@ def _outer(lr: float, sync_every: int, momentum: float = 0.8) -> dict[str, Any]:
     return {"lr": lr, "sync_every": sync_every, "outer_dtype": "bf16", "outer_momentum": momentum}
 
 
+#: the grid points of seasgd and hsgd: lr, then lr exchanging every 10 iterations, then
+#: the higher lr exchanging every 10
+def _exchange(lr: float, higher: float) -> list[dict[str, Any]]:
+    return [{"lr": lr}, {"lr": lr, "update_interval": 10}, {"lr": higher, "update_interval": 10}]
+
+
 #: the written-down comparisons (issue 27): every method, the one-host run, a per-host
 #: class split, and each method's grid: its own hyper-parameters, the same number of
 #: points (trial runs) for every method. ``*``: the methods without their own (lr only).
@@ -119,10 +125,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
                     "grid": {"*": [{"lr": 0.02}, {"lr": 0.05}, {"lr": 0.1}],
                              "diloco": [_outer(0.05, 20), _outer(0.05, 10), _outer(0.02, 10)],
                              "hybrid": [_outer(0.1, 10), _outer(0.05, 10), _outer(0.05, 20)],
-                             "seasgd": [{"lr": 0.05}, {"lr": 0.05, "update_interval": 10},
-                                        {"lr": 0.1, "update_interval": 10}],
-                             "hsgd": [{"lr": 0.05}, {"lr": 0.05, "update_interval": 10},
-                                      {"lr": 0.1, "update_interval": 10}]},
+                             "seasgd": _exchange(0.05, 0.1), "hsgd": _exchange(0.05, 0.1)},
                     "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "ddp", ONE_HOST]},
     "resnet18-1gbit": {"model": "shmtrain.bench.hosts_models:resnet18_gn_upscaled", "data": "digits",
                        "rate": "1gbit", "batch_size": 8, "iterations": 150, "eval_every": 10, "target": 0.9,
@@ -130,10 +133,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
                        "grid": {"*": [{"lr": 0.003}, {"lr": 0.01}, {"lr": 0.03}],
                                 "diloco": [_outer(0.01, 20), _outer(0.01, 10), _outer(0.03, 10)],
                                 "hybrid": [_outer(0.03, 10), _outer(0.01, 10), _outer(0.01, 20)],
-                                "seasgd": [{"lr": 0.01}, {"lr": 0.01, "update_interval": 10},
-                                           {"lr": 0.03, "update_interval": 10}],
-                                "hsgd": [{"lr": 0.01}, {"lr": 0.01, "update_interval": 10},
-                                         {"lr": 0.03, "update_interval": 10}]},
+                                "seasgd": _exchange(0.01, 0.03), "hsgd": _exchange(0.01, 0.03)},
                        "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "ddp", ONE_HOST]},
 }
 
@@ -161,10 +161,10 @@ def _budget(grid: dict[str, Any], methods: list[str]) -> int:
     return next(iter(counts.values()), 0)
 
 
-#: settings keys that are not flags of a method (the rest of a grid point's keys are:
-#: ``sync_every`` -> ``--sync-every``)
-_COMMON = ("model", "data", "batch_size", "lr", "iterations", "eval_every", "target", "seed", "class_split",
-           "launcher", "grid", "preload")
+#: the bench's own settings keys beside :data:`DEFAULTS`' (which reach every command as
+#: fixed flags); any other key of a grid point is a method flag (``sync_every`` ->
+#: ``--sync-every``)
+_BENCH_KEYS = ("launcher", "grid", "preload")
 
 
 def launcher(method: str, settings: dict[str, Any]) -> str:
@@ -185,7 +185,7 @@ def _worker_command(method: str, settings: dict[str, Any], out: Path) -> list[st
     flags = METHODS[method]
     if flags is None:
         return ["-m", "shmtrain.bench.hosts_ddp", *common]
-    extra = [w for k, v in settings.items() if k not in _COMMON and k not in DEFAULTS
+    extra = [w for k, v in settings.items() if k not in DEFAULTS and k not in _BENCH_KEYS
              for w in (f"--{k.replace('_', '-')}", str(v))]
     head = ["train"] if launcher(method, settings) == "fork" else ["-m", "shmtrain", "train"]
     return [*head, *flags, *common, "--no-progress", "--checkpoint-every", "0",

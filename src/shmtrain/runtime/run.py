@@ -49,14 +49,20 @@ def _warn(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _preload_env(config: TrainConfig) -> dict[str, str]:
-    """What the zygote should import once before forking this run's workers."""
+def uses_torchvision(model: str, data: str) -> bool:
+    """Whether the workers of a run of ``model`` on ``data`` import torchvision (one of its
+    models, or an image folder: ImageFolder and its transforms)."""
     from shmtrain.models.registry import needs_torchvision
     from shmtrain.runtime.data_options import data_kind
+
+    return needs_torchvision(model) or data_kind(data) == "folder"
+
+
+def _preload_env(config: TrainConfig) -> dict[str, str]:
+    """What the zygote should import once before forking this run's workers."""
     from shmtrain.runtime.zygote import PRELOAD_ENV
 
-    folder = data_kind(config.data) == "folder"  # ImageFolder and its transforms
-    return {PRELOAD_ENV: "torchvision"} if needs_torchvision(config.model) or folder else {}
+    return {PRELOAD_ENV: "torchvision"} if uses_torchvision(config.model, config.data) else {}
 
 
 def _import_matplotlib() -> None:

@@ -101,6 +101,25 @@ def _serve(sock: socket.socket) -> None:
             _send(sock, {"exit": pid, "code": code})
 
 
+def preload_workers(extra: str = "", data: bool = True) -> None:
+    """Import, once in this process, what every worker would: :data:`PRELOAD`, the
+    comma-separated ``extra`` (:data:`PRELOAD_ENV`'s form) and, with ``data``, the digits
+    data set (read once: every forked worker shares its pages). Used by the zygote and by
+    ``shmtrain torchrun`` (:mod:`shmtrain.fork_torchrun`) before they fork."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _preload(extra)
+    if data:
+        try:
+            from shmtrain.runtime.data import load_digits_data
+
+            load_digits_data()
+        except ImportError:  # scikit-learn missing: a worker that needs it says so
+            pass
+
+
 def _preload(names: str) -> None:
     import importlib
 
@@ -179,16 +198,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the launcher's fork
     sock = socket.socket(fileno=int(sys.argv[1]))
-    import importlib
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    try:  # the default data set, read once here: every forked worker shares the pages
-        from shmtrain.runtime.data import load_digits_data
-
-        load_digits_data()
-    except ImportError:  # scikit-learn missing: a worker that needs it says so
-        pass
+    preload_workers()
     _send(sock, {"ready": os.getpid()})
     _serve(sock)
     # every worker has ended and been reported: leave without tearing down torch's
