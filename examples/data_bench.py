@@ -93,9 +93,9 @@ def probe(folder: Path, batches: int = 150) -> dict:
     """In this process: RSS after opening ``folder`` as the workers do, and after taking
     ``batches`` of 32 through 2 loader processes (``--probe``)."""
     from shmtrain.runtime.config import resolve
-    from shmtrain.runtime.data import ShardSampler
-    from shmtrain.runtime.loader import LoaderBatches
-    from shmtrain.runtime.sources import open_data
+    from shmtrain.runtime.data.loader import LoaderBatches
+    from shmtrain.runtime.data.sources import open_data
+    from shmtrain.runtime.data.tensors import ShardSampler
 
     me, mib = psutil.Process(), 1 << 20
     config = resolve({"data": str(folder / "train"), "val_data": str(folder / "val"), "device": "cpu"})

@@ -33,7 +33,7 @@ from mynet import Net  # sys.path[0] is examples/ (python, torchrun, shmtrain ru
 from torch import nn
 
 import shmtrain
-from shmtrain.runtime.data import load_digits_data
+from shmtrain.runtime.data.tensors import load_digits_data
 
 MICRO_BATCHES = 2
 

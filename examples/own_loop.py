@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import shmtrain
-from shmtrain.runtime.data import load_digits_data
+from shmtrain.runtime.data.tensors import load_digits_data
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Shared test fixtures: leak checks for shared memory and child processes.
 
-Worker functions started by :func:`shmtrain.runtime.launcher.launch` are named
+Worker functions started by :func:`shmtrain.runtime.launch.launcher.launch` are named
 ``"test_module:function"``; the tests folder is put on PYTHONPATH so workers import them.
 """
 
@@ -25,9 +25,9 @@ if str(TESTS) not in sys.path:
 
 
 def _children() -> list[psutil.Process]:
-    """This process's descendants, but its worker zygote (``runtime/zygote.py``), which
+    """This process's descendants, but its worker zygote (``runtime/launch/zygote.py``), which
     lives as long as the test session by design; the workers it forked still count."""
-    from shmtrain.runtime import zygote
+    from shmtrain.runtime.launch import zygote
 
     spared = zygote.pid()
     try:
@@ -43,7 +43,7 @@ def worker_rank(process: psutil.Process) -> int | None:
         name = process.name()
         if name.startswith("shmtrain-w"):
             return int(name[len("shmtrain-w"):])
-        if "shmtrain.runtime.worker" in " ".join(process.cmdline()):
+        if "shmtrain.runtime.launch.worker" in " ".join(process.cmdline()):
             return int(process.environ()["RANK"])
     except (psutil.Error, KeyError, ValueError):
         pass

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.runtime.trainer import Trainer
+from shmtrain.runtime.train.trainer import Trainer
 from shmtrain.timing import PhaseTimer
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,7 +102,7 @@ def fp16_worker(ctx, payload: dict) -> dict:
 
 @pytest.mark.parametrize("strategy,options", [("ssgd", {}), ("cpu_acc", {}), ("ssgd", {"overlap": True})])
 def test_fp16_ranks_agree_on_a_skipped_step(strategy: str, options: dict) -> None:
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     results = launch("test_amp:fp16_worker", 2, {"strategy": strategy, "options": options}, timeout=100)
     a, b = results

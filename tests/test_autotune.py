@@ -9,7 +9,7 @@ from torch import nn
 
 from shmtrain.api import DataParallel
 from shmtrain.fabric.collectives import build_allreduce
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 BATCH = 4
 STEPS = 13  # auto: 5 candidates x 2 trials = 10 tuning steps, then 3 with the winner

@@ -175,8 +175,8 @@ def test_rank_0_evaluates_the_job_model_of_every_asynchronous_or_hybrid_method(t
 def test_the_class_split_gives_each_host_its_classes_shared_by_its_workers() -> None:
     from types import SimpleNamespace
 
-    from shmtrain.runtime.class_split import host_classes, shard_sampler
-    from shmtrain.runtime.data import load_digits_data
+    from shmtrain.runtime.data.class_split import host_classes, shard_sampler
+    from shmtrain.runtime.data.tensors import load_digits_data
 
     data = load_digits_data()
     assert host_classes(10, 2, 0) == [0, 2, 4, 6, 8] and host_classes(10, 3, 4) == [1, 4, 7]

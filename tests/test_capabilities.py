@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shmtrain.reproduce.core import registry
-from shmtrain.runtime.data import Prefetcher, ShardSampler
+from shmtrain.runtime.data.tensors import Prefetcher, ShardSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPERS = ROOT.parent / "shared" / "papers" / "README.md"

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from conftest import descendants, worker_process
 from shmtrain.cli import main
-from shmtrain.runtime import checkpoint_files
-from shmtrain.runtime.checkpoint import Checkpointer
-from shmtrain.runtime.checkpoint_files import CheckpointError
+from shmtrain.runtime.checkpoint import files as checkpoint_files
+from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
+from shmtrain.runtime.checkpoint.files import CheckpointError
 from shmtrain.runtime.config import resolve
 
 #: a small job: exactness does not depend on the model, and a worker launch costs ~3-5 s
@@ -284,7 +284,7 @@ def test_a_failed_write_names_the_path_and_keeps_the_previous_checkpoint(tmp_pat
 
 
 def test_second_signal_stops_at_once_and_duplicates_do_not() -> None:
-    from shmtrain.runtime.stop import DUPLICATE_S, StopRequest
+    from shmtrain.runtime.train.stop import DUPLICATE_S, StopRequest
 
     requests = []
     control = SimpleNamespace(request_stop=requests.append)

@@ -23,7 +23,7 @@ from shmtrain.fabric.collectives import (
     plan_for,
 )
 from shmtrain.fabric.collectives.executor import execute
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
 LENGTHS = [0, 1, 7, 1001]  # 1001 divides none of the world sizes above except 7

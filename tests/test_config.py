@@ -176,7 +176,7 @@ def test_flags_are_typed_from_the_annotations() -> None:
 def test_device_is_checked_naming_what_was_found(capsys) -> None:
     import torch
 
-    from shmtrain.runtime.device import worker_device
+    from shmtrain.runtime.train.device import worker_device
 
     assert TrainConfig().device == "auto"  # each worker resolves it: a GPU where there is one
     assert TrainConfig(device="cpu").device == "cpu"

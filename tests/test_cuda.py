@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from shmtrain import strategies
-from shmtrain.runtime.launcher import WorkerFailed, launch
+from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(600)]

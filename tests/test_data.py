@@ -19,9 +19,9 @@ import torch
 from conftest import worker_process
 from data_sets import Indexed
 from shmtrain.cli import main
-from shmtrain.runtime.data import ShardSampler
-from shmtrain.runtime.loader import LoaderBatches
-from shmtrain.runtime.sources import DataSource
+from shmtrain.runtime.data.loader import LoaderBatches
+from shmtrain.runtime.data.sources import DataSource
+from shmtrain.runtime.data.tensors import ShardSampler
 from test_checkpoint import rows_written, start, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +140,7 @@ def test_bad_data_options_are_refused_before_any_worker(flags: list[str], words:
 
 
 def test_too_many_items_without_classes_are_refused_with_the_fix(tmp_path: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr("shmtrain.runtime.user_data.SCAN_LIMIT", 50)
+    monkeypatch.setattr("shmtrain.runtime.data.user_data.SCAN_LIMIT", 50)
     assert main(["train", "--data", "data_sets:blobs", "--model", "mlp", *TINY, "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "number of classes is not known" in err and "dataset.num_classes = N" in err, err

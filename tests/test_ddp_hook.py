@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 STEPS = 4
 BUCKET_CAP_MB = 0.001  # 262 floats: the model below spans 3 buckets after the rebuild

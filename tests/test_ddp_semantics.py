@@ -19,7 +19,7 @@ from torch import nn
 from reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.fabric.staging import STAGING_ENV
-from shmtrain.runtime.launcher import WorkerFailed, launch
+from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 
 STEPS, BATCH, CLIP = 20, 8, 0.5
 

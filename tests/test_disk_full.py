@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from shmtrain.runtime import report
-from shmtrain.runtime.files import OutputError, write_output
+from shmtrain.runtime.outputs import report
+from shmtrain.runtime.outputs.files import OutputError, write_output
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PROBE = """\
 import json, os, signal, sys
 import probe_helper  # a sibling module, found as `python probe.py` finds it
-loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.worker", "shmtrain.strategies")}
+loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.launch.worker", "shmtrain.strategies")}
 signals = [signal.getsignal(signal.SIGINT) is signal.default_int_handler,
            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGHUP) == signal.SIG_DFL]
 import pytest
@@ -75,7 +75,7 @@ def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path
     assert done.returncode == 0, done.stderr
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["loaded"] == {"torch": True, "torch._dynamo": True, "shmtrain.runtime.worker": True,
+        assert got["loaded"] == {"torch": True, "torch._dynamo": True, "shmtrain.runtime.launch.worker": True,
                                  "shmtrain.strategies": True}, got
         assert got["sum"] == 3.0 and got["world"] == 2 and got["argv"] == [str(tmp_path)]
         assert got["signals"] == [True, True, True] and got["main"] == "__main__"  # as a fresh interpreter has them

@@ -12,10 +12,10 @@ import pytest
 from PIL import Image
 
 from shmtrain.cli import main
-from shmtrain.runtime.data import read_image
-from shmtrain.runtime.finite import FLAG, json_text
-from shmtrain.runtime.image_folder import load_image, open_image_folder
-from shmtrain.runtime.images import image_to_tensor
+from shmtrain.runtime.data.image_folder import load_image, open_image_folder
+from shmtrain.runtime.data.images import image_to_tensor
+from shmtrain.runtime.data.tensors import read_image
+from shmtrain.runtime.train.finite import FLAG, json_text
 
 
 def strict_json(text: str):

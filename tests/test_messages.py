@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from conftest import descendants, worker_process
-from shmtrain.runtime import checkpoint_files
-from shmtrain.runtime.launcher import shm_note
+from shmtrain.runtime.checkpoint import files as checkpoint_files
+from shmtrain.runtime.launch.launcher import shm_note
 from test_checkpoint import LONG, SMALL, iterations_logged, rows_written, start, train, wait_for
 
 SHORT = [*SMALL, "--iterations", "20", "--checkpoint-every", "10", "--eval-every", "10"]
@@ -97,7 +97,7 @@ def test_resuming_a_finished_run_keeps_its_eval_rows_and_wall_time(finished: Pat
     after = json.loads((run / "summary.json").read_text())
     changed = {k for k in after if after[k] != before.get(k)}
     assert changed <= {"stretches", "wall_s"}, changed  # accuracy, evaluations, iterations: as they were
-    # wall_s is not overwritten by the no-op launch's: it is every stretch's sum (runtime/stretches.py)
+    # wall_s is not overwritten by the no-op launch's: it is every stretch's sum (runtime/outputs/stretches.py)
     assert after["wall_s"] >= before["wall_s"] and after["stretches"][-1]["start_iteration"] == \
         after["stretches"][-1]["end_iteration"] == before["iterations"]
 
@@ -138,7 +138,7 @@ def test_a_killed_zygote_is_named_with_a_resume_hint(tmp_path: Path) -> None:
     launcher = start([*LONG, "--out", str(run)])
     wait_for(lambda: checkpoint_files.latest(run) is not None and rows_written(run, 1) > 150, launcher, "training")
     workers = descendants(launcher.pid)
-    zygote = next(p for p in workers if "shmtrain.runtime.zygote" in " ".join(psutil.Process(p).cmdline()))
+    zygote = next(p for p in workers if "shmtrain.runtime.launch.zygote" in " ".join(psutil.Process(p).cmdline()))
     os.kill(zygote, signal.SIGKILL)
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 1, err
@@ -156,7 +156,7 @@ def test_a_killed_zygote_restarts_with_max_restarts(tmp_path: Path) -> None:
     launcher = start([*LONG, "--max-restarts", "1", "--out", str(run)])
     wait_for(lambda: checkpoint_files.latest(run) is not None and rows_written(run, 1) > 150, launcher, "training")
     zygote = next(p for p in descendants(launcher.pid)
-                  if "shmtrain.runtime.zygote" in " ".join(psutil.Process(p).cmdline()))
+                  if "shmtrain.runtime.launch.zygote" in " ".join(psutil.Process(p).cmdline()))
     os.kill(zygote, signal.SIGKILL)
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, err

@@ -22,8 +22,8 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from shmtrain.cli import main
 from shmtrain.fabric.segment import leftover
-from shmtrain.runtime.report import read_evals, read_metrics
-from shmtrain.runtime.trace import LEAVES, OTHER, build_trace
+from shmtrain.runtime.outputs.report import read_evals, read_metrics
+from shmtrain.runtime.outputs.trace import LEAVES, OTHER, build_trace
 
 ITERATIONS, EVERY, WARMUP, LR = 12, 4, 2, 0.05
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

@@ -16,9 +16,9 @@ from torch import nn
 from reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.cli import main
-from shmtrain.runtime.launcher import launch
-from shmtrain.runtime.optimizers import build_optimizer, optimizer_kwargs
-from shmtrain.runtime.trainer import Trainer
+from shmtrain.runtime.launch.launcher import launch
+from shmtrain.runtime.train.optimizers import build_optimizer, optimizer_kwargs
+from shmtrain.runtime.train.trainer import Trainer
 from shmtrain.timing import PhaseTimer
 
 STEPS, BATCH, CLIP = 12, 8, 0.5

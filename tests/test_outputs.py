@@ -40,7 +40,7 @@ def test_a_synchronous_run_writes_one_model(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_a_resumed_run_sums_its_stretches_and_keeps_their_logs(tmp_path: Path) -> None:
-    """Each launch on a run folder is a stretch (``runtime/stretches.py``): summary.json's
+    """Each launch on a run folder is a stretch (``runtime/outputs/stretches.py``): summary.json's
     wall_s is their sum and lists them; resuming a finished run at its total adds a stretch
     of no iterations and no second evaluation row."""
     out = tmp_path / "run"

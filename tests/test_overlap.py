@@ -18,7 +18,7 @@ from torch import nn
 from shmtrain.api import DataParallel
 from shmtrain.fabric.staging import STAGING_ENV
 from shmtrain.fabric.tree_window import tree_children, tree_parent
-from shmtrain.runtime.launcher import WorkerFailed, launch
+from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.timing import PhaseTimer
 
 STEPS, BATCH = 50, 6

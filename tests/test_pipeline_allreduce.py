@@ -18,7 +18,7 @@ from shmtrain.fabric.affinity import share
 from shmtrain.fabric.control import PeerTimeout, _reached
 from shmtrain.fabric.pipeline_allreduce import PAGE, PipelinedAllreduce, split
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "int64": torch.int64}
 

@@ -1,6 +1,6 @@
 """Bad input is refused before any worker starts: exit status 2, one line naming the
 option (no traceback), no run folder left behind, in seconds (the launcher's checks in
-``runtime/config.py`` and ``runtime/preflight.py``)."""
+``runtime/config.py`` and ``runtime/launch/preflight.py``)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from torch import nn
 from shmtrain.api import DataParallel, make_config
 from shmtrain.fabric.segment import PREFIX, sweep
 from shmtrain.fabric.star import average_, open_star
-from shmtrain.runtime.launcher import WorkerFailed, launch
+from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 
 IN, HIDDEN, OUT = 6, 16, 4
 
@@ -320,7 +320,7 @@ def run_two_hosts(target: str, payload: Any, per_host: int = 2, timeout: float =
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), SHMTRAIN_STORE_PORT=str(store.port),
                        SHMTRAIN_TIMEOUT="60", OMP_NUM_THREADS="1")
             env.pop("SHMTRAIN_CONTROL", None)
-            procs.append(subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=env))
+            procs.append(subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.launch.worker", target], env=env))
         deadline = time.monotonic() + timeout
         for proc in procs:
             proc.wait(max(1.0, deadline - time.monotonic()))

@@ -1,4 +1,4 @@
-"""``shmtrain run`` (``runtime/script_launch.py``): one's own script on N local workers with
+"""``shmtrain run`` (``runtime/launch/script_launch.py``): one's own script on N local workers with
 torchrun's environment; failures, SIGKILL and Ctrl-C; ``examples/ddp_script.py`` stopped
 and resumed to the weights of a straight run, and the same script under torchrun."""
 

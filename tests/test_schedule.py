@@ -1,4 +1,4 @@
-"""Learning-rate schedules (``runtime/schedule.py``): the values are torch.optim.lr_scheduler's
+"""Learning-rate schedules (``runtime/train/schedule.py``): the values are torch.optim.lr_scheduler's
 own, the Trainer steps the scheduler once per iteration, and its state continues exactly."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch.optim.lr_scheduler import (
 )
 
 from shmtrain.cli import main
-from shmtrain.runtime.schedule import build_scheduler
-from shmtrain.runtime.trainer import Trainer
+from shmtrain.runtime.train.schedule import build_scheduler
+from shmtrain.runtime.train.trainer import Trainer
 from shmtrain.timing import PhaseTimer
 
 BASE, TOTAL = 0.2, 30

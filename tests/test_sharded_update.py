@@ -12,7 +12,7 @@ from torch import nn
 
 from reference import batches, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.ssgd import SSGD
 from shmtrain.strategies.ssgd.sharded import check_optimizer
 

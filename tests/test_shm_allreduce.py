@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shmtrain.fabric.shm_allreduce import ShmAllreduce, split
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 
 def allreduce_worker(ctx, payload: dict[str, Any]) -> list[float]:

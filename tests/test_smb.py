@@ -17,7 +17,7 @@ from shmtrain.fabric.smb import (
     LocalProgressBoard,
 )
 from shmtrain.fabric.transports import open_buffer_service
-from shmtrain.runtime.launcher import WorkerFailed, launch
+from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 
 NUMEL = 4099  # not a multiple of anything convenient
 

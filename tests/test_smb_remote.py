@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.wire import OP_ACCUMULATE
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -434,7 +434,7 @@ def _smb_servers() -> list[int]:
     found = []
     for process in psutil.process_iter(["cmdline", "name"]):
         cmdline = process.info["cmdline"] or []
-        # started as a command, or forked by rank 0 (runtime/smb_server.py prefork: named)
+        # started as a command, or forked by rank 0 (runtime/launch/smb_server.py prefork: named)
         if ("smb-server" in cmdline and "--address-file" in cmdline) or process.info["name"] == "shmtrain-smb":
             found.append(process.pid)
     return found

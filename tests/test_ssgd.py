@@ -17,7 +17,7 @@ from reference import (
     worker_batch,
 )
 from shmtrain.api import DataParallel
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 STEPS, BATCH = 20, 8
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from shmtrain.fabric.flat import FlatLayout
 from shmtrain.fabric.staging import STAGING_ENV, HostStaging, force_copies, staged
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 pytestmark = pytest.mark.timeout(180)
 

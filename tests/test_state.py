@@ -13,8 +13,8 @@ from torch import nn
 
 from reference import batches, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
-from shmtrain.runtime.launcher import launch
-from shmtrain.runtime.trainer import Trainer, TrainState
+from shmtrain.runtime.launch.launcher import launch
+from shmtrain.runtime.train.trainer import Trainer, TrainState
 from shmtrain.timing import PhaseTimer
 
 HALF, BATCH = 6, 8

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shmtrain import strategies
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 
 # hsgd lays out its groups from the job before the base constructor checks the device

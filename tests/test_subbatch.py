@@ -24,9 +24,9 @@ from reference import (
 )
 from shmtrain.cli import main
 from shmtrain.models import build_model
-from shmtrain.runtime.launcher import launch
-from shmtrain.runtime.subbatch import SubBatch
-from shmtrain.runtime.trainer import Trainer
+from shmtrain.runtime.launch.launcher import launch
+from shmtrain.runtime.train.subbatch import SubBatch
+from shmtrain.runtime.train.trainer import Trainer
 from shmtrain.timing import PhaseTimer
 
 #: (name, strategy, options); synchronous: the same weights as single-process SGD

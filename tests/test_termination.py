@@ -12,7 +12,7 @@ from torch import nn
 from reference import batches, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.termination import Termination
 
 

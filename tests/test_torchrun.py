@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shmtrain.fabric.segment import leftover
-from shmtrain.runtime.data import load_digits_data
+from shmtrain.runtime.data.tensors import load_digits_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -133,8 +133,8 @@ def test_a_peer_that_noticed_the_death_first_is_not_blamed() -> None:
 
     import torch.distributed as dist
 
-    from shmtrain.runtime.failures import root_cause
-    from shmtrain.runtime.worker_logs import WorkerLogs
+    from shmtrain.runtime.launch.failures import root_cause
+    from shmtrain.runtime.outputs.worker_logs import WorkerLogs
 
     children = [SimpleNamespace(pid=100, returncode=1), SimpleNamespace(pid=101, returncode=-signal.SIGKILL)]
     record = {"cause": "local rank 1 (pid 101) died while this worker waited for gradients", "peer": 1,

@@ -1,4 +1,4 @@
-"""Fast worker start (``runtime/zygote.py``): workers are forked by one zygote that
+"""Fast worker start (``runtime/launch/zygote.py``): workers are forked by one zygote that
 imported torch once, stays for the launching process's life, and trains exactly as
 workers started fresh (``SHMTRAIN_ZYGOTE=0``)."""
 
@@ -13,8 +13,8 @@ import psutil
 import torch
 
 from shmtrain.cli import main
-from shmtrain.runtime import zygote
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch import zygote
+from shmtrain.runtime.launch.launcher import launch
 
 RUN = ["--model", "mlp", "--workers", "2", "--iterations", "6", "--no-progress", "--checkpoint-every", "0"]
 
@@ -31,7 +31,7 @@ def test_one_zygote_forks_every_worker_of_every_launch() -> None:
     for results in (first, second):
         for result in results:
             assert result["comm"] == f"shmtrain-w{result['rank']}" and result["ppid"] == keeper
-    assert "shmtrain.runtime.zygote" in " ".join(psutil.Process(keeper).cmdline())
+    assert "shmtrain.runtime.launch.zygote" in " ".join(psutil.Process(keeper).cmdline())
 
 
 def test_forked_workers_train_exactly_as_fresh_ones(tmp_path: Path) -> None:
@@ -57,7 +57,7 @@ def test_a_worker_environment_can_ask_the_zygote_to_preload() -> None:
 def test_digits_read_from_the_packaged_table_equal_scikit_learns() -> None:
     from sklearn.datasets import load_digits
 
-    from shmtrain.runtime.data import _digits_table, load_digits_data
+    from shmtrain.runtime.data.tensors import _digits_table, load_digits_data
 
     table, digits = _digits_table(), load_digits()
     assert (table[:, :64] == digits.data).all() and (table[:, 64] == digits.target).all()

@@ -25,7 +25,7 @@ def __getattr__(name: str):
 
         return getattr(ddp, name)
     if name == "Trainer":
-        from shmtrain.runtime.trainer import Trainer
+        from shmtrain.runtime.train.trainer import Trainer
 
         return Trainer
     raise AttributeError(name)

@@ -64,7 +64,7 @@ class DataParallel(nn.Module):
             (``--grad-clip``; refused by the strategies that cannot, with the reason).
         ddp_style: wrap the optimizer and average in backward (default); False keeps
             ``model.step()`` as the only step, communicating there (``shmtrain train``'s
-            :class:`~shmtrain.runtime.trainer.Trainer` sets it, see :attr:`ddp_style`).
+            :class:`~shmtrain.runtime.train.trainer.Trainer` sets it, see :attr:`ddp_style`).
         **options: the strategy's Config fields (when ``config`` is not given).
     """
 
@@ -141,7 +141,7 @@ class DataParallel(nn.Module):
 
     def before_forward(self) -> None:
         """The strategy's work before a forward pass; ``forward`` calls it, and so does a
-        caller that runs ``module`` itself (``runtime/subbatch.py``: K threads, one call)."""
+        caller that runs ``module`` itself (``runtime/train/subbatch.py``: K threads, one call)."""
         self.strategy.before_forward()
 
     def attach_scaler(self, scaler: Any) -> None:

@@ -131,7 +131,7 @@ def _train(args: argparse.Namespace) -> int:
     merged = read_toml(config_file) if config_file else {}
     merged.update(values)
     if resume_dir is not None:
-        from shmtrain.runtime.checkpoint_files import resume_config
+        from shmtrain.runtime.checkpoint.files import resume_config
 
         config = resume_config(resume_dir, merged)  # RUN_DIR/config.toml + the run length
     else:
@@ -171,7 +171,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 def _compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from shmtrain.runtime.compare import compare
+    from shmtrain.runtime.outputs.compare import compare
 
     compare([Path(r) for r in args.runs], Path(args.out))
     return 0
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shmtrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train(sub)
-    from shmtrain.runtime.script_launch import add_parser as add_run
+    from shmtrain.runtime.launch.script_launch import add_parser as add_run
 
     add_run(sub)
     sub.add_parser(  # dispatched before parsing (its options are torchrun's): see _main
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parser(sub)
     _add_experiment(sub)
     _add_reproduce(sub)
-    from shmtrain.runtime.smb_server import add_parser as add_smb_server
+    from shmtrain.runtime.launch.smb_server import add_parser as add_smb_server
 
     add_smb_server(sub)
     return parser
@@ -315,17 +315,17 @@ def _main(argv: list[str] | None) -> int:
 
         return fork_torchrun(words[1:])
     if words[:1] in (["train"], ["run"], ["bench"], ["reproduce"], ["experiment"]) and not {"-h", "--help"} & set(words):
-        from shmtrain.runtime import zygote
+        from shmtrain.runtime.launch import zygote
 
         zygote.prestart()  # the workers' torch imports while this process builds its parser
     parser = build_parser()
     args = parser.parse_args(argv)
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
-    from shmtrain.runtime.checkpoint_files import CheckpointError
-    from shmtrain.runtime.files import OutputError
-    from shmtrain.runtime.finite import TrainingDiverged
-    from shmtrain.runtime.launcher import WorkerFailed
+    from shmtrain.runtime.checkpoint.files import CheckpointError
+    from shmtrain.runtime.launch.launcher import WorkerFailed
+    from shmtrain.runtime.outputs.files import OutputError
     from shmtrain.runtime.run import RunStopped
+    from shmtrain.runtime.train.finite import TrainingDiverged
 
     try:
         return int(args.handler(args) or 0)

@@ -12,12 +12,12 @@ restarts) with two of its own options set: ``--start-method fork`` and ``--run-p
 so that its agent forks each worker and runs :mod:`shmtrain.fork_worker` in it (Python's
 signal defaults back, then ``shmtrain train`` or the script). Before the
 agent starts, this process imports what every worker would (the zygote's list,
-:data:`shmtrain.runtime.zygote.PRELOAD`, the digits data set, and torchvision when the
+:data:`shmtrain.runtime.launch.zygote.PRELOAD`, the digits data set, and torchvision when the
 ``--model`` or ``--data`` needs it), so a worker begins with them loaded; the pages are
 shared copy-on-write. A script path in place of ``train`` runs that script the same way
 (a DDP script, as ``shmtrain run`` does on one host).
 
-Why forking the agent is safe here (the zygote's rule, :mod:`shmtrain.runtime.zygote`):
+Why forking the agent is safe here (the zygote's rule, :mod:`shmtrain.runtime.launch.zygote`):
 the agent has run no torch operation, so no OpenMP pool or autograd thread exists to be
 copied half-way; its only threads are the rendezvous store's, which a child neither has
 nor uses (a worker connects to the store as a client, as under plain torchrun).
@@ -48,10 +48,10 @@ def _flag(args: list[str], flag: str, default: str) -> str:
 
 def preload(command: str, args: list[str]) -> None:
     """Import, once in this process, what each forked worker would
-    (:func:`shmtrain.runtime.zygote.preload_workers`: the zygote's list, the variable's
+    (:func:`shmtrain.runtime.launch.zygote.preload_workers`: the zygote's list, the variable's
     modules, torchvision when ``train``'s ``--model`` or ``--data`` needs it, digits)."""
+    from shmtrain.runtime.launch.zygote import PRELOAD_ENV, preload_workers
     from shmtrain.runtime.run import uses_torchvision
-    from shmtrain.runtime.zygote import PRELOAD_ENV, preload_workers
 
     extra = os.environ.get(PRELOAD_ENV, "")
     if command in COMMANDS:

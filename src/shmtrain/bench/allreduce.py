@@ -51,7 +51,7 @@ from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.control import MAX_CHANNELS
 from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
 from shmtrain.fabric.shm_allreduce import ShmAllreduce
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]]:

@@ -3,12 +3,12 @@
 For each model (synthetic data, SGD with momentum, ``--strategy`` over ``--workers``
 processes), one launch: warm-up iterations, then timed training iterations (a sample is
 one iteration's wall time on a worker), then ``--reps`` checkpoints written through the
-same code as ``shmtrain train`` (:class:`shmtrain.runtime.checkpoint.Checkpointer`:
+same code as ``shmtrain train`` (:class:`shmtrain.runtime.checkpoint.checkpointer.Checkpointer`:
 ``Trainer.state_dict()`` snapshot, ``torch.save`` of every rank's file, fsync, rename,
 the last rank completing the folder), then ``--reps`` resumes (read, CRC-32 check,
 ``torch.load``, ``Trainer.load_state_dict``). Before each timed checkpoint the workers
 meet at a barrier; a checkpoint's time is its slowest rank's, which is what a synchronous
-run waits. The launcher side of a resume, :func:`~shmtrain.runtime.checkpoint.validate`
+run waits. The launcher side of a resume, :func:`~shmtrain.runtime.checkpoint.checkpointer.validate`
 (every file read and CRC-checked before any worker starts), is timed too.
 
 The row's ``ckpt/iter`` is the save time over the median iteration time: the issue's goal
@@ -31,7 +31,7 @@ from torch import nn
 
 from shmtrain.bench.common import table, write_json
 from shmtrain.fabric.context import ProcessContext
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 DEFAULT_MODELS = ["smallcnn", "resnet18", "resnet50"]
 
@@ -45,9 +45,9 @@ def _barrier(ctx: ProcessContext) -> None:
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     from shmtrain.api import DataParallel
     from shmtrain.bench.common import synthetic_setup
-    from shmtrain.runtime.checkpoint import Checkpointer
+    from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
     from shmtrain.runtime.config import resolve
-    from shmtrain.runtime.trainer import Trainer
+    from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
     model, x, y, optimizer = synthetic_setup(payload["model"], payload["input_shape"],
@@ -97,7 +97,7 @@ def _slowest(results: list[dict[str, Any]], key: str) -> float:
 
 
 def run(models: list[str], payload: dict[str, Any], base: Path) -> list[dict[str, Any]]:
-    from shmtrain.runtime.checkpoint_files import validate
+    from shmtrain.runtime.checkpoint.files import validate
 
     rows = []
     for name in models:

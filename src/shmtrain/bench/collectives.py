@@ -28,7 +28,7 @@ from shmtrain.fabric.collectives.reducers import GlooAllreduce, ScheduledAllredu
 from shmtrain.fabric.collectives.schedule import Topology
 from shmtrain.fabric.collectives.transport import GlooTransport
 from shmtrain.fabric.context import ProcessContext
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 IMPLEMENTATIONS = ("shm", "gloo", *ALGORITHMS)
 

@@ -202,7 +202,7 @@ def bench_device(value: str, cpu_modes: list[str], cuda_modes: list[str],
                  given: list[str] | None) -> tuple[str, list[str]]:
     """A benchmark's ``--device`` (checked, ``auto`` resolved) and its modes: ``given``, or
     the defaults of the device. The DDP modes run gloo on host tensors: refused on a GPU."""
-    from shmtrain.runtime.device import cuda_count, resolve_device
+    from shmtrain.runtime.train.device import cuda_count, resolve_device
 
     resolve_device(value)
     cuda = value != "cpu" and (value != "auto" or cuda_count() > 0)
@@ -217,7 +217,7 @@ def worker_setup(device_value: str, local_rank: int) -> tuple[torch.device, Call
     """In a benchmark worker: its device (``runtime/device.worker_device``) and what ends an
     iteration's timing there (a device synchronization on a GPU: its queued work is part
     of the iteration)."""
-    from shmtrain.runtime.device import worker_device
+    from shmtrain.runtime.train.device import worker_device
 
     device = worker_device(device_value, local_rank)
     return device, (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
@@ -227,7 +227,7 @@ def synthetic_setup(model_name: str, input_shape: str, batch_size: int, rank: in
     """The benchmarks' worker set-up: the model (seed 0, same on every rank), this rank's
     synthetic batch, and SGD with momentum. Returns ``(model, x, y, optimizer)``."""
     from shmtrain.models import build_model
-    from shmtrain.runtime.data import parse_shape
+    from shmtrain.runtime.data.tensors import parse_shape
 
     shape = parse_shape(input_shape)
     torch.manual_seed(0)

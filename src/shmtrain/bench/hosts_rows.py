@@ -38,7 +38,7 @@ def summarize(method: str, out: Path, start: float, wall: float, target: float, 
     θ^(t) where the method has one, ``evaluated``) against seconds since ``start`` (the
     launch), the iterations of every rank and host, the start-up of every host and the
     ``link`` bytes counted on the veth."""
-    from shmtrain.runtime.report import phase_means, read_evals, read_metrics
+    from shmtrain.runtime.outputs.report import phase_means, read_evals, read_metrics
 
     evals = read_evals(out).get(0, [])
     rows = read_metrics(out)

@@ -45,7 +45,7 @@ from shmtrain.bench.common import DDP_MODES, bench_device, table, write_json
 from shmtrain.bench.step import MODES, check_modes
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.staging import force_copies
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 DEFAULT_MODES = ["nocomm", "ddp", "gpi", "cpu_acc", "ssgd_overlap"]
 #: a mode name ending so runs the mode's staged path on the CPU (``SHMTRAIN_STAGING=copy``
@@ -58,8 +58,8 @@ CUDA_MODES = ["nocomm", "ssgd", "gpi", "cpu_acc", "ssgd_overlap"]
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     from shmtrain.bench.common import build_engine, worker_setup
     from shmtrain.models import build_model
-    from shmtrain.runtime.data import parse_shape
-    from shmtrain.runtime.trainer import Trainer
+    from shmtrain.runtime.data.tensors import parse_shape
+    from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
     device, sync = worker_setup(payload.get("device", "cpu"), ctx.local_rank)

@@ -87,7 +87,7 @@ def bench_worker(ctx, payload: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run(workers: list[int], strategies: list[str], transports: list[str], numel: int,
         iterations: int, warmup: int, log=print) -> list[dict[str, Any]]:
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     pairs = [(s, t) for s in strategies for t in transports]
     rows = []

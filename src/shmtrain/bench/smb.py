@@ -25,7 +25,7 @@ import torch
 from shmtrain.bench.common import bench_buffers, median, parse_size, table, timed_rounds, write_json
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.smb import LocalBufferService
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 OPS = ("read", "write", "readwrite", "accumulate", "copy")
 REMOTE_OPS = ("read", "write", "readwrite", "accumulate")
@@ -140,7 +140,7 @@ def add_bench_smb_parser(bench: argparse._SubParsersAction) -> None:
 # -- bench seasgd: eq. (8) and the exposed communication --------------------------------
 def eq8_rows(out: Path, skip: int = 2) -> list[dict[str, Any]]:
     """check_eq8 per rank of a finished run folder."""
-    from shmtrain.runtime.report import read_metrics
+    from shmtrain.runtime.outputs.report import read_metrics
     from shmtrain.strategies.eq8 import check_eq8
 
     return [{"rank": rank, **check_eq8(rows, skip=skip)} for rank, rows in sorted(read_metrics(out).items())]

@@ -23,7 +23,7 @@ from shmtrain.bench.common import bench_buffers, median, timed_rounds
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.server import MemoryServer
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 OPS = ("read", "write", "readwrite", "accumulate")
 RAW = ("gloo-read", "gloo-write")

@@ -19,7 +19,7 @@ from torch import nn
 
 from shmtrain.bench.common import DDP_MODES, bench_device, table, write_json
 from shmtrain.fabric.context import ProcessContext
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 #: mode -> (strategy, options); ``ddp`` and ``ddp-shm`` (:data:`DDP_MODES`) are handled apart.
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -39,7 +39,7 @@ DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     from shmtrain.bench.common import build_engine, synthetic_setup, worker_setup
-    from shmtrain.runtime.trainer import Trainer
+    from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
     device, sync = worker_setup(payload.get("device", "cpu"), ctx.local_rank)

@@ -34,7 +34,7 @@ from torch import nn
 
 from shmtrain.bench.common import table, write_json
 from shmtrain.fabric.context import ProcessContext
-from shmtrain.runtime.launcher import launch
+from shmtrain.runtime.launch.launcher import launch
 
 ONE, THREADS, PROCESSES = "1 thread", "threads", "processes"
 
@@ -42,7 +42,7 @@ ONE, THREADS, PROCESSES = "1 thread", "threads", "processes"
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     from shmtrain.api import DataParallel
     from shmtrain.bench.common import synthetic_setup
-    from shmtrain.runtime.trainer import Trainer
+    from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
     os.sched_setaffinity(0, payload["cores"])  # before any sub-batch thread: they inherit it

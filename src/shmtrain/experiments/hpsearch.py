@@ -94,7 +94,7 @@ def search_worker(ctx, payload: dict[str, Any]) -> list[dict[str, Any]]:
     """One worker: train every grid point of this worker count with ps_grad, in turn."""
     from shmtrain.api import DataParallel
     from shmtrain.models import build_model
-    from shmtrain.runtime.data import ShardSampler, load_digits_data
+    from shmtrain.runtime.data.tensors import ShardSampler, load_digits_data
 
     data = load_digits_data()
     out = []
@@ -164,8 +164,8 @@ def run_hpsearch(out: Path, cfg: SearchConfig | None = None, *, log=print) -> di
             (the JSON with every run's numbers is written first).
     """
     from shmtrain.models import model_names
-    from shmtrain.runtime.data import load_digits_data
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.data.tensors import load_digits_data
+    from shmtrain.runtime.launch.launcher import launch
 
     cfg = cfg or SearchConfig()
     if cfg.model not in model_names():

@@ -20,7 +20,7 @@ Two engines, one set of equations:
   ``check_workers`` processes for ``check_steps`` steps and records how far their
   losses are from the in-process engine's (``cross_check`` in the JSON).
 * ``processes``: the real strategies (``ps_grad``, ``ps_weight``) in real worker
-  processes started by :func:`shmtrain.runtime.launcher.launch`, one launch per worker
+  processes started by :func:`shmtrain.runtime.launch.launcher.launch`, one launch per worker
   count running both averaging modes.
 """
 
@@ -179,7 +179,7 @@ def simulate(cfg: NeuronConfig, workers: int, mode: str, steps: int | None = Non
 def cross_check(cfg: NeuronConfig) -> dict[str, Any]:
     """Run the real strategies in ``check_workers`` processes for ``check_steps`` steps and
     compare their per-step loss with the in-process engine's (the two must agree)."""
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     short = NeuronConfig(**{**asdict(cfg), "steps": cfg.check_steps, "workers": (cfg.check_workers,)})
     start = time.perf_counter()
@@ -200,7 +200,7 @@ def cross_check(cfg: NeuronConfig) -> dict[str, Any]:
 def run_neuron(out: Path, cfg: NeuronConfig | None = None, *, log=print) -> dict[str, Any]:
     """Run the NEURON experiment; write ``neuron.json`` and ``neuron_loss.png`` /
     ``neuron_eval.png`` into ``out``; return the JSON document."""
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     cfg = cfg or NeuronConfig()
     out = Path(out)

@@ -7,7 +7,7 @@ waiters sleep on it with a futex. The block also holds every local rank's pid, a
 abort word (the first failing rank, set by that rank or by the launcher), a stop word
 (a stop was requested: the signal number, set by a worker's signal handler or relayed by
 the launcher; the training loop reads it once per iteration, see
-:mod:`shmtrain.runtime.stop`), and a per-rank progress record (iterations done, state)
+:mod:`shmtrain.runtime.train.stop`), and a per-rank progress record (iterations done, state)
 used for termination alignment, and a per-rank "finished" mark (a worker that ended its
 training normally: a peer still waiting for it says so instead of "died").
 

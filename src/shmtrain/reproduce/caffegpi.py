@@ -33,7 +33,7 @@ CHECK_WORKERS = 4
 def _timings(setting: dict[str, Any], workers: int, modes: list[str], log) -> dict[str, Any]:
     """One launch of ``workers`` workers running ``modes`` in interleaved rounds."""
     from shmtrain.bench.step import MODES as SPECS
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     batch = setting["overall_batch"] // workers
     log(f"caffegpi: {workers} worker(s), alexnet {setting['input_shape']}, batch {batch} each, "
@@ -116,7 +116,7 @@ def check_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check(steps: int, log) -> dict[str, Any]:
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     log(f"caffegpi: correctness, gpi with {CHECK_WORKERS} workers, {steps} steps")
     results = launch("shmtrain.reproduce.caffegpi:check_worker", CHECK_WORKERS,

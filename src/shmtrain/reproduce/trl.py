@@ -58,7 +58,7 @@ def _worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     from shmtrain.bench.overlap import _worker as overlap_worker
     from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
     from shmtrain.models import build_model
-    from shmtrain.runtime.data import parse_shape
+    from shmtrain.runtime.data.tensors import parse_shape
 
     torch.manual_seed(ctx.rank)  # different weights, so the broadcast moves real data
     model = build_model(payload["model"], parse_shape(payload["input_shape"]), 10)
@@ -78,7 +78,7 @@ def measure(quick: bool, log=print) -> dict[str, Any]:
     medians (ms) per mode, the iteration (slowest worker per round, median) and
     ``cpu_acc``'s per-layer medians. Cached per setting: Tables 3 and 4 share a run."""
     from shmtrain.bench.step import MODES as SPECS
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     setting = dict(QUICK if quick else FULL, model="alexnet", threads=1)
     key = tuple(sorted(setting.items()))

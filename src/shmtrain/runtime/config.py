@@ -5,7 +5,7 @@ are the flags' names (``batch-size`` or ``batch_size``); the chosen strategy's o
 options (its ``Config`` fields, e.g. ``moving-rate``) are accepted the same way.
 
 :class:`TrainConfig` is declared in sections (:class:`JobOptions`, ``DataOptions``
-in ``runtime/data_options.py``, ``OptimOptions`` in ``runtime/optim_options.py``); every field carries ``metadata`` with its ``help`` and its
+in ``runtime/data/options.py``, ``OptimOptions`` in ``runtime/train/optim_options.py``); every field carries ``metadata`` with its ``help`` and its
 ``section``, and ``shmtrain train``'s flags are generated from those fields (one
 argument group per section, the type and the choices from the annotation). The chosen
 strategy's options are held typed, built once: ``TrainConfig.strategy_config`` is an
@@ -34,12 +34,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from shmtrain import strategies
-from shmtrain.runtime.data_options import DataOptions
-from shmtrain.runtime.device import cuda_count, resolve_device
-from shmtrain.runtime.optim_options import OptimOptions
+from shmtrain.runtime.data.options import DataOptions
 from shmtrain.runtime.options import SECTIONS as SECTIONS  # re-exported: the sections of --help
 from shmtrain.runtime.options import need as _need
 from shmtrain.runtime.options import option
+from shmtrain.runtime.train.device import cuda_count, resolve_device
+from shmtrain.runtime.train.optim_options import OptimOptions
 from shmtrain.strategies.base import StrategyConfig, build_config, own_config, plan
 from shmtrain.typed_options import coerce, hint_kind, type_rule
 from shmtrain.typed_options import example as example_value
@@ -78,7 +78,7 @@ class JobOptions:
     force: bool = option(False, "start even when the pre-flight estimates refuse (workers per "
                          "core, memory needed vs free)", "job", action="store_true",
                          default_text="off")
-    # checkpoints and restarts (runtime/checkpoint.py; README "Long runs")
+    # checkpoints and restarts (runtime/checkpoint/checkpointer.py; README "Long runs")
     checkpoint_every: int | None = option(
         None, "write RUN_DIR/checkpoints/step-<N>/ every N iterations (0: only at the end and "
         "when stopped)", "job", default_text="every epoch, and at the end", example=100, metavar="N")

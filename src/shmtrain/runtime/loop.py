@@ -2,9 +2,9 @@
 
 :func:`train_worker` builds this worker's data, model, optimizer (:func:`build_optimizer`,
 from the config's optimisation section), :class:`shmtrain.api.DataParallel` and
-:class:`shmtrain.runtime.trainer.Trainer`, restores a checkpoint, opens what the run
+:class:`shmtrain.runtime.train.trainer.Trainer`, restores a checkpoint, opens what the run
 keeps around its iterations (checkpointer, stop request, monitor, metrics file, progress
-line: :class:`shmtrain.runtime.trainer.RunServices`) and hands them to
+line: :class:`shmtrain.runtime.train.trainer.RunServices`) and hands them to
 :meth:`Trainer.train`, which runs the loop (per iteration: the next batch from the
 prefetch thread, one step, one JSON line, rank 0's evaluation when due, a checkpoint when
 due). It closes them on every exit path and returns this worker's summary.
@@ -21,19 +21,19 @@ from torch import nn
 from shmtrain.api import DataParallel
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.models import build_model
-from shmtrain.runtime import schedule
-from shmtrain.runtime.checkpoint import Checkpointer
-from shmtrain.runtime.class_split import shard_sampler
+from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.device import worker_device
-from shmtrain.runtime.files import save_output
-from shmtrain.runtime.loader import HeldOut, open_batches
-from shmtrain.runtime.monitor import Monitor, evaluate_batches
-from shmtrain.runtime.optimizers import build_optimizer
-from shmtrain.runtime.progress import Progress
-from shmtrain.runtime.sources import DataSource, open_data, write_run_facts
-from shmtrain.runtime.stop import StopRequest
-from shmtrain.runtime.trainer import RunServices, Trainer
+from shmtrain.runtime.data.class_split import shard_sampler
+from shmtrain.runtime.data.loader import HeldOut, open_batches
+from shmtrain.runtime.data.sources import DataSource, open_data, write_run_facts
+from shmtrain.runtime.outputs.files import save_output
+from shmtrain.runtime.outputs.monitor import Monitor, evaluate_batches
+from shmtrain.runtime.outputs.progress import Progress
+from shmtrain.runtime.train import schedule
+from shmtrain.runtime.train.device import worker_device
+from shmtrain.runtime.train.optimizers import build_optimizer
+from shmtrain.runtime.train.stop import StopRequest
+from shmtrain.runtime.train.trainer import RunServices, Trainer
 from shmtrain.startup import mark
 from shmtrain.timing import PhaseTimer
 
@@ -55,7 +55,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 25
 
 def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[DataSource, torch.device, nn.Module, DataParallel,
                                                               Trainer, PhaseTimer, int]:
-    """This worker's data (``runtime/sources.py``), device, model, DataParallel, Trainer,
+    """This worker's data (``runtime/data/sources.py``), device, model, DataParallel, Trainer,
     timer and planned iterations."""
     torch.manual_seed(config.seed)
     data = open_data(config)
@@ -63,7 +63,7 @@ def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[DataSource, torch.
     device = worker_device(config.device, ctx.host.local_rank)  # GPU local_rank % count, or the CPU
     model = build_model(config.model, data.input_shape, data.num_classes, config.model_args).to(device)
     mark("model")
-    optimizer = build_optimizer(config, model.parameters())  # --optimizer (runtime/optimizers.py)
+    optimizer = build_optimizer(config, model.parameters())  # --optimizer (runtime/train/optimizers.py)
     timer = PhaseTimer(device)  # on a GPU: forward, backward, update timed by CUDA events
     dp = DataParallel(model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx, timer=timer,
                       grad_clip=config.grad_clip)
@@ -90,9 +90,9 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     config: TrainConfig = payload["config"]
     out = Path(payload["out"])
     data, device, model, dp, trainer, timer, total = _build(ctx, config)
-    if ctx.rank == 0:  # classes.json, and the data's facts in config.toml (runtime/sources.py)
+    if ctx.rank == 0:  # classes.json, and the data's facts in config.toml (runtime/data/sources.py)
         write_run_facts(out, data)
-    # checkpoints (runtime/checkpoint.py): a resumed run loads every rank's state here,
+    # checkpoints (runtime/checkpoint/checkpointer.py): a resumed run loads every rank's state here,
     # collectively, before the data position is used
     checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size))
     if getattr(ctx, "rejoined", False):  # a host started again: the job's state, not a file's
@@ -100,7 +100,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     else:
         checkpoints.restore(trainer, payload.get("resume"))
     sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)  # --class-split
-    # the shard's batches from the run's position on (runtime/loader.py): a thread slicing
+    # the shard's batches from the run's position on (runtime/data/loader.py): a thread slicing
     # tensors, or DataLoader processes decoding a folder / module:callable data
     prefetch = open_batches(data, sampler, config, device, start=trainer.state.iteration)
     held_out = HeldOut(data, (config.loader_workers or 0) if ctx.rank == 0 else 0, device.type == "cuda")
@@ -109,7 +109,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     progress = Progress(total, config.strategy, enabled=config.progress and ctx.rank == 0,
                         first=trainer.state.iteration)
     monitor = Monitor(config, out, ctx.rank, model, data, ctx.world_size, held_out, dp.strategy)  # rank 0: eval, TensorBoard
-    stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/stop.py)
+    stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/train/stop.py)
     mark("first-iteration")  # what follows is the loop (its first row's t0)
     try:
         outcome = trainer.train(prefetch.next, RunServices(checkpoints, stop, monitor, log, progress, ctx.rank), total)

@@ -1,7 +1,7 @@
 """Run ``shmtrain train``: start local workers, or be one worker of a torchrun job.
 
 Long runs (issue items 2-4, 7): ``resume=True`` (``--resume RUN_DIR``) starts the workers
-from the run's newest whole checkpoint (``runtime/checkpoint.py``); a worker's death
+from the run's newest whole checkpoint (``runtime/checkpoint/checkpointer.py``); a worker's death
 restarts every worker from the latest checkpoint up to ``--max-restarts`` times; a
 Ctrl-C or SIGTERM makes the workers save and return, and :class:`RunStopped` carries the
 exit status and how to continue. Under torchrun, a run folder that holds a checkpoint is
@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
-from shmtrain.runtime import checkpoint_files, report, runlock, smb_server
+from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.launcher import WorkerFailed, launch
-from shmtrain.runtime.preflight import preflight
-from shmtrain.runtime.stretches import Stretch
-from shmtrain.runtime.zygote import under_torchrun
+from shmtrain.runtime.launch import runlock, smb_server
+from shmtrain.runtime.launch.launcher import WorkerFailed, launch
+from shmtrain.runtime.launch.preflight import preflight
+from shmtrain.runtime.launch.zygote import under_torchrun
+from shmtrain.runtime.outputs import report
+from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.startup import mark
 
 TARGET = "shmtrain.runtime.loop:train_worker"
@@ -53,14 +55,14 @@ def uses_torchvision(model: str, data: str) -> bool:
     """Whether the workers of a run of ``model`` on ``data`` import torchvision (one of its
     models, or an image folder: ImageFolder and its transforms)."""
     from shmtrain.models.registry import needs_torchvision
-    from shmtrain.runtime.data_options import data_kind
+    from shmtrain.runtime.data.options import data_kind
 
     return needs_torchvision(model) or data_kind(data) == "folder"
 
 
 def _preload_env(config: TrainConfig) -> dict[str, str]:
     """What the zygote should import once before forking this run's workers."""
-    from shmtrain.runtime.zygote import PRELOAD_ENV
+    from shmtrain.runtime.launch.zygote import PRELOAD_ENV
 
     return {PRELOAD_ENV: "torchvision"} if uses_torchvision(config.model, config.data) else {}
 
@@ -80,7 +82,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     """Train as ``config`` says; return the summary (None on non-zero ranks of torchrun).
 
     ``resume``: continue the run in ``config.out`` from its newest whole checkpoint
-    (``config`` comes from :func:`shmtrain.runtime.checkpoint_files.resume_config`).
+    (``config`` comes from :func:`shmtrain.runtime.checkpoint.files.resume_config`).
 
     Raises:
         ValueError: bad input, before any worker starts (exit status 2).
@@ -89,7 +91,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     """
     if under_torchrun():
         return _run_torchrun(config, echo)
-    from shmtrain.runtime import zygote
+    from shmtrain.runtime.launch import zygote
 
     zygote.prestart()  # imports torch for the workers while the launcher checks the input
     threading.Thread(target=_import_matplotlib, name="shmtrain-plot-import", daemon=True).start()
@@ -157,7 +159,7 @@ def _resume_hint(out: Path) -> str:
 
 def _interrupted_message(out: Path, exc: KeyboardInterrupt) -> str:
     """What a stop that did not wait for the workers' checkpoint left: ``exc`` is a second
-    signal (:class:`~shmtrain.runtime.launcher.StopNow`: ``signum``, ``first``), or a
+    signal (:class:`~shmtrain.runtime.launch.launcher.StopNow`: ``signum``, ``first``), or a
     Ctrl-C before the launcher's handlers were in place."""
     hint = _resume_hint(out)
     signum = getattr(exc, "signum", signal.SIGINT)

@@ -338,7 +338,7 @@ class RemoteBufferService(BufferService):
 
 
 #: a memory server already forked for this job by rank 0 before it joined
-#: (``shmtrain.runtime.smb_server.prefork``): (pid, address file, secret, log, world)
+#: (``shmtrain.runtime.launch.smb_server.prefork``): (pid, address file, secret, log, world)
 PREFORKED: tuple[int, str, str, str, int] | None = None
 
 

@@ -42,10 +42,10 @@ TWO = ("seasgd-2", "ps_grad-2", "ssgd-2")
 
 def _train(values: dict[str, Any], folder: Path) -> dict[int, list[dict[str, Any]]]:
     """One ``shmtrain train`` launch (no summary or plot); every rank's metrics rows."""
-    from shmtrain.runtime import checkpoint_files
+    from shmtrain.runtime.checkpoint import files as checkpoint_files
     from shmtrain.runtime.config import resolve
-    from shmtrain.runtime.launcher import launch
-    from shmtrain.runtime.report import read_rows
+    from shmtrain.runtime.launch.launcher import launch
+    from shmtrain.runtime.outputs.report import read_rows
     from shmtrain.runtime.run import TARGET
 
     config = resolve({"device": "cpu", **values, "out": str(folder), "progress": False, "checkpoint_every": 0})
@@ -92,7 +92,7 @@ def _table2_runs(setting: dict[str, Any], log) -> dict[str, Any]:
     """``repeats`` training runs per method (seed = repeat; the methods in turn, so load that
     drifts hits each alike); per method the medians over the repeats, the first repeat's
     curve, and the first evaluation at the target (None unless every repeat reaches it)."""
-    from shmtrain.runtime.preflight import DIGITS_SAMPLES, held_out
+    from shmtrain.runtime.launch.preflight import DIGITS_SAMPLES, held_out
 
     train = DIGITS_SAMPLES - held_out(DIGITS_SAMPLES)
     lines: dict[str, list[dict[str, Any]]] = {label: [] for label in setting["methods"]}

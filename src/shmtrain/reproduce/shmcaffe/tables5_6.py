@@ -46,7 +46,7 @@ def breakdown_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     from torch import nn
 
     from shmtrain.bench.common import build_engine, synthetic_setup
-    from shmtrain.runtime.trainer import Trainer
+    from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
     model, x, y, optimizer = synthetic_setup(payload["model"], payload["input_shape"],
@@ -68,7 +68,7 @@ def _breakdown(model: str, layout: str, setting: dict[str, Any], log) -> dict[st
     """One launch: the median phases per iteration over ranks and iterations (warm-up left
     out; a median, because one stalled iteration on a loaded 2-core host moves a mean of a
     few samples by more than the difference the claims look at)."""
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     strategy, workers, options, _ = LAYOUTS[layout]
     log(f"shmcaffe-tables5-6: {model}, {layout} ({strategy}, {workers} workers)")

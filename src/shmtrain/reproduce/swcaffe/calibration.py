@@ -31,7 +31,7 @@ def calibration_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 
     from shmtrain.bench.common import build_engine, median, synthetic_setup, timed_collective
     from shmtrain.fabric.shm_allreduce import ShmAllreduce
-    from shmtrain.runtime.trainer import Trainer
+    from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 
     def barrier() -> None:
@@ -158,7 +158,7 @@ def calibrate(ctx: Context) -> dict[str, Any]:
     before and after the launches (their mean), or (b) ``nocomm`` iterations of the same
     workers, interleaved with the ``ssgd`` ones. (b) sees the same load as the measurement;
     (a) does not when other programs share the cores."""
-    from shmtrain.runtime.launcher import launch
+    from shmtrain.runtime.launch.launcher import launch
 
     cores = len(os.sched_getaffinity(0))
     payload = {"model": "resnet18", "input_shape": "3x64x64", "batch_size": 16,

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime import stretches
-from shmtrain.runtime.files import figure_output, write_output
-from shmtrain.runtime.finite import json_text
+from shmtrain.runtime.outputs import stretches
+from shmtrain.runtime.outputs.files import figure_output, write_output
+from shmtrain.runtime.train.finite import json_text
 
 ORDER = ["data", "forward", "backward", "update", "compute", "comm"]
 
@@ -117,7 +117,7 @@ def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str,
 
 def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """Write ``summary.json``, then ``plot.png`` (and ``trace.json`` when ``config["trace"]``),
-    each atomically (``runtime/files.py``): the numbers of a finished run are on disk before
+    each atomically (``runtime/outputs/files.py``): the numbers of a finished run are on disk before
     anything optional; return the summary."""
     previous = out / "summary.json"
     if previous.is_file() and results and not any(r.get("trained", 1) for r in results):
@@ -176,7 +176,7 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     plot(out, rows, f"{config['strategy']}, {len(results)} workers, {config['model']} on {config['data']}",
          evals)
     if config.get("trace"):
-        from shmtrain.runtime.trace import write_trace
+        from shmtrain.runtime.outputs.trace import write_trace
 
         write_trace(out, rows, evals)
     return summary

@@ -3,7 +3,7 @@
 With ``--class-split N`` the classes are dealt into N groups (class ``c`` to group
 ``c mod N``) and the workers of host ``k`` (torchrun's node rank) train only on the
 training samples of group ``k mod N``; inside a host they shard that subset as
-:class:`shmtrain.runtime.data.ShardSampler` shards the whole set (no sample twice in an
+:class:`shmtrain.runtime.data.tensors.ShardSampler` shards the whole set (no sample twice in an
 epoch of the subset). The held-out split keeps every class, so a host alone reaches at
 most about its share of the classes (``shmtrain bench hosts``' one-host run shows it);
 the job's model must combine the hosts' shards to go further. ``0`` (the default) is
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shmtrain.runtime.data import ShardSampler
+from shmtrain.runtime.data.tensors import ShardSampler
 
 
 def host_classes(num_classes: int, groups: int, group: int) -> list[int]:
@@ -39,8 +39,8 @@ class SubsetSampler(ShardSampler):
 
 
 def train_labels(data: Any) -> torch.Tensor:
-    """The training labels of ``data``: a :class:`~shmtrain.runtime.sources.DataSource` (its
-    tensors, or a folder's ``targets``) or a tensor :class:`~shmtrain.runtime.data.Dataset`."""
+    """The training labels of ``data``: a :class:`~shmtrain.runtime.data.sources.DataSource` (its
+    tensors, or a folder's ``targets``) or a tensor :class:`~shmtrain.runtime.data.tensors.Dataset`."""
     tensors = getattr(data, "tensors", None) or data
     if hasattr(tensors, "train_y"):
         return tensors.train_y

@@ -3,8 +3,8 @@
 The folder holds one sub-folder per class (``DIR/<class>/...``, any depth below it);
 :class:`torchvision.datasets.ImageFolder` lists the files (labels: the class folders in
 sorted order) and nothing is decoded until a batch asks for it: each item is read by
-:func:`load_image` (every PIL mode scaled by its own value range, ``runtime/images.py``)
-in a DataLoader worker process (``runtime/loader.py``), then transformed.
+:func:`load_image` (every PIL mode scaled by its own value range, ``runtime/data/images.py``)
+in a DataLoader worker process (``runtime/data/loader.py``), then transformed.
 
 Transforms (``--transform``), to ``H x W`` from ``--image-size`` / ``--input-shape``:
 
@@ -20,7 +20,7 @@ standard      random resized crop (scale 0.08-1, ratio 3/4-4/3) resize the short
 
 mean and std are ImageNet's (:data:`MEAN`, :data:`STD`), as torchvision's models expect.
 The random choices of sample ``i`` in epoch ``e`` are drawn from a generator seeded by
-(``--seed``, e, i) (``runtime/loader.py``), so they are the same with any number of
+(``--seed``, e, i) (``runtime/data/loader.py``), so they are the same with any number of
 loader workers and after a resume.
 
 Held out: ``--val-data DIR2`` (the same class folders), or else a share ``--val-fraction``
@@ -37,17 +37,17 @@ from typing import Any
 
 import torch
 
-from shmtrain.runtime.data import IMAGE_SUFFIXES, held_out, parse_shape
+from shmtrain.runtime.data.tensors import IMAGE_SUFFIXES, held_out, parse_shape
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def load_image(path: str) -> torch.Tensor:
-    """One file as a float tensor ``(3, H, W)`` in [0, 1] (``runtime/images.py``); a
+    """One file as a float tensor ``(3, H, W)`` in [0, 1] (``runtime/data/images.py``); a
     ValueError naming the file and the fix when it cannot be decoded."""
     from PIL import Image, UnidentifiedImageError
 
-    from shmtrain.runtime.images import image_to_tensor
+    from shmtrain.runtime.data.images import image_to_tensor
 
     try:
         with Image.open(path) as img:

@@ -1,14 +1,14 @@
 """``shmtrain run``: one's own training script on N local workers, as torchrun runs it.
 
 ``shmtrain run --workers N script.py ARGS`` (or ``-m package.module ARGS``) starts N
-workers through the launcher (``runtime/launcher.py``: the zygote's fast start, the
+workers through the launcher (``runtime/launch/launcher.py``: the zygote's fast start, the
 store, the control block, the supervision). Each worker gets torchrun's environment
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
 ``ROLE_RANK``, ``MASTER_ADDR``/``MASTER_PORT``: the launcher's store on loopback, served
 as torchrun's agent serves its own, ``TORCHELASTIC_USE_AGENT_STORE=True``), so
 ``init_process_group("gloo")`` with ``env://`` and :class:`shmtrain.DataParallel` join
 the job as under torchrun, and the same script runs under either unchanged. The script
-runs as ``__main__`` (``runtime/script_worker.py``: ``runpy``; ``sys.argv = [script, *ARGS]``, ``sys.path[0]`` its
+runs as ``__main__`` (``runtime/launch/script_worker.py``: ``runpy``; ``sys.argv = [script, *ARGS]``, ``sys.path[0]`` its
 folder, as ``python script.py`` does) in its own session, as torchrun's workers are:
 a terminal's Ctrl-C reaches the launcher, which passes it on to every worker once
 (``launch(relay_signals=True)``), waits for them to end (30 s, then kills them) and
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-TARGET = "shmtrain.runtime.script_worker:run_script"
+TARGET = "shmtrain.runtime.launch.script_worker:run_script"
 #: lines of the failing worker's log quoted under the failure
 TAIL_LINES = 10
 
@@ -49,8 +49,8 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
                 log_dir: Path | None = None, verbose: bool = False, timeout: float = 120.0) -> int:
     """Run ``command`` (``[script, *args]``; or ``args`` of ``-m module``) on ``workers``
     local workers; return the exit status (see the module docstring)."""
-    from shmtrain.runtime.launcher import StopNow, WorkerFailed, describe_exit, launch
-    from shmtrain.runtime.worker_logs import mark
+    from shmtrain.runtime.launch.launcher import StopNow, WorkerFailed, describe_exit, launch
+    from shmtrain.runtime.outputs.worker_logs import mark
 
     if workers < 1:
         raise ValueError(f"--workers {workers}: at least 1 worker is needed")

@@ -26,7 +26,7 @@ from typing import Literal
 
 from shmtrain.models import model_names
 from shmtrain.models.user import is_user_spec, resolve_callable
-from shmtrain.runtime.data import parse_shape
+from shmtrain.runtime.data.tensors import parse_shape
 from shmtrain.runtime.options import need as _need
 from shmtrain.runtime.options import option
 from shmtrain.typed_options import parse_kwargs
@@ -88,7 +88,7 @@ class DataOptions:
     prefetch: int = option(10, "batches kept ready ahead of the training step", "data")
     class_split: int = option(0, "deal the classes into N groups (class c to group c mod N); host k's workers "
                               "train only on group k mod N (a label-skewed shard per host; "
-                              "runtime/class_split.py); 0: no split", "data", metavar="N")
+                              "runtime/data/class_split.py); 0: no split", "data", metavar="N")
     skip_bad_files: bool = option(False, "a folder --data: skip images that cannot be read (each named "
                                   "in rank 0's log, counted in summary.json) instead of failing",
                                   "data", action="store_true", default_text="fail, naming the file")

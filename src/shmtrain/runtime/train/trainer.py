@@ -5,7 +5,7 @@ with the phase timings every strategy shares; ``shmtrain train`` (``runtime/loop
 ``shmtrain bench step`` and ``bench overlap`` and one's own scripts use it, so the
 loop body is written once and checkpointing has one place to live. With ``sub_batch=K``
 (``--sub-batch``) forward and backward run in K threads on parts of the batch, their
-gradients averaged before the strategy communicates (``runtime/subbatch.py``, swCaffe
+gradients averaged before the strategy communicates (``runtime/train/subbatch.py``, swCaffe
 Algorithm 1); the checkpoint state is the same.
 
 :class:`TrainState` is what the loop itself adds to the model, optimizer and strategy
@@ -32,16 +32,16 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from shmtrain.runtime.finite import check_loss, json_text
-from shmtrain.runtime.schedule import check_state, current_lr, step_scheduler
-from shmtrain.runtime.subbatch import SubBatch
+from shmtrain.runtime.train.finite import check_loss, json_text
+from shmtrain.runtime.train.schedule import check_state, current_lr, step_scheduler
+from shmtrain.runtime.train.subbatch import SubBatch
 from shmtrain.timing import PhaseTimer
 
 if TYPE_CHECKING:
-    from shmtrain.runtime.checkpoint import Checkpointer
-    from shmtrain.runtime.monitor import Monitor
-    from shmtrain.runtime.progress import Progress
-    from shmtrain.runtime.stop import StopRequest
+    from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
+    from shmtrain.runtime.outputs.monitor import Monitor
+    from shmtrain.runtime.outputs.progress import Progress
+    from shmtrain.runtime.train.stop import StopRequest
 
 
 class Steppable(Protocol):
@@ -88,9 +88,9 @@ class TrainState:
 @dataclass
 class RunServices:
     """What a run of ``shmtrain train`` keeps around its iterations, handed to
-    :meth:`Trainer.train`: the checkpointer (``runtime/checkpoint.py``), the stop request
-    (Ctrl-C / SIGTERM, ``runtime/stop.py``), the monitor (rank 0's evaluation and
-    TensorBoard, ``runtime/monitor.py``), this rank's metrics file and the progress line.
+    :meth:`Trainer.train`: the checkpointer (``runtime/checkpoint/checkpointer.py``), the stop request
+    (Ctrl-C / SIGTERM, ``runtime/train/stop.py``), the monitor (rank 0's evaluation and
+    TensorBoard, ``runtime/outputs/monitor.py``), this rank's metrics file and the progress line.
     Their owner (``runtime/loop.py``) opens and closes them."""
 
     checkpoints: Checkpointer
@@ -124,10 +124,10 @@ class Trainer:
         loss_fn: the loss (``loss_fn(output, target)``).
         timer: receives ``forward`` and ``backward`` (the engine adds its own phases).
         scheduler: a learning-rate scheduler on the engine's optimizer, stepped once per
-            iteration after the engine's step (``runtime/schedule.py``); its state is part
+            iteration after the engine's step (``runtime/train/schedule.py``); its state is part
             of :meth:`state_dict`, so a resumed run continues the schedule exactly.
         sub_batch: K, the threads each mini-batch is split over (swCaffe Algorithm 1,
-            :class:`shmtrain.runtime.subbatch.SubBatch`); 1 runs forward and backward on
+            :class:`shmtrain.runtime.train.subbatch.SubBatch`); 1 runs forward and backward on
             the calling thread. K > 1 needs an engine with ``module`` and
             ``before_forward`` (``DataParallel``); :meth:`close` ends the threads.
         amp: ``"bf16"`` runs forward and the loss under ``torch.autocast`` with bfloat16
@@ -275,7 +275,7 @@ class Trainer:
             iteration = engine.iteration  # type: ignore[attr-defined]
             row = {"iteration": iteration, "loss": value, "lr": self.lr,
                    "t0": run.monitor.stamp(iter_start), "time": phases, **timer.take_details()}
-            run.log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/finite.py)
+            run.log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/train/finite.py)
             check_loss(value, iteration, run.rank, self.lr)  # diverged: stop, name it
             run.monitor.after_iteration(row, run.log)  # outside the iteration's time
             run.progress.update(iteration, value)

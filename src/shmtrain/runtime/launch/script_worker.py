@@ -1,4 +1,4 @@
-"""The worker's side of ``shmtrain run`` (``runtime/script_launch.py``): what a script's
+"""The worker's side of ``shmtrain run`` (``runtime/launch/script_launch.py``): what a script's
 worker holds before the script joins the job itself (:class:`ScriptContext`), and the
 script run as ``__main__`` (:func:`run_script`)."""
 

@@ -1,6 +1,6 @@
 """Fast worker start: one process imports torch once, and forks every worker.
 
-Every worker used to be a fresh ``python -m shmtrain.runtime.worker``, which spends
+Every worker used to be a fresh ``python -m shmtrain.runtime.launch.worker``, which spends
 ~2.3 s of CPU importing torch before it does anything; N workers on 2 cores waited
 ~N x 1.2 s. The zygote is a child of the launcher that imports torch and shmtrain's
 worker path once (and the digits data set; torchvision only when a worker's environment
@@ -14,14 +14,14 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (one message per datagram):
   attached (``SCM_RIGHTS``): the launcher's stdout and stderr, then those the worker
   must inherit (the control block, the console); the zygote forks, and the child
   takes the launcher's environment, folder, stdout/stderr (or ``log``), renames itself
-  ``shmtrain-w<rank>`` (``/proc/<pid>/comm``) and runs :func:`shmtrain.runtime.worker.main`;
+  ``shmtrain-w<rank>`` (``/proc/<pid>/comm``) and runs :func:`shmtrain.runtime.launch.worker.main`;
 - zygote -> launcher: ``{"pid"}`` for each fork, ``{"exit": pid, "code"}`` when a worker
   ends (``code`` as :attr:`subprocess.Popen.returncode`: negative for a signal).
 
 The zygote is started on a process's first :func:`spawn` and lives as long as that
 process (it dies with it: ``PR_SET_PDEATHSIG``; and the launcher closes it at exit). It
 ignores SIGINT: Ctrl-C is for the workers and the launcher. ``SHMTRAIN_ZYGOTE=0`` starts
-every worker as its own ``python -m shmtrain.runtime.worker`` instead.
+every worker as its own ``python -m shmtrain.runtime.launch.worker`` instead.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _MAX_FDS = 8
 #: seconds the zygote may take to import torch (a busy machine takes tens)
 START_S = 120.0
 #: imported by the zygote before it forks anything (what every worker would import)
-PRELOAD = ("torch", "torch.distributed", "numpy", "shmtrain.runtime.worker",
+PRELOAD = ("torch", "torch.distributed", "numpy", "shmtrain.runtime.launch.worker",
            "shmtrain.runtime.loop", "shmtrain.strategies",
            # a torch.optim optimizer's first construction imports torch._dynamo (~1.2 s of
            # CPU per worker otherwise); importing it starts no thread
@@ -113,7 +113,7 @@ def preload_workers(extra: str = "", data: bool = True) -> None:
     _preload(extra)
     if data:
         try:
-            from shmtrain.runtime.data import load_digits_data
+            from shmtrain.runtime.data.tensors import load_digits_data
 
             load_digits_data()
         except ImportError:  # scikit-learn missing: a worker that needs it says so
@@ -186,14 +186,14 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     _prctl(_PR_SET_NAME, f"shmtrain-w{env.get('RANK', '?')}".encode())
-    sys.argv = ["shmtrain.runtime.worker", *request["argv"]]
-    from shmtrain.runtime import worker
+    sys.argv = ["shmtrain.runtime.launch.worker", *request["argv"]]
+    from shmtrain.runtime.launch import worker
 
     return worker.main()
 
 
 def main() -> int:
-    """``python -m shmtrain.runtime.zygote FD``: serve the launcher on socket ``FD``."""
+    """``python -m shmtrain.runtime.launch.zygote FD``: serve the launcher on socket ``FD``."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the launcher's fork
@@ -249,7 +249,7 @@ class Zygote:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with _sigint_ignored_in_child():
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "shmtrain.runtime.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "shmtrain.runtime.launch.zygote", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
             )
         theirs.close()
@@ -286,7 +286,7 @@ class Zygote:
 
     def spawn(self, env: dict[str, str], argv: list[str], fds: tuple[int, ...], log: str | None) -> Worker:
         """Fork one worker: ``env`` (``{fd<i>}`` values name ``fds[i]`` as the worker sees
-        it), ``python -m shmtrain.runtime.worker *argv``, stderr to ``log`` when given."""
+        it), ``python -m shmtrain.runtime.launch.worker *argv``, stderr to ``log`` when given."""
         request = {"env": env, "argv": argv, "cwd": os.getcwd(), "log": log}
         with self.lock:
             self._handshake()

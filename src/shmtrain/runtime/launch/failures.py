@@ -1,5 +1,5 @@
 """What a failed job's one line names: the worker whose failure is the root cause, how it
-exited, and where its log is (``runtime/launcher.py``'s supervisor raises it)."""
+exited, and where its log is (``runtime/launch/launcher.py``'s supervisor raises it)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shmtrain.runtime.worker_logs import WorkerLogs
+from shmtrain.runtime.outputs.worker_logs import WorkerLogs
 
 #: how long the supervisor looks for a worker killed by a signal once another failed with an
 #: error: a peer's error on a closed connection follows the kill within milliseconds

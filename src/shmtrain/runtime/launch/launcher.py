@@ -1,16 +1,16 @@
 """Start N local workers (a small torchrun for one host) and watch them.
 
-Each worker runs ``shmtrain.runtime.worker`` with torchrun's environment variables, so
+Each worker runs ``shmtrain.runtime.launch.worker`` with torchrun's environment variables, so
 the worker code path is the same whether shmtrain or torchrun started it; it is forked
-by the launcher's zygote, which imported torch once (``runtime/zygote.py``), or, with
-``SHMTRAIN_ZYGOTE=0``, started as a fresh ``python -m shmtrain.runtime.worker``. The launcher hosts the TCPStore on loopback (port chosen by the
+by the launcher's zygote, which imported torch once (``runtime/launch/zygote.py``), or, with
+``SHMTRAIN_ZYGOTE=0``, started as a fresh ``python -m shmtrain.runtime.launch.worker``. The launcher hosts the TCPStore on loopback (port chosen by the
 kernel: no port races) and creates the host's control block; when a worker dies it
 marks the failure there (waking every waiter), gives the others a moment to fail
 with an error naming it, then terminates them. Ctrl-C and errors end every child, and
 the run's shared-memory names are swept on every exit path. With ``graceful_stop``
 (``shmtrain train``), the first SIGINT or SIGTERM is relayed to the workers through the
 control block's stop word instead: they finish the iteration, save a checkpoint and
-return (``runtime/stop.py``); a second one ends them at once (SIGHUP too). With
+return (``runtime/train/stop.py``); a second one ends them at once (SIGHUP too). With
 ``relay_signals`` (``shmtrain run``: scripts in their own sessions, as torchrun's) the
 first signal is passed on to every worker instead, and they have :data:`STOP_GRACE_S`
 seconds to end (to save what they want) before they are killed.
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from shmtrain.fabric.control import ControlBlock, process_state
 from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
-from shmtrain.runtime.failures import (
+from shmtrain.runtime.launch.failures import (
     WorkerFailed,
     describe_exit,
     error_record,
@@ -49,7 +49,7 @@ from shmtrain.runtime.failures import (
     root_cause,
     shm_note,
 )
-from shmtrain.runtime.worker_logs import WorkerLogs
+from shmtrain.runtime.outputs.worker_logs import WorkerLogs
 
 GRACE_S = 10.0
 #: seconds the workers have to end after a relayed SIGINT/SIGTERM (torchrun's figure)
@@ -172,7 +172,7 @@ class _JobSetup:
 
 class _Supervisor:
     """The supervision policy of a local launch: poll the workers until every one has
-    returned; the first to fail ends the others (its root cause named, :func:`~shmtrain.runtime.failures.root_cause`);
+    returned; the first to fail ends the others (its root cause named, :func:`~shmtrain.runtime.launch.failures.root_cause`);
     under ``tolerate_worker_loss`` a worker that dies after it started training is
     recorded and the others train on; under a graceful stop a worker ended by the signal
     before its loop ends the launch as a KeyboardInterrupt."""
@@ -288,7 +288,7 @@ _FD_KEYS = ("SHMTRAIN_CONTROL_FD", "SHMTRAIN_CONSOLE_FD")
 
 def _start(target: str, env: dict[str, str], fds: tuple[int, ...], log: Path | None, timeout: float) -> Any:
     """One worker: forked by the zygote, or (``SHMTRAIN_ZYGOTE=0``) a fresh interpreter."""
-    from shmtrain.runtime import zygote
+    from shmtrain.runtime.launch import zygote
 
     if zygote.enabled():
         names = {str(fd): f"{{fd{i}}}" for i, fd in enumerate(fds)}
@@ -300,7 +300,7 @@ def _start(target: str, env: dict[str, str], fds: tuple[int, ...], log: Path | N
                                int(env.get("RANK", "0")), 1) from None
     stderr = open(log, "ab") if log else None  # noqa: SIM115 - the child holds it; ours closes below
     try:
-        return subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.worker", target], env=env,
+        return subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.launch.worker", target], env=env,
                                 pass_fds=fds, stderr=stderr)
     finally:
         if stderr is not None:

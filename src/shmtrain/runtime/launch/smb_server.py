@@ -112,7 +112,7 @@ def wanted(config: Any) -> bool:
 
 def prefork(world: int, timeout: float) -> None:
     """Fork the job's memory server now, from a worker that has imported torch and started
-    no thread yet (the zygote's rule, ``runtime/zygote.py``), so the server does not start
+    no thread yet (the zygote's rule, ``runtime/launch/zygote.py``), so the server does not start
     a new interpreter and import torch again once the job has joined (``start_memory_server``
     takes it from ``remote.PREFORKED``). Does nothing when a thread is running already."""
     import secrets
@@ -134,7 +134,7 @@ def prefork(world: int, timeout: float) -> None:
     code = 1
     try:  # the child: the server, in its own session (it outlives rank 0), its output in the log
         os.setsid()
-        from shmtrain.runtime.zygote import _PR_SET_NAME, _prctl
+        from shmtrain.runtime.launch.zygote import _PR_SET_NAME, _prctl
 
         _prctl(_PR_SET_NAME, SERVER_NAME)  # found by name: its command line is the worker's
         sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -17,7 +17,7 @@ iteration's metrics row is written, outside the iteration's timing:
 
 Times in the rows (``t0``) are seconds since the epoch on one clock per rank: the wall
 time at the loop's start plus ``perf_counter`` differences, so the iterations and
-evaluations of a rank never overlap and ranks of one host line up (``runtime/trace.py``).
+evaluations of a rank never overlap and ranks of one host line up (``runtime/outputs/trace.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional
 
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.finite import json_text
+from shmtrain.runtime.train.finite import json_text
 
 #: samples per forward pass of the held-out evaluation
 EVAL_BATCH = 256
@@ -49,7 +49,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = EV
 @torch.no_grad()
 def evaluate_batches(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of ``model`` over ``batches`` of ``(x, y)`` (a
-    folder's held-out set from its DataLoader, ``runtime/loader.py``), in ``eval()`` mode
+    folder's held-out set from its DataLoader, ``runtime/data/loader.py``), in ``eval()`` mode
     (the model's mode is restored)."""
     was_training = model.training
     model.eval()
@@ -88,7 +88,7 @@ class Monitor:
         data: the data set (``train_samples`` for the epoch length; ``test_x``, ``test_y``
             held out unless ``held_out`` is given).
         world: workers in the job.
-        held_out: the held-out batches (``runtime/loader.py``'s ``HeldOut``).
+        held_out: the held-out batches (``runtime/data/loader.py``'s ``HeldOut``).
     """
 
     def __init__(self, config: TrainConfig, out: Path, rank: int, model: nn.Module, data: Any,

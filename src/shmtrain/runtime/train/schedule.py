@@ -1,7 +1,7 @@
 """Learning-rate schedules of ``shmtrain train``, built from ``torch.optim.lr_scheduler``.
 
 ``--lr-schedule constant|step|cosine`` with ``--warmup-iterations N``: the scheduler is
-stepped once per iteration (by :class:`shmtrain.runtime.trainer.Trainer`, after the
+stepped once per iteration (by :class:`shmtrain.runtime.train.trainer.Trainer`, after the
 engine's step), so "iteration" is its unit everywhere, and the values are torch's own:
 
 ========== ==================================================================================

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.data import IMAGE_SUFFIXES, parse_shape
-from shmtrain.runtime.data import held_out as _held_out
+from shmtrain.runtime.data.tensors import IMAGE_SUFFIXES, parse_shape
+from shmtrain.runtime.data.tensors import held_out as _held_out
 
 #: workers per core beyond which a run is refused without --force
 WORKERS_PER_CORE = 8
@@ -45,7 +45,7 @@ def held_out(samples: int, fraction: float = 0.2) -> int:
 
 def check_data(config: TrainConfig) -> DataFacts:
     """The data source exists, has the right shape and classes, and a sample is readable
-    (a folder or module:callable is opened as the workers will: ``runtime/sources.py``)."""
+    (a folder or module:callable is opened as the workers will: ``runtime/data/sources.py``)."""
     fraction = config.val_fraction or 0.2
     if config.data == "digits":
         return DataFacts(DIGITS_SAMPLES - held_out(DIGITS_SAMPLES, fraction), DIGITS_SHAPE, 10)
@@ -53,8 +53,8 @@ def check_data(config: TrainConfig) -> DataFacts:
         assert config.input_shape is not None and config.samples is not None  # settled by the config
         shape = parse_shape(config.input_shape)
         return DataFacts(config.samples - held_out(config.samples, fraction), shape, 10)
-    from shmtrain.runtime.data_options import data_kind
-    from shmtrain.runtime.sources import open_data
+    from shmtrain.runtime.data.options import data_kind
+    from shmtrain.runtime.data.sources import open_data
 
     if data_kind(config.data) == "folder":
         for flag, folder in (("--data", config.data), ("--val-data", config.val_data)):
@@ -86,7 +86,7 @@ def _check_folder(path: Path, skip_bad_files: bool = False, flag: str = "--data"
 
 def check_image(file: Path) -> None:
     """Open and decode one image; a clear error naming the file if it cannot be read."""
-    from shmtrain.runtime.data import read_image
+    from shmtrain.runtime.data.tensors import read_image
 
     read_image(file, 8)
 

@@ -1,18 +1,18 @@
-"""Batches of a :class:`~shmtrain.runtime.sources.DataSource`, sharded exactly (issue 30,
+"""Batches of a :class:`~shmtrain.runtime.data.sources.DataSource`, sharded exactly (issue 30,
 item 1; ShmCaffe "DATA", swCaffe Section V-B "IO"; docs/data.md).
 
 Every kind of data is cut into the same shards: :class:`ShardBatches` is a batch sampler
 that yields, for global step ``t`` (from the run's position on, so a resumed run continues
 mid-epoch), this worker's indices :meth:`ShardSampler.indices(t)
-<shmtrain.runtime.data.ShardSampler.indices>`, so no sample is seen twice in an epoch
+<shmtrain.runtime.data.tensors.ShardSampler.indices>`, so no sample is seen twice in an epoch
 and the workers' batches of one step together are one process's batch of ``batch x
 world``.
 
-- Tensors in memory (digits, synthetic): :class:`~shmtrain.runtime.data.Prefetcher`, a
+- Tensors in memory (digits, synthetic): :class:`~shmtrain.runtime.data.tensors.Prefetcher`, a
   thread slicing them.
 - Anything else with ``--loader-workers N > 0``: a :class:`torch.utils.data.DataLoader`
   over that batch sampler, ``N`` processes forked (``fork``: from the training worker,
-  itself forked from the zygote, ``runtime/zygote.py``) that fetch and collate the
+  itself forked from the zygote, ``runtime/launch/zygote.py``) that fetch and collate the
   shard's items, ``--prefetch`` batches ahead in all, pinned when the model is on a GPU.
   Each loader process ignores SIGINT (a terminal's Ctrl-C reaches the whole process
   group: the training worker finishes its iteration, saves and closes the loader) and
@@ -40,8 +40,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data import Dataset as TorchDataset
 
-from shmtrain.runtime.data import Prefetcher, ShardSampler
-from shmtrain.runtime.sources import DataSource
+from shmtrain.runtime.data.sources import DataSource
+from shmtrain.runtime.data.tensors import Prefetcher, ShardSampler
 
 #: samples per forward pass of the held-out evaluation
 EVAL_BATCH = 256

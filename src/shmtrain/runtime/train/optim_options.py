@@ -1,15 +1,15 @@
 """Section ``optimisation`` of :class:`shmtrain.runtime.config.TrainConfig`: batch,
-optimizer (``runtime/optimizers.py``), learning-rate schedule, how long."""
+optimizer (``runtime/train/optimizers.py``), learning-rate schedule, how long."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from shmtrain.runtime.optimizers import check_optimizer_options, optimizer_names
 from shmtrain.runtime.options import need as _need
 from shmtrain.runtime.options import option
-from shmtrain.runtime.schedule import Schedule
+from shmtrain.runtime.train.optimizers import check_optimizer_options, optimizer_names
+from shmtrain.runtime.train.schedule import Schedule
 
 
 @dataclass(kw_only=True)

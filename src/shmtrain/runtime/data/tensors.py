@@ -4,7 +4,7 @@ In-memory data sets: ``digits`` (scikit-learn's 8x8 handwritten digits, 1797 ima
 shipped with the package) and ``synthetic`` (random tensors of a given shape whose labels
 a model can learn), held as tensors, a share ``--val-fraction`` (0.2) held out for
 accuracy. Folders of images and ``--data module:callable`` are opened lazily by
-``runtime/sources.py`` and batched by DataLoader workers (``runtime/loader.py``), through
+``runtime/data/sources.py`` and batched by DataLoader workers (``runtime/data/loader.py``), through
 the same :class:`ShardSampler`.
 
 Sharding (ShmCaffe, "DATA"): at every epoch a permutation seeded by ``seed + epoch``
@@ -120,11 +120,11 @@ def load_synthetic(shape: tuple[int, ...], samples: int, classes: int = 10, seed
 
 def read_image(file: Path, image_size: int) -> np.ndarray:
     """One image, RGB, resized to ``image_size`` squared, in [0, 1] by its mode's value
-    range (16-bit, palette, CMYK, ...: ``runtime/images.py``); a ValueError naming the
+    range (16-bit, palette, CMYK, ...: ``runtime/data/images.py``); a ValueError naming the
     file when it cannot be decoded, or its mode has no known range."""
     from PIL import Image, UnidentifiedImageError
 
-    from shmtrain.runtime.images import image_to_tensor
+    from shmtrain.runtime.data.images import image_to_tensor
 
     try:
         with Image.open(file) as img:
@@ -138,14 +138,14 @@ def read_image(file: Path, image_size: int) -> np.ndarray:
 def load_data(spec: str, *, input_shape: str | None = "3x64x64", samples: int | None = 1024,
               val_fraction: float | None = 0.2, **_ignored: object) -> Dataset:
     """The in-memory data sets, ``digits`` or ``synthetic``; any other ``--data`` (a folder,
-    module:callable) is opened by :func:`shmtrain.runtime.sources.open_data`."""
+    module:callable) is opened by :func:`shmtrain.runtime.data.sources.open_data`."""
     fraction = val_fraction or 0.2
     if spec == "digits":
         return load_digits_data(fraction)
     if spec == "synthetic":
         return load_synthetic(parse_shape(input_shape or "3x64x64"), samples or 1024, fraction=fraction)
     raise ValueError(f"--data {spec!r}: only digits and synthetic are tensors in memory; open a folder or "
-                     "module:callable with shmtrain.runtime.sources.open_data")
+                     "module:callable with shmtrain.runtime.data.sources.open_data")
 
 
 class ShardSampler:

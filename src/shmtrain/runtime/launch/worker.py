@@ -1,4 +1,4 @@
-"""Entry point of one worker process: ``python -m shmtrain.runtime.worker module:function``.
+"""Entry point of one worker process: ``python -m shmtrain.runtime.launch.worker module:function``.
 
 Joins the job from the environment, runs the target as ``fn(ctx, payload)``, and puts
 its return value in the store. On any error it marks the failure in the host's control
@@ -38,15 +38,15 @@ def _plain_errors() -> tuple[type[BaseException], ...]:
     """shmtrain's own errors whose message alone names the cause: a peer's failure, a
     checkpoint file, a diverged loss (one line; a traceback would say nothing more)."""
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
-    from shmtrain.runtime.checkpoint_files import CheckpointError
-    from shmtrain.runtime.finite import TrainingDiverged
+    from shmtrain.runtime.checkpoint.files import CheckpointError
+    from shmtrain.runtime.train.finite import TrainingDiverged
 
     return PeerFailure, PeerTimeout, CheckpointError, TrainingDiverged
 
 
 def _says_it_all(exc: BaseException) -> bool:
     """An error whose message alone names the cause (no type name needed)."""
-    from shmtrain.runtime.files import OutputError
+    from shmtrain.runtime.outputs.files import OutputError
 
     return isinstance(exc, (*_plain_errors(), OutputError, ValueError)) and bool(str(exc))
 
@@ -75,7 +75,7 @@ def _join(timeout: float):
     (``shmtrain run``: ``SHMTRAIN_SCRIPT``), the launcher's store and control block only:
     the script joins the job itself (``init_process_group``, ``DataParallel``)."""
     if os.environ.get("SHMTRAIN_SCRIPT"):
-        from shmtrain.runtime.script_worker import ScriptContext
+        from shmtrain.runtime.launch.script_worker import ScriptContext
 
         return ScriptContext.from_env(timeout)
     from shmtrain.fabric import context

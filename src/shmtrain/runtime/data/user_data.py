@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from shmtrain.models.user import resolve_callable
-from shmtrain.runtime.data import held_out
+from shmtrain.runtime.data.tensors import held_out
 from shmtrain.typed_options import parse_kwargs
 
 #: training items read to find the number of classes when the data set does not say it

@@ -1,6 +1,6 @@
 """Checkpoints of ``shmtrain train``: layout, atomic writes, completion, validation, resume.
 
-A checkpoint is every rank's :meth:`shmtrain.runtime.trainer.Trainer.state_dict` (model,
+A checkpoint is every rank's :meth:`shmtrain.runtime.train.trainer.Trainer.state_dict` (model,
 optimizer with its momentum buffers, the strategy's own state such as the master's
 global weights W_g of SEASGD/EASGD/HSGD/Downpour or ps_weight's rounds, the
 learning-rate scheduler, iterations done = the data position, every RNG state), one
@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.checkpoint_files import (
+from shmtrain.runtime.checkpoint.files import (
     CHECKPOINTS,
     FORMAT,
     LATEST,
@@ -61,7 +61,7 @@ from shmtrain.runtime.checkpoint_files import (
     tensor_bytes,
 )
 from shmtrain.runtime.config import TrainConfig, to_toml
-from shmtrain.runtime.files import LineLog, cannot_write, fsync_dir, write_atomic
+from shmtrain.runtime.outputs.files import LineLog, cannot_write, fsync_dir, write_atomic
 
 
 # -- the worker side ----------------------------------------------------------------------

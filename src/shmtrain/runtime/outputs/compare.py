@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.files import figure_output
-from shmtrain.runtime.report import read_evals, read_metrics
+from shmtrain.runtime.outputs.files import figure_output
+from shmtrain.runtime.outputs.report import read_evals, read_metrics
 
 #: the phases the table shows (mean ms per iteration), in the loop's order
 PHASES = ("data", "forward", "backward", "update", "comm", "iteration")

@@ -4,13 +4,13 @@
 the run (sharding, checkpoints and resume, metrics, plots, compare) does not depend on
 it:
 
-- ``digits``, ``synthetic``: tensors in memory (``runtime/data.py``), batched by slicing
+- ``digits``, ``synthetic``: tensors in memory (``runtime/data/tensors.py``), batched by slicing
   in the prefetch thread;
-- a folder of images: :func:`shmtrain.runtime.image_folder.open_image_folder`, decoded
+- a folder of images: :func:`shmtrain.runtime.data.image_folder.open_image_folder`, decoded
   lazily by DataLoader workers;
-- ``module:callable``: :mod:`shmtrain.runtime.user_data`, batched by DataLoader workers.
+- ``module:callable``: :mod:`shmtrain.runtime.data.user_data`, batched by DataLoader workers.
 
-The launcher opens it too, before any worker starts (``runtime/preflight.py``): the
+The launcher opens it too, before any worker starts (``runtime/launch/preflight.py``): the
 checks fail there, in one line, and the run folder gets ``classes.json`` and the data's
 facts (:func:`facts_comment`) in ``config.toml``.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.data import Dataset, load_data
-from shmtrain.runtime.data_options import data_kind
-from shmtrain.runtime.files import write_atomic
+from shmtrain.runtime.data.options import data_kind
+from shmtrain.runtime.data.tensors import Dataset, load_data
+from shmtrain.runtime.outputs.files import write_atomic
 
 DIGIT_NAMES = [str(d) for d in range(10)]
 #: the first words of the data's facts in ``config.toml`` (comments: not options)
@@ -74,7 +74,7 @@ def open_data(config: Any) -> DataSource:
                          val_fraction=config.val_fraction)
         return _from_tensors(data, {str(i): i for i in range(data.num_classes)})
     if kind == "folder":
-        from shmtrain.runtime.image_folder import open_image_folder
+        from shmtrain.runtime.data.image_folder import open_image_folder
 
         train, val, classes, skipped = open_image_folder(config.data, config.val_data, config.input_shape,
                                                          config.transform, config.val_fraction, config.skip_bad_files)
@@ -84,7 +84,7 @@ def open_data(config: Any) -> DataSource:
 
 
 def _open_user_data(config: Any) -> DataSource:
-    from shmtrain.runtime import user_data
+    from shmtrain.runtime.data import user_data
 
     spec = config.data
     train, val = user_data.split_user_data(spec, user_data.call_data(spec, config.data_args), config.val_fraction)

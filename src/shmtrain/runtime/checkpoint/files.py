@@ -1,8 +1,8 @@
 """Checkpoint folders on disk: layout, atomic files with their CRC-32, validation, the
 resume point, and whether a configuration may resume a checkpoint.
 
-The layout and the write protocol are described in :mod:`shmtrain.runtime.checkpoint`,
-whose :class:`~shmtrain.runtime.checkpoint.Checkpointer` (the worker side) writes and
+The layout and the write protocol are described in :mod:`shmtrain.runtime.checkpoint.checkpointer`,
+whose :class:`~shmtrain.runtime.checkpoint.checkpointer.Checkpointer` (the worker side) writes and
 reads through these functions; the launcher side (``shmtrain train --resume``,
 ``shmtrain runs``) uses them directly.
 """
@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from shmtrain.runtime.config import COMMON_KEYS, TrainConfig, read_toml, resolve, to_toml
-from shmtrain.runtime.files import replace_atomically, write_atomic
+from shmtrain.runtime.outputs.files import replace_atomically, write_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
