@@ -104,7 +104,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from shmtrain.models import build_model
     from shmtrain.runtime.config import resolve
     from shmtrain.runtime.data.class_split import shard_sampler
-    from shmtrain.runtime.data.tensors import Prefetcher, load_data
+    from shmtrain.runtime.data.tensors import Prefetcher
     from shmtrain.runtime.loop import planned_iterations
     from shmtrain.runtime.outputs.monitor import Monitor
     from shmtrain.runtime.outputs.report import phase_means, read_metrics
@@ -124,8 +124,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                           "class_split": args.class_split,
                           "workers": ctx.world_size, "out": str(out), "progress": False})
         torch.manual_seed(config.seed)  # the same order of calls as shmtrain train's worker loop
-        data = load_data(config.data, input_shape=config.input_shape, samples=config.samples,
-                         image_size=config.image_size)
+        data = config.data_config.build().tensors  # digits or synthetic: tensors in memory
+        if data is None:
+            raise ValueError(f"--data {config.data}: the DDP peer of bench hosts trains on digits or "
+                             "synthetic (tensors in memory); choose one of them")
         mark("data")
         model = build_model(config.model, data.input_shape, data.num_classes, config.model_args)
         mark("model")

@@ -34,6 +34,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from shmtrain import strategies
+from shmtrain.runtime.data.kinds import DataConfig
 from shmtrain.runtime.data.options import DataOptions
 from shmtrain.runtime.options import SECTIONS as SECTIONS  # re-exported: the sections of --help
 from shmtrain.runtime.options import need as _need
@@ -135,11 +136,15 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
     """Everything ``shmtrain train`` needs; validated on construction.
 
     Attributes are flat (``config.batch_size``, ``config.workers``); ``strategy_config``
-    is the chosen strategy's typed ``Config`` (left out, the strategy's defaults). Build
+    is the chosen strategy's typed ``Config`` (left out, the strategy's defaults), and
+    ``data_config`` the data kind's, built from the flat data options. Build
     one from flat keys (common and strategy options mixed) with :func:`resolve`.
     """
 
     strategy_config: StrategyConfig = field(default_factory=StrategyConfig)
+    #: the data kind's typed ``Config`` (:mod:`shmtrain.runtime.data.kinds`), built from
+    #: the flat data options on construction, as ``strategy_config`` is from the strategy's
+    data_config: DataConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         hints = type_hints(TrainConfig)

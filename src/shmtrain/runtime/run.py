@@ -55,9 +55,9 @@ def uses_torchvision(model: str, data: str) -> bool:
     """Whether the workers of a run of ``model`` on ``data`` import torchvision (one of its
     models, or an image folder: ImageFolder and its transforms)."""
     from shmtrain.models.registry import needs_torchvision
-    from shmtrain.runtime.data.options import data_kind
+    from shmtrain.runtime.data.kinds import kind_of
 
-    return needs_torchvision(model) or data_kind(data) == "folder"
+    return needs_torchvision(model) or kind_of(data).torchvision
 
 
 def _preload_env(config: TrainConfig) -> dict[str, str]:

@@ -92,7 +92,8 @@ def _table2_runs(setting: dict[str, Any], log) -> dict[str, Any]:
     """``repeats`` training runs per method (seed = repeat; the methods in turn, so load that
     drifts hits each alike); per method the medians over the repeats, the first repeat's
     curve, and the first evaluation at the target (None unless every repeat reaches it)."""
-    from shmtrain.runtime.launch.preflight import DIGITS_SAMPLES, held_out
+    from shmtrain.runtime.data.kinds.digits import SAMPLES as DIGITS_SAMPLES
+    from shmtrain.runtime.data.tensors import held_out
 
     train = DIGITS_SAMPLES - held_out(DIGITS_SAMPLES)
     lines: dict[str, list[dict[str, Any]]] = {label: [] for label in setting["methods"]}

@@ -132,3 +132,34 @@ def open_image_folder(path: str, val_path: str | None, input_shape: str, transfo
     evaluation.transform = eval_tf
     subset = torch.utils.data.Subset
     return subset(train, order[test:]), subset(evaluation, order[:test]), dict(train.class_to_idx), valid.skipped
+
+
+#: image files per class opened by the readability check
+SAMPLE_PER_CLASS = 3
+
+
+def check_folder(path: Path, skip_bad_files: bool = False, flag: str = "--data") -> None:
+    """Class sub-folders (at least 2), each with an image, the first few readable."""
+    where = f"{flag} {str(path)!r}"
+    if not path.is_dir():
+        raise ValueError(f"{where}: no such folder; give digits, synthetic, or a folder with one "
+                         "sub-folder of images per class")
+    classes = sorted(d for d in path.iterdir() if d.is_dir())
+    if len(classes) < 2:
+        raise ValueError(f"{where}: a folder of images needs one sub-folder per class, at least 2; "
+                         f"found {len(classes)}; put each class's images in its own sub-folder")
+    for folder in classes:
+        files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise ValueError(f"{where}: class folder {folder.name!r} holds no image "
+                             f"({', '.join(sorted(IMAGE_SUFFIXES))}); add images or remove the folder")
+        if not skip_bad_files:  # with it, the workers skip and count them
+            for file in files[:SAMPLE_PER_CLASS]:
+                check_image(file)
+
+
+def check_image(file: Path) -> None:
+    """Open and decode one image; a clear error naming the file if it cannot be read."""
+    from shmtrain.runtime.data.tensors import read_image
+
+    read_image(file, 8)

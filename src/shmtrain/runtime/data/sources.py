@@ -1,8 +1,8 @@
-"""What a run trains on, whatever ``--data`` names (issue 30, item 1; docs/data.md).
+"""What a run trains on, whatever ``--data`` names (docs/data.md).
 
-:func:`open_data` gives a :class:`DataSource` for every kind of ``--data``, so the rest of
-the run (sharding, checkpoints and resume, metrics, plots, compare) does not depend on
-it:
+:func:`open_data` gives a :class:`DataSource` for every kind of ``--data`` (each kind's
+``Config.build``, :mod:`shmtrain.runtime.data.kinds`), so the rest of the run (sharding,
+checkpoints and resume, metrics, plots, compare) does not depend on it:
 
 - ``digits``, ``synthetic``: tensors in memory (``runtime/data/tensors.py``), batched by slicing
   in the prefetch thread;
@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.data.options import data_kind
-from shmtrain.runtime.data.tensors import Dataset, load_data
+from shmtrain.runtime.data.kinds.base import DataFacts
+from shmtrain.runtime.data.tensors import Dataset
 from shmtrain.runtime.outputs.files import write_atomic
 
-DIGIT_NAMES = [str(d) for d in range(10)]
 #: the first words of the data's facts in ``config.toml`` (comments: not options)
 FACTS_MARK = "# data (read from --data, not options):"
 
@@ -56,8 +55,14 @@ class DataSource:
     def val_samples(self) -> int:
         return len(self.val)
 
+    def facts(self) -> DataFacts:
+        """What the launcher checks against the options (size, shape, classes)."""
+        return DataFacts(self.train_samples, self.input_shape, self.num_classes,
+                         in_memory=self.tensors is not None)
 
-def _from_tensors(data: Dataset, classes: dict[str, int]) -> DataSource:
+
+def from_tensors(data: Dataset, classes: dict[str, int]) -> DataSource:
+    """A :class:`DataSource` of tensors in memory (batched by slicing, no loader processes)."""
     from torch.utils.data import TensorDataset
 
     return DataSource(data.name, TensorDataset(data.train_x, data.train_y), TensorDataset(data.test_x, data.test_y),
@@ -65,36 +70,9 @@ def _from_tensors(data: Dataset, classes: dict[str, int]) -> DataSource:
 
 
 def open_data(config: Any) -> DataSource:
-    """The :class:`DataSource` of ``config`` (a resolved ``TrainConfig``)."""
-    kind = data_kind(config.data)
-    if kind == "digits":
-        return _from_tensors(load_data("digits", val_fraction=config.val_fraction), {name: i for i, name in enumerate(DIGIT_NAMES)})
-    if kind == "synthetic":
-        data = load_data("synthetic", input_shape=config.input_shape, samples=config.samples,
-                         val_fraction=config.val_fraction)
-        return _from_tensors(data, {str(i): i for i in range(data.num_classes)})
-    if kind == "folder":
-        from shmtrain.runtime.data.image_folder import open_image_folder
-
-        train, val, classes, skipped = open_image_folder(config.data, config.val_data, config.input_shape,
-                                                         config.transform, config.val_fraction, config.skip_bad_files)
-        shape = tuple(int(d) for d in config.input_shape.lower().split("x"))
-        return DataSource(Path(config.data).name, train, val, len(classes), shape, classes, skipped)
-    return _open_user_data(config)
-
-
-def _open_user_data(config: Any) -> DataSource:
-    from shmtrain.runtime.data import user_data
-
-    spec = config.data
-    train, val = user_data.split_user_data(spec, user_data.call_data(spec, config.data_args), config.val_fraction)
-    shape = user_data.check_item(spec, train[0], "training item 0")
-    val_shape = user_data.check_item(spec, val[0], "validation item 0")
-    if val_shape != shape:
-        raise ValueError(f"--data {spec!r}: validation items have shape {val_shape}, training items {shape}; "
-                         "give both the same shape")
-    classes = user_data.class_map(spec, train)
-    return DataSource(spec, train, val, max(classes.values()) + 1, shape, classes)
+    """The :class:`DataSource` of ``config`` (a resolved ``TrainConfig``): its data kind's
+    ``Config`` builds it (:mod:`shmtrain.runtime.data.kinds`)."""
+    return config.data_config.build()
 
 
 def facts_comment(source: DataSource) -> str:

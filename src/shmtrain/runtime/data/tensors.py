@@ -135,19 +135,6 @@ def read_image(file: Path, image_size: int) -> np.ndarray:
     return rgb.permute(1, 2, 0).numpy()
 
 
-def load_data(spec: str, *, input_shape: str | None = "3x64x64", samples: int | None = 1024,
-              val_fraction: float | None = 0.2, **_ignored: object) -> Dataset:
-    """The in-memory data sets, ``digits`` or ``synthetic``; any other ``--data`` (a folder,
-    module:callable) is opened by :func:`shmtrain.runtime.data.sources.open_data`."""
-    fraction = val_fraction or 0.2
-    if spec == "digits":
-        return load_digits_data(fraction)
-    if spec == "synthetic":
-        return load_synthetic(parse_shape(input_shape or "3x64x64"), samples or 1024, fraction=fraction)
-    raise ValueError(f"--data {spec!r}: only digits and synthetic are tensors in memory; open a folder or "
-                     "module:callable with shmtrain.runtime.data.sources.open_data")
-
-
 class ShardSampler:
     """Indices of this worker's batch at every global step (see module docstring)."""
 

@@ -13,82 +13,21 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.data.tensors import IMAGE_SUFFIXES, parse_shape
-from shmtrain.runtime.data.tensors import held_out as _held_out
+from shmtrain.runtime.data.kinds import DataFacts
+from shmtrain.runtime.data.tensors import held_out
 
 #: workers per core beyond which a run is refused without --force
 WORKERS_PER_CORE = 8
-#: image files per class opened by the readability check
-SAMPLE_PER_CLASS = 3
-DIGITS_SAMPLES, DIGITS_SHAPE = 1797, (1, 8, 8)
-
-
-@dataclass(frozen=True)
-class DataFacts:
-    """What the launcher knows about the data without loading it."""
-
-    train_samples: int
-    input_shape: tuple[int, ...]
-    num_classes: int
-    #: the samples live in each worker's memory (digits, synthetic), not decoded per batch
-    in_memory: bool = True
-
-
-def held_out(samples: int, fraction: float = 0.2) -> int:
-    """The held-out split of ``runtime.data`` (``--val-fraction``, at least 1)."""
-    return _held_out(samples, fraction)
 
 
 def check_data(config: TrainConfig) -> DataFacts:
     """The data source exists, has the right shape and classes, and a sample is readable
-    (a folder or module:callable is opened as the workers will: ``runtime/data/sources.py``)."""
-    fraction = config.val_fraction or 0.2
-    if config.data == "digits":
-        return DataFacts(DIGITS_SAMPLES - held_out(DIGITS_SAMPLES, fraction), DIGITS_SHAPE, 10)
-    if config.data == "synthetic":
-        assert config.input_shape is not None and config.samples is not None  # settled by the config
-        shape = parse_shape(config.input_shape)
-        return DataFacts(config.samples - held_out(config.samples, fraction), shape, 10)
-    from shmtrain.runtime.data.options import data_kind
-    from shmtrain.runtime.data.sources import open_data
-
-    if data_kind(config.data) == "folder":
-        for flag, folder in (("--data", config.data), ("--val-data", config.val_data)):
-            if folder is not None:
-                _check_folder(Path(folder), config.skip_bad_files, flag)
-    source = open_data(config)
-    return DataFacts(source.train_samples, source.input_shape, source.num_classes, in_memory=False)
-
-
-def _check_folder(path: Path, skip_bad_files: bool = False, flag: str = "--data") -> None:
-    """Class sub-folders (at least 2), each with an image, the first few readable."""
-    where = f"{flag} {str(path)!r}"
-    if not path.is_dir():
-        raise ValueError(f"{where}: no such folder; give digits, synthetic, or a folder with one "
-                         "sub-folder of images per class")
-    classes = sorted(d for d in path.iterdir() if d.is_dir())
-    if len(classes) < 2:
-        raise ValueError(f"{where}: a folder of images needs one sub-folder per class, at least 2; "
-                         f"found {len(classes)}; put each class's images in its own sub-folder")
-    for folder in classes:
-        files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
-        if not files:
-            raise ValueError(f"{where}: class folder {folder.name!r} holds no image "
-                             f"({', '.join(sorted(IMAGE_SUFFIXES))}); add images or remove the folder")
-        if not skip_bad_files:  # with it, the workers skip and count them
-            for file in files[:SAMPLE_PER_CLASS]:
-                check_image(file)
-
-
-def check_image(file: Path) -> None:
-    """Open and decode one image; a clear error naming the file if it cannot be read."""
-    from shmtrain.runtime.data.tensors import read_image
-
-    read_image(file, 8)
+    (each data kind's ``Config.facts``: digits and synthetic are not loaded; a folder or
+    module:callable is opened as the workers will)."""
+    return config.data_config.facts()
 
 
 def check_batch(config: TrainConfig, facts: DataFacts, workers: int) -> None:
