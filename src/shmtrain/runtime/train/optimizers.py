@@ -90,14 +90,24 @@ def optimizer_kwargs(name: str, args: str, lr: float, momentum: float | None,
     return kwargs | extra
 
 
+#: what ``torch.optim.Optimizer`` says of an empty parameter list, once the class's own
+#: option checks have passed
+EMPTY = "empty parameter list"
+
+
 def check_optimizer_options(name: str, args: str, momentum: float | None, weight_decay: float) -> None:
     """Refuse, before any worker starts, options ``build_optimizer`` would refuse (the
-    optimizer's own checks included: it is built once on a throw-away parameter)."""
+    optimizer's own checks included: it is built once on an empty parameter list, which
+    ``torch.optim.Optimizer`` refuses only after the class has checked its options, and
+    before anything that imports ``torch._dynamo``: the launcher stays without it)."""
     kwargs = optimizer_kwargs(name, args, 0.1, momentum, weight_decay)
     try:
-        optimizer_class(name)([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+        optimizer_class(name)([], **kwargs)
     except (ValueError, TypeError) as exc:
+        if EMPTY in str(exc):
+            return
         raise ValueError(f"--optimizer {name} with {kwargs}: {exc}") from None
+    raise AssertionError(f"{name} accepted an empty parameter list")  # torch.optim refuses it
 
 
 def build_optimizer(config: Any, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
