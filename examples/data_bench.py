@@ -1,4 +1,4 @@
-"""Memory and data time of an image folder run (issue 30, item 1; docs/data.md).
+"""Memory and data time of an image folder run (docs/data.md).
 
 Generates folders of small PNGs (``examples/make_image_folder.py``), trains on each with
 ``shmtrain train`` (``--loader-workers`` DataLoader processes per training worker) and,

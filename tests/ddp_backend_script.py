@@ -54,7 +54,7 @@ through_shm(before, 0)  # MAX, integers, broadcast, all_gather: gloo's
 fallbacks = ShmProcessGroup.fallbacks
 assert not shm or fallbacks >= 2, fallbacks  # MAX and the integers were counted as gloo's
 
-# issue 26: a real c10d backend (group names, per-device dispatch, subgroups), and
+# a real c10d backend (group names, per-device dispatch, subgroups), and
 # allreduce_coalesced reducing each tensor on its own whatever the op and the dtypes
 world = dist.group.WORLD
 assert world.group_name, "the group has a name"

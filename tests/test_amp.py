@@ -1,4 +1,4 @@
-"""``--amp bf16|fp16`` (issue 14, item 4): forward and loss under torch.autocast, float32
+"""``--amp bf16|fp16``: forward and loss under torch.autocast, float32
 weights and gradients (what the strategies' buffers hold), also in the sub-batch threads
 (bf16); fp16 with a GradScaler whose decisions every rank shares (the gradients it checks
 are the reduced ones), refused with the option named where the update cannot take one."""

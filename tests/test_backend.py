@@ -1,4 +1,4 @@
-"""The "shm" torch.distributed backend (issue 16, item 3): ``import shmtrain`` registers it,
+"""The "shm" torch.distributed backend: ``import shmtrain`` registers it,
 an unchanged DDP script runs on it, and its weights equal DDP's over gloo."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_import_shmtrain_alone_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False", out.stderr
 
 
-# -- failures (issue 26): every surviving rank raises, naming the peer or the mismatch -----------
+# -- failures: every surviving rank raises, naming the peer or the mismatch -----------
 FAILURE_SCRIPT = str(Path(__file__).with_name("backend_failure_script.py"))
 
 

@@ -1,4 +1,4 @@
-"""``shmtrain bench hosts`` (issues 12, 27): time to accuracy across two namespaced hosts.
+"""``shmtrain bench hosts``: time to accuracy across two namespaced hosts.
 
 The quick variant runs the methods on two network namespaces joined by a veth pair
 shaped to 1 Gbit; it needs root and ``ip netns`` and skips with the reason elsewhere

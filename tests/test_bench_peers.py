@@ -1,4 +1,4 @@
-"""``shmtrain bench allreduce --peers`` (issue 16, item 1): every implementation in one run,
+"""``shmtrain bench allreduce --peers``: every implementation in one run,
 and a peer that cannot run here is reported with its reason instead of figures."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``ssgd --comm-dtype bf16`` (issue 14, item 4): the gradient allreduce in bfloat16 (half
+"""``ssgd --comm-dtype bf16``: the gradient allreduce in bfloat16 (half
 the bytes in the slots and between hosts), float32 weights, gradients and optimizer."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PyTorch's distributed test suite on the ``shm`` backend (issue 26): every test of the
+"""PyTorch's distributed test suite on the ``shm`` backend: every test of the
 collective, DDP (CPU), process-group and join families that passes on gloo passes on shm.
 
 Upstream gates tests to named backends, so shm runs under the label ``gloo``: every group

@@ -1,4 +1,4 @@
-"""GPU workers (issue 14): every strategy on CUDA parameters, its buffers in host memory.
+"""GPU workers: every strategy on CUDA parameters, its buffers in host memory.
 
 Runs only where a GPU is present (no CPU test depends on it; the same data flow runs on
 the CPU in ``tests/test_staged.py``). On a host with one GPU the workers share device 0

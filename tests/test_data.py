@@ -1,4 +1,4 @@
-"""Any data, from the command line and TOML (issue 30, item 1): ``--data module:callable``
+"""Any data, from the command line and TOML: ``--data module:callable``
 (a Dataset or a (train, val) pair), image folders decoded lazily by DataLoader processes,
 exact shards and mid-epoch resume through the batch sampler, the class map and the data's
 facts in the run folder, the loader processes gone on every exit path, and every refusal."""

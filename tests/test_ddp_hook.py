@@ -1,4 +1,4 @@
-"""``shmtrain.ddp_comm_hook`` (issue 16, item 3): DDP with its buckets averaged through
+"""``shmtrain.ddp_comm_hook``: DDP with its buckets averaged through
 shared memory gives DDP-over-gloo's weights, survives DDP's bucket rebuild, and is a
 mode of ``shmtrain bench step`` / ``bench overlap``."""
 

@@ -1,4 +1,4 @@
-"""A full disk (issue 17 item 4), on a small tmpfs each test mounts and unmounts (skipped
+"""A full disk, on a small tmpfs each test mounts and unmounts (skipped
 where mounting is not allowed): outputs are written atomically, the earlier file stays
 intact, no temporary file is left, and the error names the path and the space needed;
 the summary of a finished run is written before the optional plot."""

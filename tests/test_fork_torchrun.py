@@ -1,5 +1,5 @@
 """``shmtrain torchrun``: torchrun whose workers are forked from one process per host that
-imported torch and shmtrain (issue 27, start-up across hosts)."""
+imported torch and shmtrain (start-up across hosts)."""
 
 from __future__ import annotations
 

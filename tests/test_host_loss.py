@@ -1,4 +1,4 @@
-"""Losing a worker or a whole host in an asynchronous job across hosts (issue 12, item 3).
+"""Losing a worker or a whole host in an asynchronous job across hosts.
 
 Two torchrun launches on this machine, each one host of two workers, train through the
 memory server global rank 0 starts. While they train, the test kills (SIGKILL) host 1's
@@ -106,7 +106,7 @@ def test_a_synchronous_job_that_loses_a_host_ends_naming_it(tmp_path: Path) -> N
 
 
 def test_a_lost_agent_does_not_keep_the_other_host_at_its_exit_barrier(tmp_path: Path) -> None:
-    """Issue 29: only host 1's torchrun agent is killed; its workers train on to the end.
+    """Only host 1's torchrun agent is killed; its workers train on to the end.
     torchrun's agents wait for one another at an exit barrier (300 s) the dead agent
     never reaches: rank 0 checks in for it, so host 0's torchrun ends at once."""
     out = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""A lost host comes back: elastic asynchronous jobs (issue 29, item 5).
+"""A lost host comes back: elastic asynchronous jobs.
 
 Two torchrun launches on this machine, each one host of two workers, train seasgd
 through the memory server global rank 0 starts. While they train, the test kills

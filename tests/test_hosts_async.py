@@ -1,4 +1,4 @@
-"""Asynchronous strategies across two hosts (issue 12): TERM's three policies hold with the
+"""Asynchronous strategies across two hosts: TERM's three policies hold with the
 progress board on the memory server, and accuracy on digits stays within 2 points of the
 same strategy on one host of four.
 

@@ -1,4 +1,4 @@
-"""Inputs checked to the last value (issue 29, item 3): images of every PIL mode by their
+"""Inputs checked to the last value: images of every PIL mode by their
 own value range, finite float options, and JSON outputs that stay JSON when the
 training diverges."""
 

@@ -1,4 +1,4 @@
-"""Every message of issue 29's list made right (item 4): the cause, the file or option,
+"""Every message of the fourth reliability list made right: the cause, the file or option,
 the fix, the documented exit status, and no traceback."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Two hosts in network namespaces joined by a veth pair (issue 12, items 5 and 6).
+"""Two hosts in network namespaces joined by a veth pair.
 
 Each test makes its own namespaces (``st<pid>a``/``st<pid>b``, 10.77.x.1 and .2) and
 removes them, shaped with ``tc qdisc ... tbf rate 1gbit`` where asked. They need root

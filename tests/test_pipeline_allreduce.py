@@ -1,4 +1,4 @@
-"""The private-tensor allreduce (issue 16, item 2): exact sums through a ring of blocks,
+"""The private-tensor allreduce: exact sums through a ring of blocks,
 both paths (all-read, split), any length and dtype, identical bits on every rank, and
 the control block's wake-ups (spin, announce, conditional wake, wrap-around)."""
 

@@ -13,7 +13,7 @@ from shmtrain.reproduce import core
 
 NAMES = list(core.registry())
 
-#: the reproductions issue 15 asks for, each must be registered
+#: the papers' reproductions, each must be registered
 REQUIRED = {
     "shmcaffe-table2", "shmcaffe-tables5-6", "shmcaffe-fig7", "caffegpi-scaling",
     "trl-table3", "trl-table4", "swcaffe-fig10-11", "shmlearn-table5-1", "shmlearn-neuron",

@@ -1,4 +1,4 @@
-"""One run per folder (issue 29, item 1): a second run, or a ``--resume`` of a live run, is
+"""One run per folder: a second run, or a ``--resume`` of a live run, is
 refused with the holder's pid and host; the lock dies with its holder, so a killed run
 resumes; metrics rows are whole lines however many writers append."""
 

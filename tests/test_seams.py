@@ -1,4 +1,4 @@
-"""The transport seam holds (issue 25): a strategy gets every exchange object from its
+"""The transport seam holds: a strategy gets every exchange object from its
 :class:`~shmtrain.fabric.transports.Transports`, never builds one, never reaches into a
 private name of the fabric; and a strategy runs on in-process peers through a fake one."""
 

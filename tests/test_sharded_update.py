@@ -1,4 +1,4 @@
-"""``ssgd --sharded-update`` (issue 16 item 4, ZeRO-1 inside a host): the weights equal
+"""``ssgd --sharded-update`` (ZeRO-1 inside a host): the weights equal
 single-process SGD on the union batch, each rank holds momentum for its chunk only, and
 a saved state resumes exactly."""
 

@@ -1,4 +1,4 @@
-"""A lost client of the memory server connects again and goes on (issue 29, item 5, the server's part).
+"""A lost client of the memory server connects again and goes on (the server's part).
 
 A stand-alone ``shmtrain smb-server --clients 2`` and two client processes on loopback:
 client 0 accumulates e_0 into a global buffer without stopping; client 1 accumulates

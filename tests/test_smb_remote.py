@@ -1,4 +1,4 @@
-"""SMB-REMOTE (issue 12, item 1): the memory server and its client behind the SMB API.
+"""SMB-REMOTE: the memory server and its client behind the SMB API.
 
 A stand-alone ``shmtrain smb-server`` process and workers launched as a job: exact
 accumulations from every worker, read/write round trips, the shared secret (missing,
@@ -121,7 +121,7 @@ def stress_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.timeout(240)
 def test_eight_remote_clients_accumulating_lose_and_double_nothing() -> None:
-    """Issue 12's stress: 8 clients, 2,000 accumulations each, concurrently. Client r adds
+    """The stress: 8 clients, 2,000 accumulations each, concurrently. Client r adds
     the one-hot vector e_r, so a lost or doubled increment shows in its own count."""
     proc, address = _server(8)
     try:
@@ -197,7 +197,7 @@ def test_a_client_without_the_secret_is_refused_and_changes_nothing(tmp_path: Pa
 
 
 def hostile_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
-    """Ranks 0 and 1 prove the secret; rank 2 is issue 29's hostile client: it never proves
+    """Ranks 0 and 1 prove the secret; rank 2 is a hostile client: it never proves
     it and attacks through the job's key store (the old protocol's buffer names, ids and
     liveness marks, and board entries sealed with a guessed secret) and on the link."""
     import datetime
@@ -251,7 +251,7 @@ def hostile_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_hostile_client_changes_nothing_through_the_store(tmp_path: Path) -> None:
-    """Issue 29, item 2: names, ids and liveness marks cannot be changed without the secret,
+    """Names, ids and liveness marks cannot be changed without the secret,
     and the server's log names each attempt (on the link: the client and the operation)."""
     secret_file = tmp_path / "secret"
     secret_file.write_text("right-secret\n")

@@ -1,4 +1,4 @@
-"""The GPU data flow of every strategy, run on the CPU (issue 14 item 2).
+"""The GPU data flow of every strategy, run on the CPU.
 
 With ``SHMTRAIN_STAGING=copy`` a strategy on CPU parameters takes the path it takes on a
 GPU: the parameters and gradients stay in private tensors and every transfer to and

@@ -1,4 +1,4 @@
-"""Errors only a worker can meet, and signals to the launcher (issue 17 items 3, 5): one
+"""Errors only a worker can meet, and signals to the launcher: one
 line at the terminal naming the root cause (the rank, the path, the signal), the full
 traceback in ``RUN_DIR/logs/rank-<r>.log``; ``--skip-bad-files``; a stalled worker is
 the one blamed; SIGHUP and SIGTERM stop the workers before the launcher exits."""

@@ -31,7 +31,7 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-# -- the "shm" torch.distributed backend (issue 16, item 3; shmtrain/backend/) ----------------
+# -- the "shm" torch.distributed backend (shmtrain/backend/) ----------------
 # Lazy: shmtrain/backend/__init__.py imports neither torch nor the fabric, so registering
 # while torch.distributed is being imported runs no half-imported module; the group's
 # modules are imported when a group is made (shmtrain.backend._create).

@@ -1,4 +1,4 @@
-"""DDP's gradient buckets averaged through the host's shared memory (issue 16, item 3).
+"""DDP's gradient buckets averaged through the host's shared memory.
 
 ``DistributedDataParallel.register_comm_hook`` is DDP's own extension point: DDP calls
 the hook once per gradient bucket, in bucket order on every rank, and waits for the
@@ -158,7 +158,7 @@ def default_state() -> ShmHookState:
 def ddp_comm_hook(state: ShmHookState | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average ``bucket`` through the host's shared memory.
 
-    ``ddp.register_comm_hook(None, shmtrain.ddp_comm_hook)`` (issue 16, item 3); the
+    ``ddp.register_comm_hook(None, shmtrain.ddp_comm_hook)``; the
     allreduce runs synchronously inside the hook (see docs/collectives.md, "DDP with
     shmtrain's allreduce"), and the future it returns is already complete.
 

@@ -87,7 +87,7 @@ def _counts(path: Path) -> dict[str, dict[str, int]]:
 
 
 def compare(gloo: dict, shm: dict) -> dict:
-    """The counts of issue 26: passed on gloo, passed on shm, and the tests gloo passes
+    """The conformance counts: passed on gloo, passed on shm, and the tests gloo passes
     that shm does not (must be none)."""
     g, s = gloo["outcomes"], shm["outcomes"]
     passed_gloo = sorted(t for t, o in g.items() if o["outcome"] == "pass")

@@ -1,4 +1,4 @@
-"""PyTorch's own distributed test suite, run on the ``shm`` backend or on gloo (issue 26).
+"""PyTorch's own distributed test suite, run on the ``shm`` backend or on gloo.
 
 Upstream's ``test/distributed/test_distributed_spawn.py`` sets ``BACKEND``, ``WORLD_SIZE``
 and ``TEMP_DIR`` and subclasses ``DistributedTest._DistTestBase`` with ``TestDistBackend``
@@ -40,7 +40,7 @@ import tempfile
 import time
 import unittest
 
-#: the families of issue 26 (collectives, DDP on the CPU, process groups, join), by name
+#: the families the backend answers for (collectives, DDP on the CPU, process groups, join), by name
 FAMILIES = (r"all_reduce|allreduce|reduce|broadcast|all_gather|allgather|gather|scatter|barrier|ddp"
             r"|DistributedDataParallel|join|process_group|new_group|subgroup|destroy|_group")
 #: tests that need a GPU or NCCL (skipped by upstream on this CPU-only run: not spawned)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proof (issue 28): every CUDA path checked and measured on a GPU host, in stages
+# The GPU proof: every CUDA path checked and measured on a GPU host, in stages
 # that fit the device tool's 10-minute commands. Run from the repository root:
 #
 #   bash tests/gpu/prove.sh tests        # the CUDA tests (test_cuda.py, test_staging.py)
@@ -45,7 +45,7 @@ stage_overlap() {
 
 stage_trl() {
     # NOTE: `shmtrain reproduce` has no --device yet; the TRL tables still measure the CPU
-    # path. Giving them a GPU setting is part of issue 28's remaining work.
+    # path. Giving them a GPU setting is still to do.
     for table in trl-table3 trl-table4; do
         "$PY" -m shmtrain reproduce "$table" --out "$OUT" 2>&1 | tee "$OUT/$table.log"
     done

@@ -1,6 +1,6 @@
 """A torch.distributed backend whose allreduce goes through the host's shared memory.
 
-``import shmtrain`` registers it (issue 16, item 3; :func:`register`), so an unchanged DDP
+``import shmtrain`` registers it (:func:`register`), so an unchanged DDP
 script gets the speed-up by naming it::
 
     dist.init_process_group("cpu:shm")        # or backend="shm"

@@ -142,7 +142,7 @@ class DDPEngine:
     benchmarks time DDP with the same loop body as every strategy (``update`` timed;
     DDP's allreduce overlaps backward and is awaited inside it). With ``ctx``, the
     buckets go through :func:`shmtrain.ddp.ddp_comm_hook` on that context's host
-    (issue 16, item 3) instead of gloo; with ``backend``, DDP runs unchanged on a group
+    instead of gloo; with ``backend``, DDP runs unchanged on a group
     of the ``shm`` backend."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, timer, ctx=None,

@@ -1,4 +1,4 @@
-"""``shmtrain bench hosts``: time to accuracy across two hosts joined by a shaped link (issues 12, 27).
+"""``shmtrain bench hosts``: time to accuracy across two hosts joined by a shaped link.
 
 The comparison of ShmCaffe's Table II and Figs. 8-12 (accuracy against wall time, and
 the time each method needs to reach a target accuracy), scaled down to one machine:
@@ -116,7 +116,7 @@ def _exchange(lr: float, higher: float) -> list[dict[str, Any]]:
     return [{"lr": lr}, {"lr": lr, "update_interval": 10}, {"lr": higher, "update_interval": 10}]
 
 
-#: the written-down comparisons (issue 27): every method, the one-host run, a per-host
+#: the written-down comparisons: every method, the one-host run, a per-host
 #: class split, and each method's grid: its own hyper-parameters, the same number of
 #: points (trial runs) for every method. ``*``: the methods without their own (lr only).
 SETTINGS: dict[str, dict[str, Any]] = {

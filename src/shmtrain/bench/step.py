@@ -29,9 +29,9 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpi": ("gpi", {}),
     "cpu_acc": ("cpu_acc", {}),
     "ssgd_overlap": ("ssgd", {"overlap": True}),
-    # the update sharded over the host's workers, ZeRO-1 inside a host (issue 16 item 4)
+    # the update sharded over the host's workers, ZeRO-1 inside a host
     "ssgd_sharded": ("ssgd", {"sharded_update": True}),
-    # GPUs, one per worker: NCCL's allreduce, the DDP baseline (issue 14 item 3)
+    # GPUs, one per worker: NCCL's allreduce, the DDP baseline
     "ssgd_nccl": ("ssgd", {"allreduce": "nccl"}),
 }
 DEFAULT_MODES = ["nocomm", "ddp", "ssgd"]

@@ -8,7 +8,7 @@ worker dies). The control plane is torch.distributed: its TCPStore for rendezvou
 a gloo process group for everything that crosses hosts.
 
 A host lost from a running job and started again with the same torchrun command
-(issue 29, item 5) *rejoins*: its workers count the starts of their node slot in the
+*rejoins*: its workers count the starts of their node slot in the
 job's store (:func:`_host_start`), find theirs is not the first, and build their
 context without the job-wide gloo groups (the running hosts formed those once and
 cannot take a new member), with a host group of their own under a fresh key and
@@ -165,7 +165,7 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
 
 def _host_start(store: dist.Store, node_rank: int, local_rank: int, num_nodes: int) -> int:
     """Which start of this host's node slot in this job this is (1: the first; more: the
-    host was lost and started again, issue 29 item 5). Local rank 0 counts the start in
+    host was lost and started again). Local rank 0 counts the start in
     the job's store; the host's other workers read the count under their torchrun
     agent's identity (host name and pid: one agent per start of a host). Outside a
     torchrun job across hosts there is one start."""

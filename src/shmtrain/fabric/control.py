@@ -11,7 +11,7 @@ the launcher; the training loop reads it once per iteration, see
 used for termination alignment, and a per-rank "finished" mark (a worker that ended its
 training normally: a peer still waiting for it says so instead of "died").
 
-Waking is cheap and waiting is short (issue 16, item 2): a waiter first spins briefly on
+Waking is cheap and waiting is short: a waiter first spins briefly on
 the word when every local rank has a core of its own (a peer that is running posts
 within microseconds), then sleeps on the futex; each rank announces the word it sleeps
 on in its own "sleeper" line, and ``post`` makes the wake-up system call only when

@@ -1,8 +1,8 @@
 """The compiled hot path: build ``pipeline_native.c`` once per machine, load it with ctypes.
 
 The private-tensor allreduce's per-block work (copy in, post, wait, sum) costs ~20-35 us
-per call from Python, several times MPICH's compiled path on small messages (issue 16,
-item 2). The same algorithm in C costs a few microseconds. It is a plain shared library,
+per call from Python, several times MPICH's compiled path on small messages.
+The same algorithm in C costs a few microseconds. It is a plain shared library,
 not a Python extension: no build step at install time, no Python ABI; the machine's C
 compiler (``$CC``, else ``cc``) builds it on first use into a cache folder keyed by the
 source's hash, the flags and the machine, and every later process only loads it (if

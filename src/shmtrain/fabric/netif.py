@@ -1,6 +1,6 @@
 """Multi-host start-up that just works: which interface gloo uses, and clear failures.
 
-A new user's first two-host job used to go wrong in two ways (issue 12, item 5): gloo
+A new user's first two-host job used to go wrong in two ways: gloo
 bound to 127.0.0.1 because the host name resolved to localhost, so host 0 failed at
 once with a raw gloo traceback; and host 1 then waited torch's default 10 minutes. So:
 

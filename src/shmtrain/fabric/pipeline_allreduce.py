@@ -1,7 +1,7 @@
 """Allreduce of *private* tensors inside one host, pipelined through cache-sized blocks.
 
 What ``torch.distributed.all_reduce``, DDP, MPI and DeepSpeed offer: every rank hands in
-its own tensor and wants the result back in it (issue 16, item 2). The zero-copy
+its own tensor and wants the result back in it. The zero-copy
 :class:`~shmtrain.fabric.shm_allreduce.ShmAllreduce` needs the inputs already in shared
 slots; copying a private tensor in, reducing, and copying the result out moves every
 byte through DRAM three times more than necessary.

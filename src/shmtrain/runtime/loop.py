@@ -76,7 +76,7 @@ def _build(ctx: ProcessContext, config: TrainConfig) -> tuple[DataSource, torch.
 
 
 def rejoin_position(trainer: Trainer, iteration: int) -> None:
-    """A rejoining worker (issue 29, item 5) goes on at ``iteration`` (its strategy's, from
+    """A rejoining worker goes on at ``iteration`` (its strategy's, from
     the memory server's board): the data position, and the learning-rate schedule stepped
     as far (its optimizer's momentum starts afresh)."""
     trainer.state.iteration = iteration

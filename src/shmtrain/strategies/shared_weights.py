@@ -9,7 +9,7 @@ Each worker's local weights (W_x) live in one private flat tensor with per-layer
 on the parameters' device: on a GPU the model stays there, and the buffer service's
 reads and writes copy between it and the host buffers (W_g, dW_x stay in host memory).
 
-A worker of a host that was lost and started again (``ctx.rejoined``, issue 29 item 5)
+A worker of a host that was lost and started again (``ctx.rejoined``)
 finds its buffers by name instead of creating them, takes W_g as its weights and its
 iterations from the board (its TERM counter), and trains on from there; the others
 never stop (torchft recovers a replica from a live peer; here the peer is the server).
@@ -165,7 +165,7 @@ class SharedWeightsStrategy(Strategy):
 
     def rejoin(self) -> None:
         """This worker's host was lost and started again: go on from the job's state, not
-        from disk (issue 29, item 5): the global weights W_g as this worker's weights (its
+        from disk: the global weights W_g as this worker's weights (its
         first iteration starts from them) and its iterations from the board (the TERM
         counter it published before the loss; the loop's data position follows)."""
         self.service.read(self.global_weights, self.weights)

@@ -121,7 +121,7 @@ class RemoteBufferService(BufferService):
                                         secret=secret if sealed else None, nonce=nonce)
 
     def _await_earlier_lost(self, secret: bytes | None) -> None:
-        """A rank coming back (its host lost and started again, issue 29 item 5) connects
+        """A rank coming back (its host lost and started again) connects
         once the server has seen its earlier connection lost (the server serves one
         connection per rank); one whose earlier process still trains is refused, named."""
         nonce = self.store.get("smb/nonce").decode()

@@ -1,4 +1,4 @@
-"""A folder of images, ``--data DIR`` (issue 30, item 1; docs/data.md).
+"""A folder of images, ``--data DIR`` (docs/data.md).
 
 The folder holds one sub-folder per class (``DIR/<class>/...``, any depth below it);
 :class:`torchvision.datasets.ImageFolder` lists the files (labels: the class folders in

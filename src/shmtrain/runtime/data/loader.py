@@ -1,5 +1,5 @@
-"""Batches of a :class:`~shmtrain.runtime.data.sources.DataSource`, sharded exactly (issue 30,
-item 1; ShmCaffe "DATA", swCaffe Section V-B "IO"; docs/data.md).
+"""Batches of a :class:`~shmtrain.runtime.data.sources.DataSource`, sharded exactly
+(ShmCaffe "DATA", swCaffe Section V-B "IO"; docs/data.md).
 
 Every kind of data is cut into the same shards: :class:`ShardBatches` is a batch sampler
 that yields, for global step ``t`` (from the run's position on, so a resumed run continues

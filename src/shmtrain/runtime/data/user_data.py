@@ -1,4 +1,4 @@
-"""``--data module:callable``: a data set the user brings (issue 30, item 1; docs/data.md).
+"""``--data module:callable``: a data set the user brings (docs/data.md).
 
 The spec names a callable in an importable module (the current directory is importable,
 as for ``--model``, ``models/user.py``), called with ``--data-args`` (``'k=v; k=v'``,

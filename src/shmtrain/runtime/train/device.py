@@ -1,4 +1,4 @@
-"""Where workers compute: ``--device cpu|cuda|cuda:N|auto`` (issue 14 item 1).
+"""Where workers compute: ``--device cpu|cuda|cuda:N|auto``.
 
 The launcher checks the value (:func:`resolve_device`) before any worker starts, and
 imports torch for that only when a GPU is asked for; each worker then picks its device

@@ -10,7 +10,7 @@ With ``shm``, gradients go straight into this worker's slot of the shared-memory
 allreduce (``param.grad`` are views of it); after the reduction ``param.grad`` are
 re-pointed at the shared result, which the optimizer reads in place. ``--overlap`` is
 run by :class:`shmtrain.strategies.ssgd.overlap.OverlapSSGD` (``implementation``),
-``--sharded-update`` (ZeRO-1 inside a host, issue 16 item 4) by
+``--sharded-update`` (ZeRO-1 inside a host) by
 :class:`shmtrain.strategies.ssgd.sharded.ShardedSSGD`.
 """
 
@@ -131,7 +131,7 @@ class SSGD(SlotGradients, Strategy):
 
 
 class CastSSGD(CastSlotGradients, SSGD):
-    """``ssgd --comm-dtype bf16``: the gradients averaged in bfloat16 (issue 14 item 4)."""
+    """``ssgd --comm-dtype bf16``: the gradients averaged in bfloat16."""
 
     comm_dtype = torch.bfloat16
     shared_gradients = False  # the mean comes back into a private float32 buffer

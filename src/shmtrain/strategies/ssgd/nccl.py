@@ -1,6 +1,6 @@
 """``ssgd --allreduce nccl``: the gradients averaged by NCCL on the GPUs, the DDP baseline.
 
-Issue 14 item 3. This is what PyTorch DDP does on GPUs (one GPU per worker, gradients
+This is what PyTorch DDP does on GPUs (one GPU per worker, gradients
 allreduced device to device by NCCL), run with ``ssgd``'s semantics so that the papers'
 host-staged path (``--allreduce shm``: gradients copied to host shared memory, reduced
 there, copied back; ShmCaffe, CaffeGPI and TRL keep their buffers in host memory) and

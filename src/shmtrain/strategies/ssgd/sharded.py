@@ -1,6 +1,6 @@
 """``ssgd --sharded-update``: ZeRO-1 inside a host, the optimizer sharded over local ranks.
 
-Issue 16 item 4. The weights live once per host, in a shared-memory segment that every
+The weights live once per host, in a shared-memory segment that every
 local rank maps (the model's parameters are views of it). After the shared-memory
 reduction (:class:`shmtrain.fabric.shm_allreduce.ShmAllreduce`; across hosts its
 leaders allreduce the host sums first, so each host holds the global mean), local rank
