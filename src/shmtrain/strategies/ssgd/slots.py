@@ -114,8 +114,8 @@ class SlotGradients:
 
 
 class CastSlotGradients(SlotGradients):
-    """The same, through an allreduce of a narrower dtype (``--comm-dtype bf16``
-    item 4): ``param.grad`` cannot be views of a bfloat16 slot (autograd writes the
+    """The same, through an allreduce of a narrower dtype (``--comm-dtype bf16``):
+    ``param.grad`` cannot be views of a bfloat16 slot (autograd writes the
     parameters' dtype), so they are views of one private float32 flat buffer instead (on
     the parameters' device); after backward that buffer is cast into this worker's slot
     in one pass, and the mean is cast back into it in one more. The slots and the bytes
