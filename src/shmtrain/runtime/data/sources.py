@@ -22,12 +22,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.data.kinds.base import DataFacts
 from shmtrain.runtime.data.tensors import Dataset
 from shmtrain.runtime.outputs.files import write_atomic
 
 #: the first words of the data's facts in ``config.toml`` (comments: not options)
 FACTS_MARK = "# data (read from --data, not options):"
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What the launcher knows about the data without loading it."""
+
+    train_samples: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+    #: the samples live in each worker's memory (digits, synthetic), not decoded per batch
+    in_memory: bool = True
 
 
 @dataclass

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from shmtrain.runtime.data.kinds.base import DataConfig, DataFacts, DataKind
+from shmtrain.runtime.data.kinds.base import DataConfig, DataKind
 from shmtrain.runtime.data.kinds.digits import Digits
 from shmtrain.runtime.data.kinds.folder import Folder
 from shmtrain.runtime.data.kinds.synthetic import Synthetic
 from shmtrain.runtime.data.kinds.user import UserData
+from shmtrain.runtime.data.sources import DataFacts
 
 KINDS: tuple[type[DataKind], ...] = (Digits, Synthetic, UserData, Folder)
 

@@ -11,21 +11,9 @@ whether its workers need torchvision, and how its ``Config`` opens the data
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from shmtrain.runtime.data.sources import DataSource
-
-
-@dataclass(frozen=True)
-class DataFacts:
-    """What the launcher knows about the data without loading it."""
-
-    train_samples: int
-    input_shape: tuple[int, ...]
-    num_classes: int
-    #: the samples live in each worker's memory (digits, synthetic), not decoded per batch
-    in_memory: bool = True
+from shmtrain.runtime.data.sources import DataFacts, DataSource
 
 
 @dataclass(kw_only=True, slots=True)

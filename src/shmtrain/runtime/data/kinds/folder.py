@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from shmtrain.runtime.data.kinds.base import DataConfig, DataFacts, DataKind, config_of
+from shmtrain.runtime.data.kinds.base import DataConfig, DataKind, config_of
+from shmtrain.runtime.data.sources import DataFacts
 from shmtrain.runtime.data.tensors import parse_shape
 
 #: ``--image-size`` when neither it nor ``--input-shape`` is given

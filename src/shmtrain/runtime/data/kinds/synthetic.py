@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shmtrain.runtime.data.kinds.base import DataConfig, DataFacts, DataKind, config_of
+from shmtrain.runtime.data.kinds.base import DataConfig, DataKind, config_of
+from shmtrain.runtime.data.sources import DataFacts
 from shmtrain.runtime.data.tensors import held_out, parse_shape
 
 SHAPE, SAMPLES, VAL_FRACTION = "3x64x64", 1024, 0.2
