@@ -24,6 +24,7 @@ def test_cpu_staging_passes_host_tensors_through() -> None:
     staging = HostStaging(FlatLayout(params), torch.device("cpu"))
     assert staging.copies is False
     staging.register(torch.zeros(8))  # nothing to page-lock
+    assert staging.registered() == "n/a" and staging.registrations == []
 
     grad = torch.randn(3, 5)
     host, handle = staging.to_host(0, grad)
@@ -55,6 +56,9 @@ def test_cuda_round_trip_is_exact() -> None:
     segment = mmap.mmap(-1, mmap.PAGESIZE)
     shared = torch.frombuffer(segment, dtype=torch.float32, count=layout.numel)
     staging.register(shared)
+    assert staging.registered() == "1/1"  # the bench's registered column
+    staging.register(shared)  # a range registered already is not registered twice, but counts
+    assert staging.registered() == "2/2"
     sums = layout.views(shared)
 
     gen = torch.Generator().manual_seed(1)

@@ -105,6 +105,11 @@ def _cudart() -> ctypes.CDLL | None:
     return _CUDART[0]
 
 
+def _registered(ptr: int, size: int) -> bool:
+    """Whether ``[ptr, ptr + size)`` lies inside one range this process page-locked."""
+    return any(p <= ptr and ptr + size <= p + n for p, n in _REGISTERED.items())
+
+
 class Copy:
     """One transfer started by :class:`HostStaging`: poll it, or wait for it and get its
     time in seconds (CUDA events on a GPU; on the CPU the copy ran when it was started)."""
@@ -143,6 +148,8 @@ class HostStaging:
         self.cuda = self.device.type == "cuda"
         self._h2d_copies: list[tuple[int, Copy]] = []
         self._registered: list[int] = []  # host addresses page-locked by register()
+        #: ``(bytes, page-locked)`` of each host tensor given to :meth:`register` (a GPU only)
+        self.registrations: list[tuple[int, bool]] = []
         self._pinned: list[torch.Tensor] | None = None
         if self.cuda:
             self._d2h = torch.cuda.Stream(device=self.device)
@@ -181,6 +188,7 @@ class HostStaging:
         for t in host_tensors:
             ptr, size = t.data_ptr(), t.numel() * t.element_size()
             if size == 0 or any(ptr < p + n and p < ptr + size for p, n in _REGISTERED.items()):
+                self.registrations.append((size, size > 0 and _registered(ptr, size)))
                 continue
             with torch.cuda.device(self.device):
                 rc = lib.cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(size), ctypes.c_uint(1))
@@ -189,6 +197,16 @@ class HostStaging:
                     self._registered.append(ptr)
                 else:
                     lib.cudaGetLastError()  # clear it: torch's next check would raise it
+            self.registrations.append((size, rc == 0))
+
+    def registered(self) -> str:
+        """Whether the host tensors given to :meth:`register` are page-locked: ``n/a`` off a
+        GPU (nothing to register), ``none given``, else ``K/N`` of them (``N/N``: every one)."""
+        if not self.cuda:
+            return "n/a"
+        if not self.registrations:
+            return "none given"
+        return f"{sum(ok for _, ok in self.registrations)}/{len(self.registrations)}"
 
     # -- the copies ---------------------------------------------------------------------
     def _start(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor) -> Copy:
