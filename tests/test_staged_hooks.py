@@ -150,3 +150,31 @@ def test_cuda_staged_backward_never_synchronizes() -> None:
     modes = sorted(OPTIONS)
     for rank, errors in enumerate(launch("test_staged_hooks:sync_free_worker", 2, {"modes": modes}, timeout=170)):
         assert errors == dict.fromkeys(modes, ""), f"rank {rank}: {errors}"
+
+
+def pipelined_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    """ssgd --overlap staged: which buckets' means were started back during backward."""
+    from shmtrain.api import DataParallel
+
+    os.environ[STAGING_ENV] = "copy"
+    model = _model(torch.device("cpu"))
+    strategy, options = OPTIONS["ssgd_overlap"]
+    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, ctx=ctx,
+                      ddp_style=False, **options)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    dp.zero_grad()
+    nn.functional.cross_entropy(dp(x), y).backward()
+    dp.strategy.courier.drain(30)  # what backward handed over is done; after_backward not yet run
+    early = [i for i, _ in dp.strategy.staging._h2d_copies]
+    dp.step()
+    result = {"early": early, "params": len(dp.strategy.order), "buckets": len(dp.strategy.bucket_ranges)}
+    dp.close()
+    return result
+
+
+def test_staged_overlap_copies_each_reduced_bucket_back_during_backward() -> None:
+    """One worker: a bucket is reduced as soon as it is launched, so the courier starts its
+    copy back at once; every parameter's mean is on its way before after_backward."""
+    result = launch("test_staged_hooks:pipelined_worker", 1, {}, timeout=90)[0]
+    assert result["buckets"] > 1
+    assert sorted(result["early"]) == list(range(result["params"])), result

@@ -62,6 +62,7 @@ from contextlib import contextmanager
 import torch
 
 from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.staging_courier import Courier
 
 #: ``SHMTRAIN_STAGING=copy``: real copies on the CPU too (the GPU data flow, ``copy`` mode)
 STAGING_ENV = "SHMTRAIN_STAGING"
@@ -326,6 +327,11 @@ class HostStaging:
                 param.grad = torch.empty_like(param)
             target = param.grad
         self._h2d_copies.append((i, self._start("h2d", target, host_src)))
+
+    def courier(self, name: str) -> Courier:
+        """A host thread for the work that follows these copies (:class:`Courier`): a staged
+        hook starts its copy and submits the rest there, so it never waits."""
+        return Courier(self.device, name)
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
         """Start a copy of device tensor ``src`` into host tensor ``dst`` (after the work

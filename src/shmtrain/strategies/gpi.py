@@ -78,7 +78,6 @@ import numpy as np
 import torch
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
-from shmtrain.fabric.staging_courier import Courier
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 
 #: the root updates ready layers once they hold this many elements (or at finalization)
@@ -156,7 +155,7 @@ class GPI(Strategy):
         self._outgoing: list[tuple[list[int], object]] = []  # root: (layers, Copy) of new weights
         self._copy_s = 0.0
         #: staged: the host thread that waits for the gradients' copies and takes the turns
-        self.courier = Courier(self.device, "shmtrain-gpi") if self.staging is not None else None
+        self.courier = self.staging.courier("shmtrain-gpi") if self.staging is not None else None
         # Across hosts each host's root (its leader) sums its tree's gradient of a layer
         # with the other hosts' leaders on a thread (HostCombiner), then averages and
         # updates that layer itself: every leader applies the same update.

@@ -21,9 +21,14 @@ the device-to-host stream (:class:`shmtrain.fabric.staging.HostStaging`) and, wh
 completes its bucket, hands the bucket to a :class:`shmtrain.fabric.staging_courier.Courier`:
 that host thread waits for the bucket's copies (CUDA events), launches complete buckets in
 order and reduces (the hook never waits and never reduces: backward's kernels keep
-coming). After backward the training thread waits for the courier (``d2h_wait``) and the
-allreduce, and the means go back into ``param.grad`` on the host-to-device stream, which
-the optimizer's stream waits for.
+coming). Pipelined: each time the courier has launched or progressed, it starts the copy
+back of every bucket whose mean is final (every local rank reduced it: one host, shared
+memory) into ``param.grad`` on the host-to-device stream, so a bucket's D2H copy, its host
+reduction and its H2D copy overlap the rest of backward. After backward the training
+thread waits for the courier (``d2h_wait``) and the allreduce, copies back the buckets
+still missing, and the optimizer's stream waits for the copies (a stream wait). The
+optimizer still steps once, after backward (a per-bucket step would pass under a user's
+``--grad-clip`` or GradScaler, which need every gradient first).
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ import torch
 
 from shmtrain.fabric.bucket_allreduce import assign_buckets
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
-from shmtrain.fabric.staging_courier import Courier
 from shmtrain.strategies.base import Strategy
 
 MIB = 1 << 20
@@ -58,6 +62,7 @@ class OverlapSSGD(Strategy):
         itemsize = torch.empty((), dtype=layout.dtype).element_size()
         groups = assign_buckets([p.numel() * itemsize for p in order], int(config.bucket_mb * MIB))
         self.bucket_ranges = [(layout.offsets[g.start][0], layout.offsets[g.stop - 1][1]) for g in groups]
+        self._groups = groups  # the parameters (indices into ``order``) of each bucket
         self._bucket_of = np.zeros(len(order), dtype=np.int64)
         for b, g in enumerate(groups):
             self._bucket_of[g.start : g.stop] = b
@@ -83,7 +88,9 @@ class OverlapSSGD(Strategy):
             self._landing: list[list] = [[] for _ in self._sizes]
             #: staged: buckets whose copies the courier saw land (it launches them in order)
             self._arrived = np.zeros(len(self._sizes), dtype=bool)
-            self.courier = Courier(self.device, "shmtrain-buckets")
+            #: staged: buckets whose means were started back to the device this step
+            self._returned = np.zeros(len(self._sizes), dtype=bool)
+            self.courier = self.staging.courier("shmtrain-buckets")
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -97,6 +104,7 @@ class OverlapSSGD(Strategy):
             self._next = 0
             if self.staging is not None:  # the courier was drained after the last backward
                 self._arrived[:] = False
+                self._returned[:] = False
 
     def on_gradient_ready(self, param: torch.Tensor) -> None:
         self._begin()
@@ -129,6 +137,15 @@ class OverlapSSGD(Strategy):
             self._next += 1
         if self._next == first:
             self.reducer.progress()  # buckets whose peers were late at their launch
+        for b in np.flatnonzero(~self._returned[: self._next]):
+            if self.reducer.reduced(int(b), self._step):
+                self._copy_back(int(b))
+
+    def _copy_back(self, bucket: int) -> None:
+        """Staged: start the copies of the bucket's means into its parameters' ``param.grad``."""
+        for i in self._groups[bucket]:
+            self.staging.to_device(i, self.order[i], self._results[i])
+        self._returned[bucket] = True
 
     def _launch_ready(self) -> bool:
         """Launch complete buckets in order (every rank issues the same sequence); True if
@@ -159,8 +176,11 @@ class OverlapSSGD(Strategy):
             self._launch_ready()
         self.reducer.wait(self._step)
         if self.staging is not None:
+            for b in np.flatnonzero(~self._returned):  # the means not started back in backward
+                self._copy_back(int(b))
             # the optimizer's stream waits for the copies back (timed when the iteration closes)
-            self.timer.add_copies("copy_to_device", self.staging.to_device_all(self._results))
+            self.staging.join()
+            self.timer.add_copies("copy_to_device", self.staging.take_copies())
             self.timer.add("copy_to_host", self._copy_s)
             self._copy_s = 0.0
         else:
