@@ -77,7 +77,7 @@ stage_tests() {
         local run="set -f; exec $PY -m pytest -p no:cacheprovider -o addopts='' -q -rfEs --timeout 600 \
             --junitxml='$WORK/tests.$s.xml' \$(cat '$WORK/shard.$s.ids')"
         if [ "$isolate" -eq 1 ]; then
-            timeout -k 10 "$lim" unshare -m sh -c "mount -t tmpfs -o size=16g tmpfs /dev/shm && $run" \
+            timeout -k 10 "$lim" unshare -m sh -c "mount -t tmpfs -o size=16g tmpfs /dev/shm || exit 97; $run" \
                 > "$WORK/tests.$s.log" 2>&1 &
         else
             timeout -k 10 "$lim" sh -c "$run" > "$WORK/tests.$s.log" 2>&1 &

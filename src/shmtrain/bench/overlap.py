@@ -11,7 +11,7 @@ ratio to the same round's ``nocomm`` iteration), the ``collect_remaining`` share
 "collect remaining", CaffeGPI's finalization, DDP's final wait), and the CPU seconds a
 worker process (all its threads) used per iteration, which other jobs move far less.
 
-With ``--device cuda`` (issue 14) the workers compute on GPUs (``cuda:N``: all on GPU N,
+With ``--device cuda`` the workers compute on GPUs (``cuda:N``: all on GPU N,
 sharing it) and their buffers stay in host memory: each iteration ends with a device
 synchronization before its time is taken, forward/backward/update are timed by CUDA
 events, and the rows add the staged copies (TRL Table 4): ``copy_to_host`` and
