@@ -56,6 +56,34 @@ def _gate(obj: Any, name: str, gate: threading.Event, events: list[tuple]) -> No
     setattr(obj, name, gated)
 
 
+def test_the_courier_runs_calls_in_order_off_the_caller_and_hands_errors_back() -> None:
+    from shmtrain.fabric.staging_courier import Courier
+
+    courier, seen = Courier(torch.device("cpu"), "test-courier"), []
+    for i in range(5):
+        courier.submit(lambda i=i: seen.append((i, threading.get_ident())))
+    assert courier.drain(10) >= 0
+    assert [i for i, _ in seen] == list(range(5)) and {t for _, t in seen} == {courier.ident}
+    assert courier.ident != threading.get_ident()
+    held = threading.Event()
+    courier.submit(held.wait)
+    with pytest.raises(TimeoutError, match=r"test-courier: 1 staged call\(s\) not done after 0 s"):
+        courier.drain(0.2)
+    held.set()
+
+    def fail() -> None:
+        raise ValueError("copy failed")
+
+    courier.submit(fail)
+    courier.submit(lambda: seen.append("after"))  # dropped: the courier stopped at the error
+    with pytest.raises(ValueError, match="copy failed"):
+        courier.drain(10)
+    with pytest.raises(ValueError, match="copy failed"):
+        courier.submit(lambda: None)
+    courier.close()
+    assert "after" not in seen and not courier._thread.is_alive()
+
+
 def gated_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """Per strategy: one gated step, then one more ungated; the events seen."""
     from shmtrain.api import DataParallel
