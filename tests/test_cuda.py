@@ -70,10 +70,11 @@ def test_every_strategy_trains_on_cuda_as_on_the_cpu(name: str, tmp_path: Path) 
     assert "copy_to_host" in gpu["phases_ms"] or name in ("nocomm", "easgd", "downpour", "seasgd", "cpu_acc")
 
 
-def test_bf16_on_cuda_trains_to_within_one_point(tmp_path: Path) -> None:
+def test_bf16_on_cuda_is_not_worse_than_float32_by_more_than_one_point(tmp_path: Path) -> None:
+    """One-sided: bf16 may do better (on an H100 it reached 0.9916 against float32's 0.9777)."""
     plain = _train(tmp_path / "none", "--device", "cuda:0", "--epochs", "10")
     bf16 = _train(tmp_path / "bf16", "--device", "cuda:0", "--epochs", "10", "--amp", "bf16")
-    assert plain["accuracy"] > 0.9 and abs(bf16["accuracy"] - plain["accuracy"]) <= 0.01, (plain, bf16)
+    assert plain["accuracy"] > 0.9 and bf16["accuracy"] >= plain["accuracy"] - 0.01, (plain, bf16)
 
 
 def test_fp16_on_cuda_trains(tmp_path: Path) -> None:

@@ -21,7 +21,12 @@ events, and the rows add the staged copies (TRL Table 4): ``copy_to_host`` and
 hid (for ``cpu_acc``, whose copies are waited for by its accumulator thread, all of
 ``collect_remaining`` counts as left after backward: an upper bound). A mode named ``MODE@copy`` (e.g. ``ssgd@copy``) runs that mode's staged
 path on the CPU (``SHMTRAIN_STAGING=copy``): beside ``MODE``, what the copies cost against
-zero copy. The DDP modes need NCCL (one GPU per worker) there: use ``ssgd_nccl``.
+zero copy. The DDP modes need NCCL (one GPU per worker) there: use ``ssgd_nccl``, or
+``ddp_gloo``: DDP over gloo with the model on the chosen device (CUDA tensors, the workers
+sharing a GPU; plain DDP over gloo on the CPU), the peer of the staged strategies. With
+``--device cuda`` the copies table adds a pinned-memory baseline (the model's bytes D2H and
+H2D from one pinned tensor) and every row says whether its shared buffers were page-locked
+(``registered``, ``n/a`` on the CPU): :mod:`shmtrain.bench.overlap_copies`.
 
 Run: ``shmtrain bench overlap --workers 2 --json FILE`` (or ``python -m
 shmtrain.bench.overlap``, the same options).
@@ -40,9 +45,17 @@ import torch
 from torch import nn
 
 from shmtrain.bench.common import DDP_MODES, bench_device, table, write_json
+from shmtrain.bench.overlap_copies import (
+    DDP_GLOO,
+    add_copy_columns,
+    cells,
+    ddp_gloo_engine,
+    pinned_baseline,
+    registered,
+)
 
 # mode -> (strategy, options): the same table as ``shmtrain bench step``; ``ddp``, ``ddp-shm`` apart.
-from shmtrain.bench.step import MODES, check_modes
+from shmtrain.bench.step import MODES
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.staging import force_copies
 from shmtrain.runtime.launch.launcher import launch
@@ -52,7 +65,18 @@ DEFAULT_MODES = ["nocomm", "ddp", "gpi", "cpu_acc", "ssgd_overlap"]
 #: while its engine is built): what the GPU data flow's copies cost against zero copy
 STAGED = "@copy"
 #: ``--device cuda``: the host-staged strategies against no communication
-CUDA_MODES = ["nocomm", "ssgd", "gpi", "cpu_acc", "ssgd_overlap"]
+CUDA_MODES = ["nocomm", DDP_GLOO, "ssgd", "gpi", "cpu_acc", "ssgd_overlap", "ps_grad"]
+#: this benchmark's strategy modes: ``bench step``'s and the gradient parameter server
+OVERLAP_MODES = {**MODES, "ps_grad": ("ps_grad", {})}
+
+
+def check_modes(modes: list[str]) -> None:
+    """Reject a ``--modes`` name that is none of this benchmark's (``MODE@copy`` allowed)."""
+    known = [*DDP_MODES, DDP_GLOO, *OVERLAP_MODES]
+    unknown = [m for m in modes if m not in known and m.removesuffix(STAGED) not in OVERLAP_MODES]
+    if unknown:
+        raise ValueError(f"--modes {' '.join(unknown)}: unknown; choose from {', '.join(known)} "
+                         f"(a strategy mode may end in {STAGED})")
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
@@ -68,16 +92,20 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn((payload["batch_size"], *shape), generator=gen).to(device)
     y = torch.randint(0, 10, (payload["batch_size"],), generator=gen).to(device)
     loss_fn = nn.CrossEntropyLoss()
-    steps, timers, closers = {}, {}, []
+    steps, timers, closers, locked = {}, {}, [], {}
     for mode in payload["modes"]:
         torch.manual_seed(0)
         model = build_model(payload["model"], shape, 10).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         timer = timers[mode] = PhaseTimer(device)
         spec = payload["specs"].get(mode, (None, None))
-        with force_copies() if mode.endswith(STAGED) else nullcontext():  # MODE@copy: staged on the CPU
-            engine = build_engine(mode, ctx, model, optimizer, timer, *spec)
+        if mode == DDP_GLOO:
+            engine = ddp_gloo_engine(model, optimizer, timer)
+        else:
+            with force_copies() if mode.endswith(STAGED) else nullcontext():  # MODE@copy: staged on the CPU
+                engine = build_engine(mode, ctx, model, optimizer, timer, *spec)
         closers.append(engine.close)
+        locked[mode] = registered(engine)
         trainer = Trainer(engine, loss_fn, timer)
 
         def step(trainer=trainer) -> None:
@@ -111,13 +139,17 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
                     layers.setdefault(mode, []).append(details["layers"])
     for close in closers:
         close()
-    return {"samples": samples, "cpu": cpu, "faults": faults, "phases": phases, "layers": layers}
+    numel = sum(p.numel() for p in model.parameters())
+    baseline = pinned_baseline(numel, device, lambda: ctx.host.barrier("bench overlap pinned"))
+    return {"samples": samples, "cpu": cpu, "faults": faults, "phases": phases, "layers": layers,
+            "registered": locked, "pinned": baseline}
 
 
 def run(modes: list[str], workers: int, payload: dict[str, Any],
         specs: dict[str, tuple[str, dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """Run ``modes`` (names in ``specs``, default :data:`MODES`, or in ``DDP_MODES``) in one launch."""
-    specs = {m: (specs or MODES)[m.removesuffix(STAGED)] for m in modes if m not in DDP_MODES}
+    specs = {m: (specs or OVERLAP_MODES)[m.removesuffix(STAGED)] for m in modes
+             if m not in DDP_MODES and m != DDP_GLOO}
     results = launch("shmtrain.bench.overlap:_worker", workers, dict(payload, modes=modes, specs=specs),
                      threads=payload["threads"], timeout=payload.get("timeout", 600))
     rows = []
@@ -130,6 +162,8 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
             "mode": mode, "workers": workers, "model": payload["model"], "batch_size": payload["batch_size"],
             "threads": payload["threads"], "rounds": payload["rounds"], "device": payload.get("device", "cpu"),
             "median_s": statistics.median(per_round), "min_s": min(per_round), "samples_s": per_round,
+            # the host buffers' page-locking, rank 0's (K/N; n/a on the CPU or staging nothing)
+            "registered": results[0]["registered"][mode],
             # CPU seconds of a worker process (all its threads) per iteration: unlike wall
             # time, barely moved by other jobs on the machine
             "cpu_s": statistics.median(cpu_round), "cpu_samples_s": cpu_round,
@@ -158,32 +192,20 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
         row["collect_remaining_share"] = remaining / row["median_s"] if remaining is not None else None
         copies = row["phases_s"].get("copy_to_host")
         row["hidden"] = 1 - row["phases_s"].get("d2h_wait", 0.0) / copies if copies else None
+        add_copy_columns(row, [r["pinned"] for r in results])
     return rows
 
 
 def _handler(args: argparse.Namespace) -> int:
     device, modes = bench_device(args.device, DEFAULT_MODES, CUDA_MODES, args.modes)
-    check_modes([m.removesuffix(STAGED) for m in modes])
+    check_modes(modes)
     if args.workers < 1 or args.rounds < 1 or args.warmup < 0 or args.batch_size < 1 or args.threads < 1:
         raise ValueError("--workers, --rounds, --batch-size and --threads must be at least 1 and --warmup not negative")
     payload = {"model": args.model, "input_shape": args.input_shape, "batch_size": args.batch_size,
                "rounds": args.rounds, "warmup": args.warmup, "threads": args.threads,
                "device": device}
     rows = run(modes, args.workers, payload)
-    print(table(rows, [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
-                       ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"),
-                       ("paired_vs_nocomm", "paired", ".3f"), ("collect_remaining_share", "remaining", ".2%"),
-                       ("cpu_s", "cpu s", ".4f"), ("paired_cpu_vs_nocomm", "cpu paired", ".3f"),
-                       ("page_faults", "faults", ".0f")]))
-    if any(row["hidden"] is not None for row in rows):  # staged copies (a GPU, TRL Table 4)
-        for row in rows:
-            row.update({f"{k}_ms": 1e3 * row["phases_s"].get(k, 0.0)
-                        for k in ("copy_to_host", "copy_to_device", "d2h_wait")})
-        print(f"\nstaged copies per iteration on {payload['device']} (device time by CUDA events on a GPU, "
-              "host clocks with SHMTRAIN_STAGING=copy; cpu_acc: all of collect_remaining counts as left)")
-        print(table(rows, [("mode", "mode", "s"), ("copy_to_host_ms", "to host ms", ".2f"),
-                           ("copy_to_device_ms", "to device ms", ".2f"), ("d2h_wait_ms", "left after backward ms", ".2f"),
-                           ("hidden", "hidden", ".1%")]))
+    print(format_tables(rows, payload["device"]))
     for row in rows:
         if "layers" in row:  # TRL Table 4: per-layer copy and accumulation times (ms)
             print(f"\n{row['mode']}: per-layer medians in ms, backward order")
@@ -192,6 +214,33 @@ def _handler(args: argparse.Namespace) -> int:
                                         ("accumulate_ms", "accumulate", ".3f"), ("copy_back_ms", "back", ".3f")]))
     write_json(args.json, rows)
     return 0
+
+
+MAIN_COLUMNS = [("workers", "workers", "d"), ("mode", "mode", "s"), ("median_s", "median s", ".4f"),
+                ("min_s", "min s", ".4f"), ("vs_nocomm", "vs nocomm", ".3f"), ("paired_vs_nocomm", "paired", ".3f"),
+                ("collect_remaining_share", "remaining", ".2%"), ("cpu_s", "cpu s", ".4f"),
+                ("paired_cpu_vs_nocomm", "cpu paired", ".3f"), ("page_faults", "faults", ".0f"),
+                ("registered", "registered", "s")]
+COPY_COLUMNS = [("mode", "mode", "s"), ("copy_to_host_ms", "to host ms", ".2f"),
+                ("copy_to_device_ms", "to device ms", ".2f"), ("d2h_wait_ms", "left after backward ms", ".2f"),
+                ("hidden", "hidden", ".1%"), ("pinned_d2h_ms", "pinned D2H ms", ".2f"),
+                ("pinned_h2d_ms", "pinned H2D ms", ".2f"), ("copy_vs_pinned", "copy vs pinned", ".1%"),
+                ("registered", "registered", "s")]
+
+
+def format_tables(rows: list[dict[str, Any]], device: str) -> str:
+    """The main table, and where a mode staged copies (a GPU, or ``MODE@copy``) the copies
+    beside the pinned baseline (TRL Table 4); adds the ``*_ms`` copy keys to ``rows``."""
+    text = table(cells(rows, MAIN_COLUMNS), [(k, h, "s") for k, h, _ in MAIN_COLUMNS])
+    if any(row["hidden"] is not None for row in rows):
+        for row in rows:
+            row.update({f"{k}_ms": 1e3 * row["phases_s"].get(k, 0.0)
+                        for k in ("copy_to_host", "copy_to_device", "d2h_wait")})
+        text += (f"\n\nstaged copies per iteration on {device} (device time by CUDA events on a GPU, "
+                 "host clocks with SHMTRAIN_STAGING=copy; cpu_acc: all of collect_remaining counts as left; "
+                 "pinned: the model's bytes from one pinned tensor, all workers at once)\n")
+        text += table(cells(rows, COPY_COLUMNS), [(k, h, "s") for k, h, _ in COPY_COLUMNS])
+    return text
 
 
 def _layer_medians(iterations: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

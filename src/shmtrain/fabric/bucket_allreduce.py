@@ -153,6 +153,13 @@ class BucketAllreduce:
                 view = self.result_buffer[lo:hi]
                 self._works.append((view, dist.all_reduce(view, group=self.leaders, async_op=True)))
 
+    def reduced(self, bucket: int, step: int) -> bool:
+        """Whether bucket ``bucket`` of ``step`` is final in :meth:`result` (never blocks):
+        every local rank reduced its chunk, in a one-host job; False across hosts (the
+        mean lands in :meth:`wait`)."""
+        seq = (step - 1) * self._B + bucket + 1
+        return self.leaders is None and seq <= self._launched and self._ready(self._reduced, seq, False, "")
+
     def wait(self, step: int) -> None:
         """Finish every bucket of ``step`` (all launched) and sleep until every worker of
         the job holds the result."""
@@ -244,6 +251,10 @@ class GlooBucketAllreduce:
 
     def progress(self, block: bool = False) -> None:
         """Nothing to do: gloo progresses on its own threads."""
+
+    def reduced(self, bucket: int, step: int) -> bool:  # noqa: ARG002 - same interface
+        """False: the mean is scaled in :meth:`wait`."""
+        return False
 
     def wait(self, step: int) -> None:  # noqa: ARG002 - same interface
         """Wait for every launched bucket; scale to the mean."""

@@ -23,6 +23,18 @@ TRL Table 4 reports the two copy phases per layer ("GPU-to-CPU copy", "CPU-to-GP
 copy"); :meth:`Copy.wait` and :meth:`HostStaging.device_times` return them, measured
 with CUDA events on the copy streams.
 
+Copies at pinned speed: a copy between the device and host memory runs by DMA, at
+the bus's speed and asynchronously, only when the host side is page-locked. The
+per-layer buffers (:attr:`HostStaging.pinned`, :meth:`HostStaging.host_buffer`) are pinned
+by torch; shared segments are page-locked by :meth:`HostStaging.register`
+(``cudaHostRegister``), and :meth:`HostStaging.registered` says whether that worked. A
+host side that is neither (a registration the driver refused) goes through a pinned
+bounce buffer in both directions, never a pageable copy (which the driver stages
+through its own buffer, synchronously, at a fraction of the speed): to the device the
+host copies into the bounce buffer and the DMA starts from it; to the host the DMA lands
+in the bounce buffer and :meth:`Copy.wait` (or the first :meth:`Copy.done` that sees it
+landed) copies it on into the destination (``bounced_bytes`` counts them).
+
 Three modes (``copies``, ``mode``):
 
 - ``cpu``, the default on the CPU: the tensors already are in host memory, so staging
@@ -44,12 +56,13 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from shmtrain.fabric.flat import FlatLayout
+from shmtrain.fabric.staging_courier import Courier
 
 #: ``SHMTRAIN_STAGING=copy``: real copies on the CPU too (the GPU data flow, ``copy`` mode)
 STAGING_ENV = "SHMTRAIN_STAGING"
@@ -105,19 +118,34 @@ def _cudart() -> ctypes.CDLL | None:
     return _CUDART[0]
 
 
+def _registered(ptr: int, size: int) -> bool:
+    """Whether ``[ptr, ptr + size)`` lies inside one range this process page-locked."""
+    return any(p <= ptr and ptr + size <= p + n for p, n in _REGISTERED.items())
+
+
 class Copy:
     """One transfer started by :class:`HostStaging`: poll it, or wait for it and get its
-    time in seconds (CUDA events on a GPU; on the CPU the copy ran when it was started)."""
+    time in seconds (CUDA events on a GPU; on the CPU the copy ran when it was started).
 
-    __slots__ = ("_begin", "_end", "_seconds")
+    ``then``: host work to do once the device copy has landed, before the data counts as
+    there (a copy to host through a pinned bounce buffer: the bounce into the destination);
+    run once, by the first :meth:`done` that sees the copy landed or by :meth:`wait`.
+    """
 
-    def __init__(self, seconds: float = 0.0, events: tuple | None = None) -> None:
+    __slots__ = ("_begin", "_end", "_seconds", "_then")
+
+    def __init__(self, seconds: float = 0.0, events: tuple | None = None,
+                 then: Callable[[], object] | None = None) -> None:
         self._seconds = seconds
         self._begin, self._end = events if events is not None else (None, None)
+        self._then = then
 
     def done(self) -> bool:
-        """True once the data has landed (never blocks)."""
-        return self._end is None or bool(self._end.query())
+        """True once the data has landed (never blocks on the device)."""
+        if self._end is not None and not self._end.query():
+            return False
+        self._finish()
+        return True
 
     def wait(self) -> float:
         """Block the calling thread until the data has landed; the copy's seconds."""
@@ -125,7 +153,13 @@ class Copy:
             self._end.synchronize()
             self._seconds = self._begin.elapsed_time(self._end) / 1e3
             self._begin = self._end = None
+        self._finish()
         return self._seconds
+
+    def _finish(self) -> None:
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
 
 
 class HostStaging:
@@ -143,6 +177,11 @@ class HostStaging:
         self.cuda = self.device.type == "cuda"
         self._h2d_copies: list[tuple[int, Copy]] = []
         self._registered: list[int] = []  # host addresses page-locked by register()
+        #: ``(bytes, page-locked)`` of each host tensor given to :meth:`register` (a GPU only)
+        self.registrations: list[tuple[int, bool]] = []
+        #: bytes copied through a pinned bounce buffer (their host side was not page-locked)
+        self.bounced_bytes = 0
+        self._locked: dict[tuple[int, int], bool] = {}  # host storage -> pinned by torch
         self._pinned: list[torch.Tensor] | None = None
         if self.cuda:
             self._d2h = torch.cuda.Stream(device=self.device)
@@ -181,6 +220,7 @@ class HostStaging:
         for t in host_tensors:
             ptr, size = t.data_ptr(), t.numel() * t.element_size()
             if size == 0 or any(ptr < p + n and p < ptr + size for p, n in _REGISTERED.items()):
+                self.registrations.append((size, size > 0 and _registered(ptr, size)))
                 continue
             with torch.cuda.device(self.device):
                 rc = lib.cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(size), ctypes.c_uint(1))
@@ -189,6 +229,16 @@ class HostStaging:
                     self._registered.append(ptr)
                 else:
                     lib.cudaGetLastError()  # clear it: torch's next check would raise it
+            self.registrations.append((size, rc == 0))
+
+    def registered(self) -> str:
+        """Whether the host tensors given to :meth:`register` are page-locked: ``n/a`` off a
+        GPU (nothing to register), ``none given``, else ``K/N`` of them (``N/N``: every one)."""
+        if not self.cuda:
+            return "n/a"
+        if not self.registrations:
+            return "none given"
+        return f"{sum(ok for _, ok in self.registrations)}/{len(self.registrations)}"
 
     # -- the copies ---------------------------------------------------------------------
     def _start(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor) -> Copy:
@@ -199,7 +249,18 @@ class HostStaging:
             with torch.no_grad():
                 dst.copy_(src)
             return Copy(time.perf_counter() - start)
-        stream = self._d2h if stream_name == "d2h" else self._h2d
+        d2h = stream_name == "d2h"
+        stream = self._d2h if d2h else self._h2d
+        host = dst if d2h else src
+        then = None
+        if not host.is_cuda and not self._page_locked(host):  # DMA needs page-locked memory:
+            bounce = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)  # through a pinned one
+            self.bounced_bytes += host.numel() * host.element_size()
+            if d2h:
+                dst, then = bounce, (lambda out=dst, pinned=bounce: out.copy_(pinned))
+            else:
+                bounce.copy_(src)  # (freed: the host allocator keeps it until the copy is done)
+                src = bounce
         stream.wait_stream(torch.cuda.current_stream(self.device))
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -210,7 +271,18 @@ class HostStaging:
         for t in (dst, src):  # the caching allocator keeps device tensors until the copy is done
             if t.is_cuda:
                 t.record_stream(stream)
-        return Copy(events=(begin, end))
+        return Copy(events=(begin, end), then=then)
+
+    def _page_locked(self, host: torch.Tensor) -> bool:
+        """Whether a copy can reach ``host`` by DMA: inside a range :meth:`register` locked,
+        or pinned by torch (asked once per storage)."""
+        if _registered(host.data_ptr(), host.numel() * host.element_size()):
+            return True
+        storage = host.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in self._locked:
+            self._locked[key] = host.is_pinned()
+        return self._locked[key]
 
     def to_host(self, i: int, grad: torch.Tensor, dst: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, Copy | None]:
@@ -255,6 +327,11 @@ class HostStaging:
                 param.grad = torch.empty_like(param)
             target = param.grad
         self._h2d_copies.append((i, self._start("h2d", target, host_src)))
+
+    def courier(self, name: str) -> Courier:
+        """A host thread for the work that follows these copies (:class:`Courier`): a staged
+        hook starts its copy and submits the rest there, so it never waits."""
+        return Courier(self.device, name)
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
         """Start a copy of device tensor ``src`` into host tensor ``dst`` (after the work

@@ -54,18 +54,23 @@ whose step couples parameters (L-BFGS) are not supported.
 
 Staged (GPU parameters, :class:`shmtrain.fabric.staging.HostStaging`): the window keeps
 each rank's weights and gradient slots in host memory, the model stays on the GPU. A
-gradient hook starts the copy of its gradient into a pinned host buffer on the
-device-to-host stream; a turn treats a layer's own gradient as ready once its copy has
-landed (polled, never waited for, during backward). The root copies a layer's mean into
-``param.grad`` on the host-to-device stream, steps it on the GPU and copies the new
-weights into its area before announcing them (once that copy has landed); a child copies
-its parent's weights into its own area (for its children) and into its GPU parameters.
-The finalization waits for copies still in flight, then the next forward's stream waits
-for the copies to the GPU.
+gradient hook only starts the copy of its gradient into a pinned host buffer on the
+device-to-host stream and hands the layer to a host thread
+(:class:`shmtrain.fabric.staging_courier.Courier`), so backward's kernels keep coming: the
+turns run there, on a GPU the compute is the device's and a host thread takes nothing
+from it. The courier waits for the copy (a CUDA event), marks the layer's own gradient
+ready and takes a turn. The root copies a layer's mean into ``param.grad`` on the
+host-to-device stream, steps it on the GPU and copies the new weights into its area
+before announcing them (once that copy has landed); a child copies its parent's weights
+into its own area (for its children) and into its GPU parameters. After backward the
+training thread waits for the courier (``d2h_wait``), takes the finalization's turns
+itself, waits for copies still in flight, then the next forward's stream waits for the
+copies to the GPU.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -147,9 +152,10 @@ class GPI(Strategy):
         self._ready_numel = 0
         # staged: gradients copied to host buffers, and the copies still in flight
         self._host_grads = self.staging.pinned if self.staging is not None else None
-        self._landing: list[tuple[int, object]] = []  # (layer, Copy) of own gradients
         self._outgoing: list[tuple[list[int], object]] = []  # root: (layers, Copy) of new weights
         self._copy_s = 0.0
+        #: staged: the host thread that waits for the gradients' copies and takes the turns
+        self.courier = self.staging.courier("shmtrain-gpi") if self.staging is not None else None
         # Across hosts each host's root (its leader) sums its tree's gradient of a layer
         # with the other hosts' leaders on a thread (HostCombiner), then averages and
         # updates that layer itself: every leader applies the same update.
@@ -158,6 +164,18 @@ class GPI(Strategy):
         self._combiner = self.transports.host_combiner(
             range(n - 1, -1, -1), lambda layer, k: self._grad(layer),
             lambda layer, k: self.window.notify_self(self._combined_id(layer), k), name="gpi-hosts")
+
+    @property
+    def busy(self) -> int:
+        """>0 while a hook runs, and always on the courier's thread (the root's layer-wise
+        optimizer steps there are the strategy's own, not the user's). Only the hooks set
+        it, and on their thread it is theirs alone."""
+        courier = getattr(self, "courier", None)
+        return self._hook_busy or int(courier is not None and threading.get_ident() == courier.ident)
+
+    @busy.setter
+    def busy(self, value: int) -> None:
+        self._hook_busy = value
 
     # -- notification ids (per receiver) -------------------------------------------
     def _grad_id(self, layer: int, child_slot: int) -> int:
@@ -178,22 +196,23 @@ class GPI(Strategy):
     # -- one turn of Fig. 3 ------------------------------------------------------------
     def on_gradient_ready(self, param: torch.Tensor) -> None:
         layer = self._index[id(param)]
-        if self.staging is not None:  # ready once its copy to the host has landed
+        if self.staging is not None:  # stream-ordered work only; the turn on the courier
             copy = self.staging.to_host(layer, param.grad, dst=self._host_grads[layer])[1]
-            self._landing.append((layer, copy))
-        else:
-            self._own[layer] = True
+            self.courier.submit(self._gradient_landed, layer, copy)
+            return
+        self._own[layer] = True
+        self._turn()
+
+    def _gradient_landed(self, layer: int, copy) -> None:
+        """Courier: the layer's own gradient is ready once its copy has landed; a turn."""
+        self._copy_s += copy.wait()
+        self._own[layer] = True
         self._turn()
 
     def _landed(self, wait: bool = False) -> bool:
-        """Staged: take the copies that have landed (``wait``: block for the oldest one);
-        return True if any had."""
+        """Staged, the root: announce the new weights whose copies to its area have landed
+        (``wait``: block for the oldest one); return True if any had."""
         moved = False
-        while self._landing and (wait or self._landing[0][1].done()):
-            layer, copy = self._landing.pop(0)
-            self._copy_s += copy.wait()
-            self._own[layer] = True
-            moved, wait = True, False
         seq = self.steps + 1
         while self._outgoing and (wait or self._outgoing[0][1].done()):
             layers, copy = self._outgoing.pop(0)
@@ -308,10 +327,10 @@ class GPI(Strategy):
     # -- finalization --------------------------------------------------------------------
     def after_backward(self) -> None:
         start = time.perf_counter()
+        if self.courier is not None:  # the turns backward left to the courier; ours from here
+            self.timer.add("d2h_wait", self.courier.drain(self.ctx.timeout))
         for layer in np.flatnonzero(~self._own):  # parameters backward did not reach
             if self.staging is not None:
-                if any(pending == layer for pending, _ in self._landing):
-                    continue
                 self._host_grads[layer].zero_()
             else:
                 p = self.params[int(layer)]
@@ -327,7 +346,7 @@ class GPI(Strategy):
             self._update_ready(self.steps + 1)
             if self._have.all():
                 break
-            if self.staging is not None and (self._landing or self._outgoing):
+            if self.staging is not None and self._outgoing:
                 waited = time.perf_counter()
                 self._landed(wait=True)  # a copy in flight: wait for it, not for a peer
                 self.timer.add("d2h_wait", time.perf_counter() - waited)
@@ -374,6 +393,8 @@ class GPI(Strategy):
     def finish(self) -> None:
         if self._combiner is not None:
             self._combiner.close()
+        if self.courier is not None:
+            self.courier.close()
         if self.staging is not None:
             self.staging.close()
         super().finish()

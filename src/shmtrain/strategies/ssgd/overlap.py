@@ -16,11 +16,19 @@ Unlike DDP, buckets are not rebuilt from the observed gradient order after the f
 iteration; a parameter that backward did not reach is filled with zeros after backward
 (DDP's ``find_unused_parameters`` result, found without a graph walk).
 
-Staged (GPU parameters): a hook starts the copy of its gradient into the bucket on the
-device-to-host stream (:class:`shmtrain.fabric.staging.HostStaging`) instead of copying
-it; a complete bucket is launched once its last copy has landed (polled, never waited
-for, in the hooks; waited for after backward: ``d2h_wait``), and the means go back into
-``param.grad`` on the host-to-device stream, which the optimizer's stream waits for.
+Staged (GPU parameters): a hook only starts the copy of its gradient into the bucket on
+the device-to-host stream (:class:`shmtrain.fabric.staging.HostStaging`) and, when that
+completes its bucket, hands the bucket to a :class:`shmtrain.fabric.staging_courier.Courier`:
+that host thread waits for the bucket's copies (CUDA events), launches complete buckets in
+order and reduces (the hook never waits and never reduces: backward's kernels keep
+coming). Pipelined: each time the courier has launched or progressed, it starts the copy
+back of every bucket whose mean is final (every local rank reduced it: one host, shared
+memory) into ``param.grad`` on the host-to-device stream, so a bucket's D2H copy, its host
+reduction and its H2D copy overlap the rest of backward. After backward the training
+thread waits for the courier (``d2h_wait``) and the allreduce, copies back the buckets
+still missing, and the optimizer's stream waits for the copies (a stream wait). The
+optimizer still steps once, after backward (a per-bucket step would pass under a user's
+``--grad-clip`` or GradScaler, which need every gradient first).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class OverlapSSGD(Strategy):
         itemsize = torch.empty((), dtype=layout.dtype).element_size()
         groups = assign_buckets([p.numel() * itemsize for p in order], int(config.bucket_mb * MIB))
         self.bucket_ranges = [(layout.offsets[g.start][0], layout.offsets[g.stop - 1][1]) for g in groups]
+        self._groups = groups  # the parameters (indices into ``order``) of each bucket
         self._bucket_of = np.zeros(len(order), dtype=np.int64)
         for b, g in enumerate(groups):
             self._bucket_of[g.start : g.stop] = b
@@ -77,6 +86,11 @@ class OverlapSSGD(Strategy):
             self.staging.register(self.reducer.input(), self.reducer.result())
             #: staged: the copies of each bucket's gradients not yet landed
             self._landing: list[list] = [[] for _ in self._sizes]
+            #: staged: buckets whose copies the courier saw land (it launches them in order)
+            self._arrived = np.zeros(len(self._sizes), dtype=bool)
+            #: staged: buckets whose means were started back to the device this step
+            self._returned = np.zeros(len(self._sizes), dtype=bool)
+            self.courier = self.staging.courier("shmtrain-buckets")
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -88,62 +102,85 @@ class OverlapSSGD(Strategy):
             self._seen[:] = False
             self._pending[:] = self._sizes
             self._next = 0
+            if self.staging is not None:  # the courier was drained after the last backward
+                self._arrived[:] = False
+                self._returned[:] = False
 
     def on_gradient_ready(self, param: torch.Tensor) -> None:
         self._begin()
         i = self._slot[id(param)]
-        if self.staging is not None:  # copies on one stream land in order: the last is enough
+        if self.staging is not None:  # stream-ordered work only; the rest on the courier
             copy = self.staging.to_host(i, param.grad, dst=self._inputs[i])[1]
             self._landing[self._bucket_of[i]].append(copy)
-        else:
-            self._inputs[i].copy_(param.grad)
+            self._mark(i)
+            return
+        self._inputs[i].copy_(param.grad)
         self._mark(i)
         if not self._launch_ready():
             self.reducer.progress()  # buckets whose peers were late at their launch
 
     def _mark(self, i: int) -> None:
         self._seen[i] = True
-        self._pending[self._bucket_of[i]] -= 1
+        bucket = int(self._bucket_of[i])
+        self._pending[bucket] -= 1
+        if self.staging is not None and self._pending[bucket] == 0:
+            self.courier.submit(self._bucket_landed, bucket)
+
+    def _bucket_landed(self, bucket: int) -> None:
+        """Courier: wait for the bucket's copies, then launch the complete buckets in
+        order (every rank issues the same sequence) and make progress on the others."""
+        self._wait_copies(bucket)
+        self._arrived[bucket] = True
+        first = self._next
+        while self._next < len(self._sizes) and self._arrived[self._next]:
+            self.reducer.launch(self._next, self._step)
+            self._next += 1
+        if self._next == first:
+            self.reducer.progress()  # buckets whose peers were late at their launch
+        for b in np.flatnonzero(~self._returned[: self._next]):
+            if self.reducer.reduced(int(b), self._step):
+                self._copy_back(int(b))
+
+    def _copy_back(self, bucket: int) -> None:
+        """Staged: start the copies of the bucket's means into its parameters' ``param.grad``."""
+        for i in self._groups[bucket]:
+            self.staging.to_device(i, self.order[i], self._results[i])
+        self._returned[bucket] = True
 
     def _launch_ready(self) -> bool:
         """Launch complete buckets in order (every rank issues the same sequence); True if
         any was launched."""
         first = self._next
         while self._next < len(self._sizes) and self._pending[self._next] == 0:
-            if self.staging is not None and not self._landed(self._next, wait=False):
-                break
             self.reducer.launch(self._next, self._step)
             self._next += 1
         return self._next > first
 
-    def _landed(self, bucket: int, wait: bool) -> bool:
-        """Staged: whether the bucket's gradients are in host memory (``wait``: block
-        until they are, counting the device time of the copy)."""
+    def _wait_copies(self, bucket: int) -> None:
+        """Staged (the courier): block until the bucket's gradients are in host memory,
+        counting the device time of their copies."""
         copies = self._landing[bucket]
-        if copies:
-            if not (wait or copies[-1].done()):  # one stream: the last issued lands last
-                return False
-            self._copy_s += sum(copy.wait() for copy in copies)
-            copies.clear()
-        return True
+        self._copy_s += sum(copy.wait() for copy in copies)
+        copies.clear()
 
     def after_backward(self) -> None:
         start = time.perf_counter()
         self._begin()
         inputs = self._inputs
         for i in np.flatnonzero(~self._seen):  # parameters backward did not reach
-            inputs[int(i)].zero_()
+            inputs[int(i)].zero_()  # (their bucket is incomplete: the courier has not read it)
             self._mark(int(i))
-        if self.staging is not None:
-            waited = time.perf_counter()
-            for bucket in range(self._next, len(self._sizes)):
-                self._landed(bucket, wait=True)
-            self.timer.add("d2h_wait", time.perf_counter() - waited)
-        self._launch_ready()
+        if self.staging is not None:  # the copies and launches backward left to the courier
+            self.timer.add("d2h_wait", self.courier.drain(self.ctx.timeout))
+        else:
+            self._launch_ready()
         self.reducer.wait(self._step)
         if self.staging is not None:
+            for b in np.flatnonzero(~self._returned):  # the means not started back in backward
+                self._copy_back(int(b))
             # the optimizer's stream waits for the copies back (timed when the iteration closes)
-            self.timer.add_copies("copy_to_device", self.staging.to_device_all(self._results))
+            self.staging.join()
+            self.timer.add_copies("copy_to_device", self.staging.take_copies())
             self.timer.add("copy_to_host", self._copy_s)
             self._copy_s = 0.0
         else:
@@ -161,6 +198,7 @@ class OverlapSSGD(Strategy):
 
     def finish(self) -> None:
         if self.staging is not None:
+            self.courier.close()
             self.staging.close()
         self.reducer.close()
         super().finish()
