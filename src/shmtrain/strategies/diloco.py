@@ -43,7 +43,7 @@ import torch
 from shmtrain.fabric.control import PeerTimeout
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
-from shmtrain.strategies.ssgd.slots import SlotGradients
+from shmtrain.strategies.parts import SlotGradients
 
 #: the dtypes of the pseudo-gradient exchange
 OUTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -32,9 +32,9 @@ import torch
 from shmtrain.fabric.segment import align
 from shmtrain.strategies.base import register
 from shmtrain.strategies.eq8 import Eq8Metrics
+from shmtrain.strategies.parts import SlotGradients
 from shmtrain.strategies.seasgd import ElasticExchange
 from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
-from shmtrain.strategies.ssgd.slots import SlotGradients
 
 
 @register

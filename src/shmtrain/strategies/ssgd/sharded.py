@@ -27,7 +27,7 @@ import torch
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy
-from shmtrain.strategies.ssgd.slots import SlotGradients
+from shmtrain.strategies.parts import SlotGradients
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
