@@ -323,8 +323,8 @@ class HostSyncDiLoCo(SlotGradients, DiLoCo):
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         #: the host's gradient allreduce (SlotGradients' ``allreduce``)
-        self.allreduce = self.transports.group_allreduce(
-            ctx.host, self.layout.numel, self.layout.dtype, op="mean", tag="diloco.host")
+        self.allreduce = self.transports.host_allreduce(
+            self.layout.numel, self.layout.dtype, op="mean", tag="diloco.host")
         self.bind_slots()
 
     def finish(self) -> None:
