@@ -114,7 +114,7 @@ class _PeerAllreduce:
         self.world, self.rank, self.count = world, rank, 0
 
     def input(self, step: int | None = None) -> torch.Tensor:
-        return self.world.slots[self.rank][(self.count if step is None else step) % 2]
+        return self.world.slots[self.rank][(self.count + 1 if step is None else step) % 2]
 
     def result(self, step: int | None = None) -> torch.Tensor:
         return self.world.results[(self.count if step is None else step) % 2]
