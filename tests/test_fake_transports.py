@@ -2,13 +2,16 @@
 :class:`~shmtrain.fabric.transports.Transports`: no worker process, no shared memory.
 Each test checks a strategy's weights against the same method computed by hand here, and
 the transports it asked for (the fake refuses any other factory, so a strategy that grew
-a new dependency says so). With ``tests/test_seams.py``'s ssgd, seven of the twelve
-registered strategies run this way: nocomm, single, ps_grad, ps_weight, diloco,
-ssgd --overlap (and plain ssgd there)."""
+a new dependency says so). Seven of the twelve registered strategies run this way here:
+nocomm, single, ps_grad, ps_weight, diloco, ssgd (--overlap here, plain in
+``tests/test_seams.py``) and cpu_acc."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import SimpleNamespace
@@ -19,6 +22,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from shmtrain import strategies
+from shmtrain.fabric.accumulator import SharedAccumulator
 from shmtrain.strategies.base import build_config
 from test_seams import FakeTransports, _net
 
@@ -168,12 +172,70 @@ class FakeBuckets:
         pass
 
 
+class AnonymousSegment:
+    """Private memory with a segment's interface (``buffer``, ``address``, ``tensor``):
+    the peers are threads, so one mapping is shared by all of them."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.name, self.nbytes = "anonymous", nbytes
+        self.buffer = mmap.mmap(-1, nbytes)
+
+    def address(self, offset: int = 0) -> int:
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.buffer, offset))
+
+    def tensor(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
+        return torch.frombuffer(self.buffer, dtype=dtype, count=numel, offset=offset)
+
+
+class ThreadHost:
+    """One peer's view of the in-process "host": its local rank, and segments every peer
+    maps (the first to ask makes each one and runs its ``init``), in asking order."""
+
+    def __init__(self, peers: Peers, rank: int) -> None:
+        self.peers, self.local_rank, self.local_world = peers, rank, peers.size
+        self._made = 0
+
+    def allocate(self, tag: str, nbytes: int, init: Callable[[Any], None] | None = None) -> AnonymousSegment:
+        def make() -> AnonymousSegment:
+            segment = AnonymousSegment(nbytes)
+            if init is not None:
+                init(segment)
+            return segment
+
+        self._made += 1
+        return self.peers.shared("segment", f"{self._made}-{tag}", make)
+
+
+class FakeControl:
+    """The control block's words among the peers: one per channel and rank, written by
+    its rank only; ``wait`` polls (no futex: the peers are threads)."""
+
+    def __init__(self, peers: Peers) -> None:
+        self.words: dict[tuple[int, int], int] = peers.shared("control", "words", dict)
+
+    def post(self, channel: int, rank: int, value: int) -> None:
+        self.words[channel, rank] = value
+
+    def get(self, channel: int, rank: int) -> int:
+        return self.words.get((channel, rank), 0)
+
+    def wait(self, channel: int, ranks, target: int, *, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while any(self.get(channel, r) < target for r in ranks):
+            assert time.monotonic() < deadline, f"{what}: timed out"
+            time.sleep(0.0005)
+
+    def check_peers(self, me: int, what: str) -> None:
+        pass  # threads of one process: a failed peer aborts the barrier instead
+
+
 class Fake(FakeTransports):
     """tests/test_seams.py's fake (any factory not named here is refused) with the
     exchanges above, by tag."""
 
     def __init__(self, peers: Peers, rank: int) -> None:
         super().__init__(peers, rank)  # type: ignore[arg-type]
+        self._channels: list[str] = []
 
     def allreduce(self, name: str, numel: int, dtype: torch.dtype = torch.float32, op: str = "mean", *,
                   tag: str = "grads") -> TaggedAllreduce:
@@ -190,6 +252,29 @@ class Fake(FakeTransports):
         self.asked.append(f"bucket_reducer {name} {op} {len(buckets)} buckets")
         assert op == "mean"
         return FakeBuckets(self.world, self.rank, numel, buckets, dtype, tag)
+
+    def accumulator(self, numel: int, dtype: torch.dtype, layers: int, *, tag: str = "cpu_acc") -> SharedAccumulator:
+        """The fabric's own accumulator (its layout, its critical counters), on memory the
+        peer threads share."""
+        self.asked.append(f"accumulator {layers} layers")
+        return SharedAccumulator(ThreadHost(self.world, self.rank), numel, dtype, layers,  # type: ignore[arg-type]
+                                 tag=tag)
+
+    def channel(self, name: str) -> int:
+        self.asked.append(f"channel {name}")
+        if name not in self._channels:
+            self._channels.append(name)
+        return self._channels.index(name)
+
+    def control(self, group: Any = None) -> FakeControl:
+        assert group is None
+        if "control" not in self.asked:
+            self.asked.append("control")
+        return FakeControl(self.world)
+
+    def host_combiner(self, order, tensor, done, *, ready=None, name: str = "combiner") -> None:
+        self.asked.append("host_combiner")
+        return None  # one host: no other host's leader to combine with (as the real one)
 
 
 def _data(peers: int, steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,3 +463,17 @@ def test_ssgd_overlap_through_a_fake_bucket_reducer_equals_single_process_sgd() 
         assert len(asked[rank]) == 1 and asked[rank][0].startswith("bucket_reducer shm mean")
         assert int(asked[rank][0].split()[3]) > 1  # several buckets: the hooks launch them
         assert _close(finals[rank], want), rank
+
+
+def test_cpu_acc_through_a_fake_host_accumulator_equals_single_process_sgd() -> None:
+    """TRL Algorithm 5/6: each gradient handed to an accumulator thread as backward makes
+    it, summed into the host's sum under the layer's critical counter (the fabric's own,
+    on memory the peer threads share), the mean read back: SGD on the union batch."""
+    data = _data(PEERS)
+    finals, asked = run_peers("cpu_acc", {}, PEERS, data)
+    want = _union_sgd(data)
+    for rank in range(PEERS):
+        assert asked[rank] == ["accumulator 4 layers", "channel cpu_acc.accumulated", "host_combiner",
+                               "control"], asked[rank]
+        assert _close(finals[rank], want), rank
+    assert _moved(want)

@@ -154,7 +154,7 @@ class FakeTransports:
         return _PeerAllreduce(self.world, self.rank)
 
     def __getattr__(self, name: str):
-        raise AssertionError(f"ssgd asked the fake transports for {name}")
+        raise AssertionError(f"the strategy asked the fake transports for {name}")
 
 
 def _net() -> nn.Module:
