@@ -113,6 +113,10 @@ class FakeTransports:
         exchange = self.world.exchange(tag, group, members, numel, dtype)
         return _PeerAllreduce(self.world, exchange, self.rank, across=False)
 
+    def host_allreduce(self, numel: int, dtype: torch.dtype = torch.float32, op: str = "mean", *,
+                       tag: str = "host") -> _PeerAllreduce:
+        return self.group_allreduce(self.rank // self.world.local, numel, dtype, op, tag=tag)
+
     def __getattr__(self, name: str):
         raise AssertionError(f"the strategy asked the fake transports for {name}")
 
@@ -149,7 +153,7 @@ def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, ho
     def peer(rank: int) -> None:
         try:
             model = models[rank]
-            ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=hosts, host=rank // world.local)
+            ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=hosts)
             engine = cls(config, ctx, model, _inner(model), PhaseTimer(), transports=FakeTransports(world, rank))
             engines[rank] = engine
             for step in range(steps):

@@ -20,8 +20,11 @@ STRATEGIES = Path(shmtrain.strategies.__file__).parent
 #: fabric classes a strategy may build: value types with no peer behind them (a flat view
 #: of the parameters; the device copies, made in the base's ``make_staging``; the seam)
 VALUE_TYPES = {"FlatLayout", "HostStaging", "Transports"}
-#: calls that build transports: allocating host memory, making process groups
-BUILDERS = {("host", "allocate"), ("dist", "new_group"), ("dist", "all_reduce"), ("dist", "all_gather_object")}
+#: calls that build transports: making process groups
+BUILDERS = {("dist", "new_group"), ("dist", "all_reduce"), ("dist", "all_gather_object")}
+#: the host's services (a host's or a group's segments, control-block words, barriers): a
+#: strategy reaches them through its transports only, never on the host or a group itself
+HOST_SERVICES = {"allocate", "control", "barrier", "channel"}
 
 
 def _violations(path: Path) -> list[str]:
@@ -45,10 +48,21 @@ def _violations(path: Path) -> list[str]:
                     and func.id not in VALUE_TYPES:
                 found.append(f"builds {func.id} (line {node.lineno})")
             if isinstance(func, ast.Attribute):
-                owner = func.value.attr if isinstance(func.value, ast.Attribute) else getattr(func.value, "id", "")
+                owner = _name(func.value)
                 if (owner, func.attr) in BUILDERS:
                     found.append(f"calls {owner}.{func.attr} (line {node.lineno})")
+        if isinstance(node, ast.Attribute):
+            owner = _name(node.value)
+            if node.attr == "host" and owner == "ctx":
+                found.append(f"reaches ctx.host (line {node.lineno})")
+            if node.attr in HOST_SERVICES and owner != "transports":
+                found.append(f"uses {owner}.{node.attr} instead of the transports' (line {node.lineno})")
     return [f"{path.relative_to(STRATEGIES.parent)}: {v}" for v in found]
+
+
+def _name(node: ast.expr) -> str:
+    """The last name of ``a.b.c`` (``c``), of ``a`` (``a``); "" for anything else."""
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
 def test_no_strategy_builds_a_fabric_object_or_imports_a_private_name() -> None:
@@ -69,7 +83,26 @@ def test_the_check_catches_a_strategy_that_builds_its_own_transport(tmp_path: Pa
         problems = _violations(bad)
     finally:
         bad.unlink()
-    assert len(problems) == 5, problems
+    assert len(problems) == 7, problems  # and ctx.host twice (the allocate, the window)
+
+
+def test_the_check_catches_a_strategy_that_reaches_the_host_or_its_group_directly() -> None:
+    bad = STRATEGIES / "_seam_probe.py"
+    try:
+        bad.write_text("def f(self, ctx, gh):\n"
+                       "    self.group_host.allocate('w', 64)\n"
+                       "    gh.control.post(0, 0, 1)\n"
+                       "    control = self.ctx.host\n"
+                       "    self.transports.barrier('fine')\n"
+                       "    self.transports.control(gh).post(0, 0, 1)\n"
+                       "    return control.barrier('x')\n")
+        problems = _violations(bad)
+    finally:
+        bad.unlink()
+    found = sorted(p.split(": ", 1)[1] for p in problems)
+    assert found == ["reaches ctx.host (line 4)", "uses control.barrier instead of the transports' (line 7)",
+                     "uses gh.control instead of the transports' (line 3)",
+                     "uses group_host.allocate instead of the transports' (line 2)"], problems
 
 
 class _PeerAllreduce:
@@ -81,7 +114,7 @@ class _PeerAllreduce:
         self.world, self.rank, self.count = world, rank, 0
 
     def input(self, step: int | None = None) -> torch.Tensor:
-        return self.world.slots[self.rank][(self.count if step is None else step) % 2]
+        return self.world.slots[self.rank][(self.count + 1 if step is None else step) % 2]
 
     def result(self, step: int | None = None) -> torch.Tensor:
         return self.world.results[(self.count if step is None else step) % 2]
@@ -121,7 +154,7 @@ class FakeTransports:
         return _PeerAllreduce(self.world, self.rank)
 
     def __getattr__(self, name: str):
-        raise AssertionError(f"ssgd asked the fake transports for {name}")
+        raise AssertionError(f"the strategy asked the fake transports for {name}")
 
 
 def _net() -> nn.Module:

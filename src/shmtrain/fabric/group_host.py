@@ -30,6 +30,10 @@ class _GroupControl:
     def wait(self, channel: int, ranks, target: int, *, timeout: float, what: str) -> None:
         self._control.wait(channel, [self._members[r] for r in ranks], target, timeout=timeout, what=what)
 
+    def check_peers(self, me: int, what: str) -> None:
+        """Raise if a peer of the host died or the host aborted (``me``: a group rank)."""
+        self._control.check_peers(self._members[me], what)
+
 
 class GroupHost:
     """One group of a host's workers, shaped like :class:`HostGroup` so the host's

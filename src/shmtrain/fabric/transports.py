@@ -3,7 +3,9 @@
 A strategy never builds a transport itself; it is handed a :class:`Transports` (built
 from its :class:`ProcessContext` when none is given) and asks it for an allreduce
 (``--allreduce``), a bucket reducer (``ssgd --overlap``), the buffer service (SMB-API)
-or the parameter-server star exchange. Tests and other deployments pass their own (a
+or the parameter-server star exchange; it reaches the host's services through it too
+(segments, the control block's words, barriers), never through ``ctx.host``
+(``tests/test_seams.py`` checks both). Tests and other deployments pass their own (a
 remote buffer service, an in-process fake): hivemind passes ``p2p`` into its
 ``AllReduceRunner`` and torchft the process group into its ``Manager`` the same way.
 
@@ -70,6 +72,16 @@ class StarExchange(Protocol):
     def close(self) -> None: ...
 
 
+class Control(Protocol):
+    """Sequence words of a control block (:class:`~shmtrain.fabric.control.ControlBlock`):
+    one per channel and rank, written only by its rank, waited on with a futex."""
+
+    def post(self, channel: int, rank: int, value: int) -> None: ...
+    def get(self, channel: int, rank: int) -> int: ...
+    def wait(self, channel: int, ranks, target: int, *, timeout: float, what: str) -> None: ...
+    def check_peers(self, me: int, what: str) -> None: ...
+
+
 #: the buffer services :func:`open_buffer_service` knows
 BUFFER_SERVICES = ("local", "remote")
 
@@ -129,6 +141,18 @@ class Transports:
         from shmtrain.fabric.shm_allreduce import ShmAllreduce
 
         return ShmAllreduce(group, numel, dtype=dtype, op=op, tag=tag)
+
+    def host_allreduce(
+        self,
+        numel: int,
+        dtype: torch.dtype = torch.float32,
+        op: Literal["mean", "sum"] = "mean",
+        *,
+        tag: str = "host",
+    ) -> Allreduce:
+        """The shared-memory allreduce among this host's workers only (no other host's:
+        ``diloco --inner host-sync``'s inner steps)."""
+        return self.group_allreduce(self.ctx.host, numel, dtype, op, tag=tag)
 
     def bucket_reducer(
         self,
@@ -190,18 +214,33 @@ class Transports:
         return open_star(self.ctx, name, tag, numel, dtype, init)
 
     # -- host memory and words of the host's control block -----------------------------
-    def segment(self, tag: str, nbytes: int, init: Callable[[SharedSegment], None] | None = None) -> SharedSegment:
+    def segment(self, tag: str, nbytes: int, init: Callable[[SharedSegment], None] | None = None, *,
+                group: GroupHost | None = None) -> SharedSegment:
         """A shared segment of this host, ``nbytes`` rounded up to whole pages, mapped by
-        every local rank (collective on the host; ``init`` runs once, on its creator)."""
+        every local rank (collective on the host; ``init`` runs once, on its creator); with
+        ``group`` (a :meth:`group_host`), one segment per group of the host, this worker's
+        group's returned (still collective on the whole host)."""
         from shmtrain.fabric.segment import align
         from shmtrain.fabric.stitch import PAGE
 
-        return self.ctx.host.allocate(tag, align(nbytes, PAGE), init)
+        return (group or self.ctx.host).allocate(tag, align(nbytes, PAGE), init)
 
     def channel(self, name: str) -> int:
         """A sequence word per local rank in the host's control block (``post``/``wait``
-        through ``ctx.host.control``)."""
+        through :meth:`control`)."""
         return self.ctx.host.channel(name)
+
+    def control(self, group: GroupHost | None = None) -> Control:
+        """The words of the host's control block: ``post(channel, rank, value)``,
+        ``get(channel, rank)``, ``wait(channel, ranks, target, timeout=, what=)`` by local
+        rank, and ``check_peers(me, what)`` (raises if a peer died or the host aborted);
+        with ``group`` (a :meth:`group_host`), the same words by rank in the group."""
+        return group.control if group is not None else self.ctx.host.control
+
+    def barrier(self, what: str) -> None:
+        """Sleep until every worker of this host has reached this barrier (``what`` names
+        it in a timeout's message)."""
+        self.ctx.host.barrier(what)
 
     def group_host(self, group_size: int) -> GroupHost:
         """This worker's group of ``group_size`` consecutive local ranks, with a host's

@@ -15,7 +15,8 @@ Three seams (docs/architecture.md):
 
 - **Transport**: a strategy gets its allreduce, bucket reducer, buffer service and star
   exchange from the :class:`shmtrain.fabric.transports.Transports` it is handed (built
-  from the context when none is passed); ``hosts_reason(config)`` says, from the
+  from the context when none is passed), and the host's segments, control-block words
+  and barriers too (never ``ctx.host``); ``hosts_reason(config)`` says, from the
   transport the config chooses, whether the job may span hosts.
 - **State**: ``state_dict()`` / ``load_state_dict()`` hold what the strategy adds to the
   model's and optimizer's state (iteration counters, buffers it owns); ``quiesce()``

@@ -70,9 +70,8 @@ class CPUAccumulation(Strategy):
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
-        host = ctx.host
-        self.world = host.local_world
-        self.me = host.local_rank
+        self.world = ctx.local_world
+        self.me = ctx.local_rank
         self.layout = layout = FlatLayout(self.params)
         self.num_layers = n = len(self.params)
         start = time.perf_counter()
@@ -193,7 +192,7 @@ class CPUAccumulation(Strategy):
         self._accumulate_s[layer] = time.perf_counter() - entered
         self.critical.release(layer, count + 1)
         self._done_total += 1
-        self.ctx.host.control.post(self._accumulated, self.me, self._done_total)
+        self.transports.control().post(self._accumulated, self.me, self._done_total)
 
     # -- across hosts: the leader's combiner thread (HostCombiner) -------------------
     def _host_sum_ready(self, layer: int, k: int, check) -> None:
@@ -239,10 +238,10 @@ class CPUAccumulation(Strategy):
             raise self._error
         if self._combiner is not None:
             self._combiner.check()
-        self.ctx.host.control.check_peers(self.me, "gradient accumulation")
+        self.transports.control().check_peers(self.me, "gradient accumulation")
 
     def _laggards(self) -> str:
-        control = self.ctx.host.control
+        control = self.transports.control()
         expected = self.num_layers * (self.steps + 1)
         late = [r for r in range(self.world) if control.get(self._accumulated, r) < expected]
         if not late and self._per_round > self.world:

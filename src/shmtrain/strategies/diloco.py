@@ -43,7 +43,7 @@ import torch
 from shmtrain.fabric.control import PeerTimeout
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
-from shmtrain.strategies.ssgd.slots import SlotGradients
+from shmtrain.strategies.parts import SlotGradients
 
 #: the dtypes of the pseudo-gradient exchange
 OUTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -323,8 +323,8 @@ class HostSyncDiLoCo(SlotGradients, DiLoCo):
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         #: the host's gradient allreduce (SlotGradients' ``allreduce``)
-        self.allreduce = self.transports.group_allreduce(
-            ctx.host, self.layout.numel, self.layout.dtype, op="mean", tag="diloco.host")
+        self.allreduce = self.transports.host_allreduce(
+            self.layout.numel, self.layout.dtype, op="mean", tag="diloco.host")
         self.bind_slots()
 
     def finish(self) -> None:

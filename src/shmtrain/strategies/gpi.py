@@ -104,9 +104,8 @@ class GPI(Strategy):
         # the parameters live in host shared memory (the peers write into them): CPU only,
         # refused otherwise by the base (``devices``)
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
-        host = ctx.host
-        self.world = host.local_world
-        self.me = me = host.local_rank
+        self.world = ctx.local_world
+        self.me = me = ctx.local_rank
         self.layout = layout = FlatLayout(self.params)
         numel, dtype = layout.numel, layout.dtype
         self.layer_bytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -126,10 +125,10 @@ class GPI(Strategy):
             area.copy_(layout.gather())
             self._weights = layout.views(area)
             self.staging.register(area)
-        host.barrier("gpi set-up")
+        self.transports.barrier("gpi set-up")
         if me != 0:  # one broadcast of the initial weights, from the root's area
             area.copy_(tree.weights(0, dtype, numel))
-        host.barrier("gpi initial weights")
+        self.transports.barrier("gpi initial weights")
         if self.staging is not None and me != 0:
             layout.scatter(area)
         if self.parent >= 0:

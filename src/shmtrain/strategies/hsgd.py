@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shmtrain.fabric.segment import align
 from shmtrain.strategies.base import register
 from shmtrain.strategies.eq8 import Eq8Metrics
+from shmtrain.strategies.parts import SlotGradients
 from shmtrain.strategies.seasgd import ElasticExchange
 from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
-from shmtrain.strategies.ssgd.slots import SlotGradients
 
 
 @register
@@ -121,7 +120,7 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
         self.group_host = self.transports.group_host(size)  # this worker's group of the host
         self.is_root = self.group_host.local_rank == 0
         itemsize = torch.empty((), dtype=self.layout.dtype).element_size()
-        segment = self.group_host.allocate("hsgd.weights", align(self.layout.numel * itemsize))
+        segment = self.transports.segment("hsgd.weights", self.layout.numel * itemsize, group=self.group_host)
         self._weights_segment = segment
         shared = segment.tensor(self.layout.dtype, 0, self.layout.numel)
         self.group_weights = shared
@@ -151,10 +150,10 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
             if gh.local_world > 1:
                 if self.staged:  # the members copy the root's weights from the group's segment
                     self.group_weights.copy_(self.weights)
-                gh.control.post(self._broadcast, 0, self._exchanges)
+                self.transports.control(gh).post(self._broadcast, 0, self._exchanges)
             return
         with self.timer.phase("broadcast"):
-            gh.control.wait(
+            self.transports.control(gh).wait(
                 self._broadcast, [0], self._exchanges, timeout=gh.timeout, what="the group root's weights"
             )
             self.weights.copy_(self.group_weights)
@@ -170,14 +169,14 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
         if self.is_root:
             stop = self.termination.decide(self.iteration, self.target_iterations)
             if gh.local_world > 1:
-                gh.control.post(self._decision, 0, 2 * self.iteration + int(stop))
+                self.transports.control(gh).post(self._decision, 0, 2 * self.iteration + int(stop))
             return stop
         if self.termination.stopped:
             return True
-        gh.control.wait(
+        self.transports.control(gh).wait(
             self._decision, [0], 2 * self.iteration, timeout=gh.timeout, what="the group root's decision"
         )
-        if gh.control.get(self._decision, 0) == 2 * self.iteration + 1:
+        if self.transports.control(gh).get(self._decision, 0) == 2 * self.iteration + 1:
             self.termination.mark_done(self.iteration)
             return True
         return False

@@ -33,83 +33,20 @@ worker then copies ``server`` into its parameters (``copy_to_device``).
 
 The exchange itself (slots, sequence words, gloo among hosts, or the gloo star) is
 :mod:`shmtrain.fabric.star`, asked of the transports with ``--ps-transport``; what both
-parameter servers share here is their configuration and the phase timer (:func:`ps_phase`).
+parameter servers share (their configuration, the release of the star, the phase timer
+:func:`ps_phase`) is :class:`~shmtrain.strategies.parts.ParameterServer` in ``parts.py``.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 
 from shmtrain.fabric.flat import FlatLayout
-from shmtrain.fabric.star import TRANSPORTS, StarTransport
-from shmtrain.strategies.base import Strategy, StrategyConfig, register
-from shmtrain.timing import PhaseTimer
-
-#: the values of ``--ps-transport`` (:func:`shmtrain.fabric.star.open_star`)
-PS_TRANSPORTS = TRANSPORTS
-#: the phases a parameter-server round reports (PS-TIMING, SHM-Learn-Dist Figs. 6.4-6.6)
-PS_PHASES = ("gather", "average", "broadcast")
-
-
-@dataclass(kw_only=True, slots=True)
-class ParameterServerConfig(StrategyConfig):
-    """Options of both parameter servers (``ps_grad``, ``ps_weight``)."""
-
-    #: how gradients / weights reach the server: "shm" (shared-memory slots inside a host,
-    #: gloo gather/broadcast among hosts) or "gloo" (torch.distributed gather/broadcast for
-    #: every worker: the Caffe-MPI star of ShmCaffe Section IV-C)
-    ps_transport: StarTransport = field(default="shm", metadata={"help": (
-        "how the parameter server gathers and broadcasts: shm (shared memory in a host, "
-        "gloo among hosts) or gloo (torch.distributed gather/broadcast: the Caffe-MPI star)")})
-
-    def __post_init__(self) -> None:
-        if self.ps_transport not in PS_TRANSPORTS:
-            raise ValueError(
-                f"--ps-transport {self.ps_transport!r} is not a transport; choose "
-                f"{' or '.join(PS_TRANSPORTS)} (shm: shared memory inside a host; gloo: "
-                "torch.distributed gather/broadcast, the Caffe-MPI baseline)"
-            )
-
-
-@contextmanager
-def ps_phase(timer: PhaseTimer, name: str) -> Iterator[None]:
-    """Time one PS-TIMING phase (``gather``, ``average``, ``broadcast``) and add it to
-    ``comm``, the total of the parameter exchange."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds = time.perf_counter() - start
-        timer.add(name, seconds)
-        timer.add("comm", seconds)
-
-
-class ParameterServer(Strategy):
-    """What both parameter servers share: the star exchange (``self.star``), the flat
-    weights (``self.weights``, bound to ``self.layout``) and its staging."""
-
-    star: Any
-    weights: torch.Tensor
-    layout: FlatLayout
-    staging: Any = None
-
-    def release_weights(self) -> None:
-        """Close the staging and the star, giving the model private copies of its weights
-        first, so it outlives the shared buffers (staged: the GPU holds them already)."""
-        own = self.weights.clone() if self.staging is None else None
-        if self.staging is not None:
-            self.staging.close()
-        self.star.close()
-        if own is not None:
-            self.layout.bind_data(own, copy=False)
-            self.weights = own
+from shmtrain.strategies.base import register
+from shmtrain.strategies.parts import ParameterServer, ParameterServerConfig, ps_phase
 
 
 @register

@@ -33,7 +33,7 @@ from typing import Any
 
 from shmtrain.fabric.flat import FlatLayout
 from shmtrain.strategies.base import Strategy, register
-from shmtrain.strategies.ps_grad import ParameterServer, ParameterServerConfig, ps_phase
+from shmtrain.strategies.parts import ParameterServer, ParameterServerConfig, ps_phase
 
 
 @register

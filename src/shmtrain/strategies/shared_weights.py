@@ -263,4 +263,4 @@ class SharedWeightsStrategy(Strategy):
         super().load_state_dict(state)
         if self.service.rank == MASTER:
             self.service.write(self.global_weights, state["global_weights"])
-        self.ctx.host.barrier("global weights restored")
+        self.transports.barrier("global weights restored")

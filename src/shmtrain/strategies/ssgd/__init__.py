@@ -24,10 +24,10 @@ import torch
 from shmtrain.fabric.collectives.reducers import AllreduceChoice
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
+from shmtrain.strategies.parts import CastSlotGradients, SlotGradients
 from shmtrain.strategies.ssgd.nccl import NcclSSGD
 from shmtrain.strategies.ssgd.overlap import OverlapSSGD
 from shmtrain.strategies.ssgd.sharded import ShardedSSGD
-from shmtrain.strategies.ssgd.slots import CastSlotGradients, SlotGradients
 
 #: ``--allreduce``: the collectives' choices, and NCCL (the GPU baseline, :mod:`.nccl`)
 AllreduceName = Literal[AllreduceChoice, "nccl"]

@@ -27,7 +27,7 @@ import torch
 
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy
-from shmtrain.strategies.ssgd.slots import SlotGradients
+from shmtrain.strategies.parts import SlotGradients
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -73,7 +73,6 @@ class ShardedSSGD(SlotGradients, Strategy):
         check_optimizer(optimizer)
         self.layout = layout = FlatLayout(self.params)
         broadcast_parameters(layout)
-        host = self.host = ctx.host
         itemsize = torch.empty((), dtype=layout.dtype).element_size()
         initial = layout.gather()
 
@@ -87,7 +86,7 @@ class ShardedSSGD(SlotGradients, Strategy):
         self.allreduce = self.transports.allreduce(
             "shm", layout.numel, layout.dtype, op="mean", tag="grads"
         )
-        self.lo, self.hi = self.allreduce.chunks[host.local_rank]
+        self.lo, self.hi = self.allreduce.chunks[ctx.local_rank]
         self._runs = self._group_runs(optimizer)
         #: momentum of this rank's chunk only (None until the first step, as in SGD)
         self.momentum: torch.Tensor | None = None
@@ -117,7 +116,7 @@ class ShardedSSGD(SlotGradients, Strategy):
     def apply_update(self) -> None:
         """SGD on this rank's chunk (torch.optim.SGD's formulas), then wait for every chunk."""
         step = self.allreduce.count
-        grads = self.allreduce.slots[step % 2][self.host.local_rank][self.lo : self.hi]
+        grads = self.allreduce.slots[step % 2][self.ctx.local_rank][self.lo : self.hi]
         weights = self.weights[self.lo : self.hi]
         first = self.momentum is None
         if first and any(g["momentum"] != 0 for _, _, g in self._runs):
@@ -125,10 +124,10 @@ class ShardedSSGD(SlotGradients, Strategy):
         with torch.no_grad():
             for a, b, group in self._runs:
                 self._update(weights[a:b], grads[a:b], a, b, group, first)
-        control = self.host.control
-        control.post(self._updated, self.host.local_rank, step)
+        control = self.transports.control()
+        control.post(self._updated, self.ctx.local_rank, step)
         with self.timer.phase("update_wait"):  # inside "update": not added to "comm"
-            control.wait(self._updated, self.host.ranks, step, timeout=self.host.timeout,
+            control.wait(self._updated, range(self.ctx.local_world), step, timeout=self.ctx.timeout,
                          what="sharded update")
 
     def _update(self, p: torch.Tensor, g: torch.Tensor, a: int, b: int, group: dict, first: bool) -> None:
@@ -178,7 +177,7 @@ class ShardedSSGD(SlotGradients, Strategy):
             )
         saved = state.get("momentum")
         self.momentum = None if saved is None else saved.clone()
-        self.host.barrier("sharded-update state load")
+        self.transports.barrier("sharded-update state load")
 
     def finish(self) -> None:
         """Give the model private weights again (the shared segment is the fabric's)."""

@@ -1,5 +1,9 @@
-"""Gradients that live in the allreduce's own slots: the part of synchronous SGD that
-``ssgd`` and ``ssgd --sharded-update`` share.
+"""The parts several strategies are built from (one home, so a strategy that uses one
+imports no other strategy and registers nothing as a side effect).
+
+Gradients in the allreduce's own slots (:class:`SlotGradients`,
+:class:`CastSlotGradients`): the part of synchronous SGD that ``ssgd``, ``ssgd
+--sharded-update``, ``hsgd``'s groups and ``diloco --inner host-sync`` share.
 
 Zero copy in: before backward, ``param.grad`` are views of this worker's (zeroed) input
 slot, so autograd writes the gradients straight into shared memory. Zero copy out: after
@@ -16,17 +20,26 @@ the host allreduce runs, and the mean goes back into ``param.grad`` on the
 host-to-device stream, which the optimizer's stream waits for (a stream wait). The
 copies' device times are the phases ``copy_to_host`` and ``copy_to_device`` (TRL
 Table 4), outside ``comm``.
+
+The parameter server (:class:`ParameterServer`, :class:`ParameterServerConfig`,
+:func:`ps_phase`): what ``ps_grad`` (SHM-Learn-Dist eq. 2.1) and ``ps_weight`` (eq. 2.2)
+share: the star exchange's options, its release, and the PS-TIMING phases.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from shmtrain.fabric.flat import FlatLayout
 from shmtrain.fabric.staging import Copy, HostStaging
+from shmtrain.fabric.star import TRANSPORTS, StarTransport
+from shmtrain.strategies.base import Strategy, StrategyConfig
 from shmtrain.timing import PhaseTimer
 
 
@@ -143,3 +156,63 @@ class CastSlotGradients(SlotGradients):
 
     def after_update(self) -> None:
         super(SlotGradients, self).after_update()  # type: ignore[misc]
+
+
+#: the values of ``--ps-transport`` (:func:`shmtrain.fabric.star.open_star`)
+PS_TRANSPORTS = TRANSPORTS
+#: the phases a parameter-server round reports (PS-TIMING, SHM-Learn-Dist Figs. 6.4-6.6)
+PS_PHASES = ("gather", "average", "broadcast")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParameterServerConfig(StrategyConfig):
+    """Options of both parameter servers (``ps_grad``, ``ps_weight``)."""
+
+    #: how gradients / weights reach the server: "shm" (shared-memory slots inside a host,
+    #: gloo gather/broadcast among hosts) or "gloo" (torch.distributed gather/broadcast for
+    #: every worker: the Caffe-MPI star of ShmCaffe Section IV-C)
+    ps_transport: StarTransport = field(default="shm", metadata={"help": (
+        "how the parameter server gathers and broadcasts: shm (shared memory in a host, "
+        "gloo among hosts) or gloo (torch.distributed gather/broadcast: the Caffe-MPI star)")})
+
+    def __post_init__(self) -> None:
+        if self.ps_transport not in PS_TRANSPORTS:
+            raise ValueError(
+                f"--ps-transport {self.ps_transport!r} is not a transport; choose "
+                f"{' or '.join(PS_TRANSPORTS)} (shm: shared memory inside a host; gloo: "
+                "torch.distributed gather/broadcast, the Caffe-MPI baseline)"
+            )
+
+
+@contextmanager
+def ps_phase(timer: PhaseTimer, name: str) -> Iterator[None]:
+    """Time one PS-TIMING phase (``gather``, ``average``, ``broadcast``) and add it to
+    ``comm``, the total of the parameter exchange."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - start
+        timer.add(name, seconds)
+        timer.add("comm", seconds)
+
+
+class ParameterServer(Strategy):
+    """What both parameter servers share: the star exchange (``self.star``), the flat
+    weights (``self.weights``, bound to ``self.layout``) and its staging."""
+
+    star: Any
+    weights: torch.Tensor
+    layout: FlatLayout
+    staging: Any = None
+
+    def release_weights(self) -> None:
+        """Close the staging and the star, giving the model private copies of its weights
+        first, so it outlives the shared buffers (staged: the GPU holds them already)."""
+        own = self.weights.clone() if self.staging is None else None
+        if self.staging is not None:
+            self.staging.close()
+        self.star.close()
+        if own is not None:
+            self.layout.bind_data(own, copy=False)
+            self.weights = own
