@@ -9,11 +9,22 @@
  * cost of the Python path (tensor operations, numpy word access, the wait loop:
  * ~20-35 us per call), which made small messages lose to MPICH's compiled path.
  *
- * Waiting: spin (mode 0) or yield the core (mode 1) briefly, then sleep on the futex.
- * A sleeper announces the word it sleeps on in its own line of the pipeline segment
- * (seq_cst store, then re-read the word); a poster stores the word (seq_cst) and then
- * reads every announcement: one of the two always sees the other, so no wake-up is
- * lost. Posters also honour the control block's own sleeper lines (Python waiters).
+ * Algorithms (allreduce_plan.py chooses): all-read (one hand-off per block), and the
+ * split reduce-scatter + all-gather (two hand-offs): rank r copies in every chunk but its
+ * own, sums chunk r of the L inputs in rank order (its own row straight from its tensor)
+ * into the result ring and its tensor, then copies the other chunks of the result out.
+ * The "reduced" channel carries 2 * seq (2 * seq - 1 is the Python two-level path's
+ * partial sums), so its words grow with seq whatever algorithm each call took.
+ *
+ * Waiting: a hand-off waits for all L words at once, never one sleep per peer in a row.
+ * Spin (mode 0) or yield the core (mode 1) briefly while scanning every word, then sleep
+ * on the hand-off's completion word. Every poster stores its word (seq_cst) and reads
+ * the others': the last poster sees them all, stores the completion word and wakes its
+ * sleepers with one system call, so a waiter sleeps and wakes at most once per hand-off.
+ * A sleeper announces the completion word in its own line of the pipeline segment
+ * (seq_cst store, then re-read it); the completer stores it and then reads every
+ * announcement: one of the two always sees the other, so no wake-up is lost. Posters
+ * also honour the control block's own sleeper lines (Python waiters).
  *
  * The C side never decides about failures: when a wait has used its time budget it
  * returns 1 (the Python caller checks aborts, peer liveness and the timeout, then
@@ -27,6 +38,7 @@
 #include <unistd.h>
 #include <sys/syscall.h>
 #include <linux/futex.h>
+#include <pthread.h>
 
 #define RING 2
 #define MAXL 64
@@ -38,7 +50,8 @@ struct plan {
     float *ring;         /* RING x L x per floats */
     float *results;      /* RING x per floats (split path) */
     int32_t *ctrl;       /* the host's control block, as int32 words */
-    int32_t *announce;   /* L lines of LINE_I32 words: the word index + 1 a rank sleeps on */
+    int32_t *announce;   /* L lines of LINE_I32 words: -(1 + completion word) a rank sleeps on */
+    int32_t *done;       /* completion words: posted at 0, reduced at LINE_I32 */
     int64_t per;         /* elements per block */
     int32_t posted[MAXL];    /* index in ctrl of each rank's word of the "posted" channel */
     int32_t reduced[MAXL];   /* ... of the "reduced" channel (split path) */
@@ -86,68 +99,83 @@ static void futex_wake(int32_t *word) {
     syscall(SYS_futex, word, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
 }
 
-static void post(const struct plan *p, int32_t idx, uint32_t value) {
+/* Store this rank's word of a channel; if that completes the hand-off (every rank's word
+ * of the channel has reached value), store the completion word and wake its sleepers. */
+static void post(const struct plan *p, const int32_t *words, int32_t *done, uint32_t value) {
+    int32_t idx = words[p->me];
     __atomic_store_n(p->ctrl + idx, (int32_t)value, __ATOMIC_SEQ_CST);
-    for (int r = 0; r < p->L; r++) {
-        int32_t a = __atomic_load_n(p->announce + r * LINE_I32, __ATOMIC_SEQ_CST);
+    for (int r = 0; r < p->L; r++) { /* Python waiters on this word (other paths' threads) */
         int32_t s = __atomic_load_n(p->ctrl + p->sleepers[r], __ATOMIC_SEQ_CST);
-        if (a == idx + 1 || s == idx + 1 || s == ANY) {
+        if (s == idx + 1 || s == ANY) {
             futex_wake(p->ctrl + idx);
+            break;
+        }
+    }
+    for (int r = 0; r < p->L; r++)
+        if (!reached(__atomic_load_n(p->ctrl + words[r], __ATOMIC_SEQ_CST), value))
+            return; /* not the last: the last poster completes the hand-off */
+    int32_t tag = -(int32_t)(1 + (done - p->done));
+    int32_t old = __atomic_load_n(done, __ATOMIC_SEQ_CST);
+    if (!reached(old, value)) /* several completers may store the same value */
+        __atomic_store_n(done, (int32_t)value, __ATOMIC_SEQ_CST);
+    for (int r = 0; r < p->L; r++) {
+        if (__atomic_load_n(p->announce + r * LINE_I32, __ATOMIC_SEQ_CST) == tag) {
+            futex_wake(done);
             return;
         }
     }
 }
 
-/* 0: reached; 1: budget used up (the caller checks and calls again); -1: aborted. */
-static int wait_word(const struct plan *p, int32_t idx, uint32_t target, double deadline) {
-    int32_t *word = p->ctrl + idx;
-    if (reached(__atomic_load_n(word, __ATOMIC_ACQUIRE), target))
+static int all_reached(const struct plan *p, const int32_t *words, uint32_t target, int *late) {
+    for (int r = 0; r < p->L; r++) {
+        if (!reached(__atomic_load_n(p->ctrl + words[r], __ATOMIC_ACQUIRE), target)) {
+            *late = r;
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Wait until every rank's word of a channel reached target: 0; 1: budget used up (the
+ * caller checks and calls again; s->waiting names a rank not there yet); -1: aborted. */
+static int wait_all(const struct plan *p, const int32_t *words, int32_t *done, uint32_t target,
+                    double deadline, struct progress *s) {
+    int late = 0;
+    if (reached(__atomic_load_n(done, __ATOMIC_ACQUIRE), target) || all_reached(p, words, target, &late))
         return 0;
     if (p->mode == 0) {
         double stop = now_s() + p->spin_ns * 1e-9;
         for (int i = 0;; i++) {
-            if (reached(__atomic_load_n(word, __ATOMIC_ACQUIRE), target))
+            if (reached(__atomic_load_n(done, __ATOMIC_ACQUIRE), target) || all_reached(p, words, target, &late))
                 return 0;
-            if ((i & 63) == 63 && now_s() > stop)
+            if ((i & 15) == 15 && now_s() > stop)
                 break;
             cpu_relax();
         }
     } else if (p->mode == 1) {
         for (int i = 0; i < p->yields; i++) {
             sched_yield(); /* a runnable peer on this core posts first */
-            if (reached(__atomic_load_n(word, __ATOMIC_ACQUIRE), target))
+            if (reached(__atomic_load_n(done, __ATOMIC_ACQUIRE), target) || all_reached(p, words, target, &late))
                 return 0;
         }
     }
     int32_t *mine = p->announce + p->me * LINE_I32;
     double slice = 0.001;
     int rc;
-    __atomic_store_n(mine, idx + 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(mine, -(int32_t)(1 + (done - p->done)), __ATOMIC_SEQ_CST);
     for (;;) {
-        int32_t value = __atomic_load_n(word, __ATOMIC_SEQ_CST);
-        if (reached(value, target)) { rc = 0; break; }
+        int32_t value = __atomic_load_n(done, __ATOMIC_SEQ_CST);
+        if (reached(value, target) || all_reached(p, words, target, &late)) { rc = 0; break; }
         if (__atomic_load_n(p->ctrl + ABORT_WORD, __ATOMIC_ACQUIRE) != 0) { rc = -1; break; }
         double left = deadline - now_s();
         if (left <= 0) { rc = 1; break; }
-        futex_wait(word, value, slice < left ? slice : left);
+        futex_wait(done, value, slice < left ? slice : left);
         slice = slice * 2 < 0.05 ? slice * 2 : 0.05;
     }
     __atomic_store_n(mine, 0, __ATOMIC_SEQ_CST);
+    if (rc)
+        s->waiting = late;
     return rc;
-}
-
-static int wait_all(const struct plan *p, const int32_t *words, uint32_t target, double deadline,
-                    struct progress *s) {
-    for (int r = 0; r < p->L; r++) {
-        if (r == p->me)
-            continue;
-        int rc = wait_word(p, words[r], target, deadline);
-        if (rc) {
-            s->waiting = r;
-            return rc;
-        }
-    }
-    return 0;
 }
 
 /* ((s0 + s1) + s2) + ... in rank order: every rank computes the same bits. */
@@ -179,6 +207,32 @@ static void scale(float *restrict out, int64_t lo, int64_t hi, float factor) {
         out[i] *= factor;
 }
 
+/* This rank's chunk [lo, hi) of an m-element block split L ways, boundaries on 16
+ * elements (allreduce_plan.split). */
+static void chunk(int64_t m, int L, int me, int64_t *lo, int64_t *hi) {
+    int64_t part = (m + L - 1) / L;
+    part = (part + 15) / 16 * 16;
+    *lo = me * part < m ? me * part : m;
+    *hi = (me + 1) * part < m ? (me + 1) * part : m;
+}
+
+/* The split path's sum of chunk [lo, hi): rows in rank order, this rank's own row read
+ * from its tensor (it never went through the ring), into the result ring and the tensor. */
+static void sum_chunk(float *result, float *out, const float *slot, int64_t stride, int L, int me,
+                      int64_t lo, int64_t hi, int mean, float factor) {
+    const float *r0 = me == 0 ? out : slot, *r1 = me == 1 ? out : slot + stride;
+    for (int64_t i = lo; i < hi; i++)
+        result[i] = r0[i] + r1[i];
+    for (int j = 2; j < L; j++) {
+        const float *c = j == me ? out : slot + j * stride;
+        for (int64_t i = lo; i < hi; i++)
+            result[i] += c[i];
+    }
+    if (mean)
+        scale(result, lo, hi, factor);
+    memcpy(out + lo, result + lo, (size_t)(hi - lo) * sizeof(float));
+}
+
 /* Reduce data[0:n] in place. Returns 0 when done, 1 when a wait used up budget_s
  * (progress says where to resume), -1 on abort. */
 int shm_pipeline_f32(const struct plan *p, struct progress *s, float *data, int64_t n,
@@ -187,20 +241,29 @@ int shm_pipeline_f32(const struct plan *p, struct progress *s, float *data, int6
     const int64_t per = p->per;
     const double deadline = now_s() + budget_s;
     const float factor = 1.0f / (float)L;
+    int32_t *done_posted = p->done, *done_reduced = p->done + LINE_I32;
     while (s->pos < n) {
         int64_t m = n - s->pos < per ? n - s->pos : per;
         float *out = data + s->pos;
+        int64_t lo = 0, hi = m;
+        if (split)
+            chunk(m, L, me, &lo, &hi);
         if (s->phase == 0) {
             s->seq += 1;
-            float *slot = p->ring + (s->seq % RING) * L * per;
-            memcpy(slot + me * per, out, (size_t)m * sizeof(float));
-            post(p, p->posted[me], (uint32_t)s->seq);
+            float *row = p->ring + (s->seq % RING) * L * per + me * per;
+            if (split) { /* every chunk but this rank's own: the peers sum those */
+                memcpy(row, out, (size_t)lo * sizeof(float));
+                memcpy(row + hi, out + hi, (size_t)(m - hi) * sizeof(float));
+            } else {
+                memcpy(row, out, (size_t)m * sizeof(float));
+            }
+            post(p, p->posted, done_posted, (uint32_t)s->seq);
             s->phase = 1;
         }
         float *slot = p->ring + (s->seq % RING) * L * per;
         float *result = p->results + (s->seq % RING) * per;
         if (s->phase == 1) {
-            int rc = wait_all(p, p->posted, (uint32_t)s->seq, deadline, s);
+            int rc = wait_all(p, p->posted, done_posted, (uint32_t)s->seq, deadline, s);
             if (rc)
                 return rc;
             if (!split) {
@@ -211,23 +274,16 @@ int shm_pipeline_f32(const struct plan *p, struct progress *s, float *data, int6
                 s->phase = 0;
                 continue;
             }
-            /* split: this rank's 1/L of the block, boundaries on 16 elements */
-            int64_t part = (m + L - 1) / L;
-            part = (part + 15) / 16 * 16;
-            int64_t lo = me * part < m ? me * part : m;
-            int64_t hi = (me + 1) * part < m ? (me + 1) * part : m;
-            if (hi > lo) {
-                sum_rows(result, slot, per, L, lo, hi, slot + me * per, me);
-                if (mean)
-                    scale(result, lo, hi, factor);
-            }
-            post(p, p->reduced[me], (uint32_t)s->seq);
+            if (hi > lo)
+                sum_chunk(result, out, slot, per, L, me, lo, hi, mean, factor);
+            post(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq));
             s->phase = 2;
         }
-        int rc = wait_all(p, p->reduced, (uint32_t)s->seq, deadline, s);
+        int rc = wait_all(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq), deadline, s);
         if (rc)
             return rc;
-        memcpy(out, result, (size_t)m * sizeof(float));
+        memcpy(out, result, (size_t)lo * sizeof(float));
+        memcpy(out + hi, result + hi, (size_t)(m - hi) * sizeof(float));
         s->pos += m;
         s->phase = 0;
     }
@@ -251,4 +307,54 @@ void shm_sum_into_f32(float *own, const float *const *peers, int npeers, int64_t
             for (int64_t i = lo; i < hi; i++)
                 own[i] *= factor;
     }
+}
+
+/* The hand-off latency of the cost model (machine_model.py): a word passed back and
+ * forth between this thread and a second one, each waiting as a rank of the pipeline
+ * does (mode 0: spin, else sleep on the futex at once). Returns seconds per one-way
+ * hand-off, or -1 when no thread could be started. */
+struct pingpong { int32_t words[2]; int rounds; int spin; };
+
+static void pp_wait(int32_t *word, int32_t target, int spin) {
+    for (int i = 0;; i++) {
+        int32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (v >= target)
+            return;
+        if (!spin)
+            futex_wait(word, v, 0.01);
+        else if ((i & 4095) == 4095)
+            sched_yield(); /* the peer thread lost its core: let it run */
+        else
+            cpu_relax();
+    }
+}
+
+static void pp_post(int32_t *word, int32_t value, int spin) {
+    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    if (!spin)
+        futex_wake(word);
+}
+
+static void *pp_echo(void *arg) {
+    struct pingpong *pp = arg;
+    for (int i = 1; i <= pp->rounds; i++) {
+        pp_wait(&pp->words[0], i, pp->spin);
+        pp_post(&pp->words[1], i, pp->spin);
+    }
+    return NULL;
+}
+
+double shm_handoff_s(int rounds, int spin) {
+    struct pingpong pp = {{0, 0}, rounds, spin};
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, pp_echo, &pp) != 0)
+        return -1.0;
+    double start = now_s();
+    for (int i = 1; i <= rounds; i++) {
+        pp_post(&pp.words[0], i, spin);
+        pp_wait(&pp.words[1], i, spin);
+    }
+    double elapsed = now_s() - start;
+    pthread_join(thread, NULL);
+    return elapsed / rounds / 2;
 }
