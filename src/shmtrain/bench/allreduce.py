@@ -63,7 +63,7 @@ from shmtrain.bench.peers import (
     summarize,
     validate,
 )
-from shmtrain.fabric import native
+from shmtrain.fabric import machine_model, native
 from shmtrain.fabric.affinity import bind
 from shmtrain.fabric.context import ProcessContext
 from shmtrain.fabric.control import MAX_CHANNELS
@@ -269,6 +269,11 @@ def _handler(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--peers {' '.join(unknown)}: unknown; choose from {' '.join(PEERS)} "
                          "(mpich and deepspeed need `pip install 'shmtrain[peers]'`)")
+    model = machine_model.machine(remeasure=args.remeasure)
+    print(f"shmtrain: the private path's cost model of this machine ({machine_model.cache_path()}): "
+          f"{len(model.cores)} cores in {len(model.nodes)} NUMA node(s), copy {model.copy_one_Bps / 1e9:.1f} GB/s "
+          f"one core, {model.copy_all_Bps / 1e9:.1f} GB/s all, hand-off {model.handoff_s * 1e6:.1f} us spinning, "
+          f"{model.wake_s * 1e6:.1f} us sleeping, cache {model.cache_bytes >> 20} MiB", flush=True)
     rows = run(procs, sizes, args.reps, peers, bind_cores=args.bind == "core")
     print(table(comparison(rows), [
         ("procs", "procs", "d"), ("size", "size", "s"), ("shm_ms", "shm ms", ".3f"),
@@ -303,5 +308,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                    help="core (default): every rank of every implementation pinned to core rank mod cores, "
                         "as MPI's -bind-to core; none: where the scheduler likes (with more ranks than "
                         "cores the latency then changes from launch to launch)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the private path's cost model of this machine again (copy bandwidth, "
+                        "hand-off latency, NUMA nodes; ~0.3 s) and replace the cached one")
     p.add_argument("--json", help="write the rows here")
     p.set_defaults(handler=_handler)

@@ -6,7 +6,7 @@
 cache (``/sys/devices/system/cpu/cpu*/cache``), one core's and all cores' copy bandwidth
 (a cache-sized copy timed with one torch thread and with one per core) and the hand-off
 latency (two threads passing a word back and forth, spinning and sleeping on a futex). The measurement
-takes ~0.1-0.3 s; the result is written as JSON beside the compiled path's library
+takes ~0.1-0.3 s on a quiet machine (seconds on a loaded one); the result is written as JSON beside the compiled path's library
 (:func:`shmtrain.fabric.native.cache_dir`), keyed by the CPU's feature list and the
 cores and nodes this process may use, so every later process on the machine only reads
 it. ``shmtrain bench allreduce --remeasure`` (or deleting ``machine-*.json`` there)
@@ -102,8 +102,8 @@ def handoffs(cores: int) -> tuple[float, float]:
     the interpreter's time)."""
     lib = native.library()
     if lib is not None:
-        sleeping = lib.shm_handoff_s(200, 0)
-        spinning = lib.shm_handoff_s(500, 1) if cores >= 2 else sleeping
+        sleeping = lib.shm_handoff_s(100, 0)
+        spinning = lib.shm_handoff_s(200, 1) if cores >= 2 else sleeping
         if sleeping > 0 and spinning > 0:  # a busy machine can make spinning the slower
             return min(spinning, sleeping), sleeping
     sleeping = _python_handoff_s()
@@ -143,8 +143,9 @@ def measure() -> Machine:
     cache = shared_cache_bytes(cores[0])
     size = max(1 << 20, min(cache // 4 if cache else 4 << 20, 16 << 20))  # in cache, as the ring is
     spinning, sleeping = handoffs(len(cores))
+    # both copies of the same cache-resident bytes: all cores share them out
     return Machine(nodes=numa_nodes(cores), copy_one_Bps=_copy_Bps(size, 1),
-                   copy_all_Bps=_copy_Bps(size * len(cores), len(cores)), handoff_s=spinning,
+                   copy_all_Bps=_copy_Bps(size, len(cores)), handoff_s=spinning,
                    wake_s=sleeping, cache_bytes=cache)
 
 

@@ -71,6 +71,7 @@ class Progress(ctypes.Structure):
         ("seq", ctypes.c_int64),
         ("phase", ctypes.c_int32),
         ("waiting", ctypes.c_int32),
+        ("wakes", ctypes.c_int32),
     ]
 
 

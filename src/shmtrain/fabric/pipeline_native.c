@@ -68,6 +68,7 @@ struct progress {
     int64_t seq;         /* sequence number of the last block begun (mod 2**32 on the wire) */
     int32_t phase;       /* 0: not posted, 1: posted (waiting for inputs), 2: reduced posted */
     int32_t waiting;     /* local rank waited for, when returning 1 */
+    int32_t wakes;       /* times a sleeping wait was woken by a post (not by its time slice) */
 };
 
 static inline int reached(int32_t value, uint32_t target) {
@@ -88,11 +89,12 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void futex_wait(int32_t *word, int32_t expected, double seconds) {
+/* 0 when woken by a FUTEX_WAKE, else -1 (time slice over, value already changed, signal) */
+static long futex_wait(int32_t *word, int32_t expected, double seconds) {
     struct timespec ts;
     ts.tv_sec = (time_t)seconds;
     ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
-    syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, NULL, 0);
+    return syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, NULL, 0);
 }
 
 static void futex_wake(int32_t *word) {
@@ -169,7 +171,8 @@ static int wait_all(const struct plan *p, const int32_t *words, int32_t *done, u
         if (__atomic_load_n(p->ctrl + ABORT_WORD, __ATOMIC_ACQUIRE) != 0) { rc = -1; break; }
         double left = deadline - now_s();
         if (left <= 0) { rc = 1; break; }
-        futex_wait(done, value, slice < left ? slice : left);
+        if (futex_wait(done, value, slice < left ? slice : left) == 0)
+            s->wakes += 1;
         slice = slice * 2 < 0.05 ? slice * 2 : 0.05;
     }
     __atomic_store_n(mine, 0, __ATOMIC_SEQ_CST);
