@@ -49,6 +49,7 @@ waited for before summing ``k - 1``. Sequence numbers run on across calls.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from typing import Literal
 
@@ -101,7 +102,9 @@ class PipelinedAllreduce:
         tag: name fragment of the segment and channels.
         native: float32 through the compiled path (:mod:`shmtrain.fabric.native`); default:
             when it can be built here. Every local rank must choose alike.
-        algorithm: force one of :data:`~shmtrain.fabric.allreduce_plan.ALGORITHMS`.
+        algorithm: force one of :data:`~shmtrain.fabric.allreduce_plan.ALGORITHMS` (default:
+            ``$SHMTRAIN_ALLREDUCE_ALGORITHM`` where set, e.g. to compare plans in
+            ``shmtrain bench allreduce``; else the cost model's choice per call).
         machine: the cost model's parameters; default: this machine's, measured once and
             cached (:func:`shmtrain.fabric.machine_model.machine`), local rank 0's.
     """
@@ -115,6 +118,12 @@ class PipelinedAllreduce:
             algorithm = "split" if split else "all-read"
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}, or None")
+        forced = os.environ.get("SHMTRAIN_ALLREDUCE_ALGORITHM", "")
+        if algorithm is None and forced:
+            if forced not in ALGORITHMS:
+                raise ValueError(f"SHMTRAIN_ALLREDUCE_ALGORITHM={forced!r}: choose one of {', '.join(ALGORITHMS)} "
+                                 "(or unset it to let the cost model choose per call)")
+            algorithm = forced
         self._lib = None
         if native is not False and host.local_world <= _native.MAXL:
             self._lib = _native.library()
