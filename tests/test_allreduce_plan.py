@@ -139,3 +139,14 @@ def test_this_machine_is_measured() -> None:
     found = machine_model.measure()
     assert found.cores and all(c in found.cores for c in machine_model.allowed_cores())
     assert 1e8 < found.copy_one_Bps < 1e13 and 0 < found.handoff_s <= found.wake_s < 0.1
+
+
+def test_a_bad_forced_algorithm_is_named_before_any_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
+
+    monkeypatch.setenv("SHMTRAIN_ALLREDUCE_ALGORITHM", "ring")
+    with pytest.raises(ValueError, match=r"SHMTRAIN_ALLREDUCE_ALGORITHM='ring': choose one of all-read, split, "
+                                         r"two-level \(or unset it"):
+        PipelinedAllreduce(None)  # refused before the host is touched
+    with pytest.raises(ValueError, match=r"split=True and algorithm='all-read' disagree"):
+        PipelinedAllreduce(None, split=True, algorithm="all-read")
