@@ -60,6 +60,13 @@ class Plan(ctypes.Structure):
         ("mode", ctypes.c_int32),
         ("spin_ns", ctypes.c_int32),
         ("yields", ctypes.c_int32),
+        ("partials", ctypes.c_void_p),
+        ("S", ctypes.c_int32),
+        ("G", ctypes.c_int32),
+        ("gindex", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("members", ctypes.c_int32 * MAXL),
+        ("all", ctypes.c_int32 * MAXL),
     ]
 
 

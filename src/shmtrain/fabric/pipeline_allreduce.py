@@ -38,7 +38,7 @@ numbers and sums, without the ~20-35 us of Python per call that lost small messa
 MPICH's compiled path. It waits in slices and returns to Python between them, so aborts,
 dead peers and the timeout are judged here as on the Python path; a hand-off sleeps at
 most once (on a completion word the last poster sets), never once per peer in a row.
-Other dtypes, the two-level plan, and machines without a C compiler take the Python path.
+Other dtypes, and machines without a C compiler, take the Python path.
 
 Ring reuse needs no extra waits: with two slots, block ``k`` overwrites the slot of
 block ``k - 2``, and every peer has finished reading that one because it has posted
@@ -141,6 +141,8 @@ class PipelinedAllreduce:
         L = host.local_world
         self.machine = machine if machine is not None else _shared_machine(host, tag)
         self.groups = rank_groups(L, self.machine)
+        if algorithm == "two-level" and len(self.groups) < 2:
+            raise ValueError(f"algorithm 'two-level' needs ranks on several NUMA nodes; here {self.groups}")
         S = len(self.groups) if len(self.groups) > 1 else 0  # partial sums only for two-level
         if block_bytes is None:
             block_bytes = block_bytes_for(L, S, self.machine) if self._lib else BLOCK_BYTES
@@ -151,10 +153,11 @@ class PipelinedAllreduce:
         self.block_bytes = align(block_bytes, PAGE)
         # ring of inputs (RING x L blocks), the results (RING blocks), the two-level path's
         # partial sums (RING x groups blocks), then one page of the compiled path's sleep
-        # announcements (a line per rank) and one of its completion words
+        # announcements (a line per rank) and two of its completion words (all ranks'
+        # posted, reduced, then one per group)
         self._partials_at = RING * (L + 1) * self.block_bytes
         self._announce_at = self._partials_at + RING * S * self.block_bytes
-        self.segment = host.allocate(tag, self._announce_at + 2 * PAGE)
+        self.segment = host.allocate(tag, self._announce_at + 3 * PAGE)
         self._channel = host.channel(f"{tag}.posted")
         self._reduced = host.channel(f"{tag}.reduced")  # 2k: block k's result; 2k - 1: its partials
         self.spin = spin
@@ -168,6 +171,16 @@ class PipelinedAllreduce:
     def split(self) -> bool | None:
         """True or False where the split or all-read path was forced, else None (per plan)."""
         return None if self.algorithm is None else self.algorithm != "all-read"
+
+    def use(self, algorithm: str | None) -> None:
+        """Force ``algorithm`` from the next call on (None: the cost model's choice again);
+        every local rank must do the same before the same call."""
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}, or None")
+        if algorithm == "two-level" and len(self.groups) < 2:
+            raise ValueError(f"algorithm 'two-level' needs ranks on several NUMA nodes; here {self.groups}")
+        self.algorithm = algorithm
+        self._plans.clear()
 
     def plan(self, numel: int, dtype: torch.dtype) -> Plan:
         """The plan a call with ``numel`` elements of ``dtype`` runs (the same on every rank)."""
@@ -208,11 +221,11 @@ class PipelinedAllreduce:
         if L == 1 or numel == 0:
             return tensor
         plan = self.last_plan = self.plan(numel, tensor.dtype)
-        if self._lib is not None and tensor.dtype == torch.float32 and plan.algorithm != "two-level":
+        if self._lib is not None and tensor.dtype == torch.float32:
             if tensor.requires_grad and torch.is_grad_enabled():
                 raise RuntimeError("PipelinedAllreduce reduces in place: a tensor that requires grad must be "
                                    "reduced under torch.no_grad() (or pass its .detach())")
-            self._compiled(tensor, numel, op, plan.algorithm == "split")
+            self._compiled(tensor, numel, op, ALGORITHMS.index(plan.algorithm))
             torch.autograd.graph.increment_version(tensor)  # written through a raw pointer
             return tensor
         flat = tensor.view(-1)
@@ -282,8 +295,6 @@ class PipelinedAllreduce:
         node), then rank ``r`` sums piece ``r`` of every group's partial, then the all-gather."""
         L, me = self.host.local_world, self.host.local_rank
         ring, results, partials = self._ring(flat.dtype)
-        if partials is None:
-            raise ValueError(f"algorithm 'two-level' needs ranks on several NUMA nodes; here {self.groups}")
         g = next(i for i, members in enumerate(self.groups) if me in members)
         members = self.groups[g]
         per = ring.shape[2]
@@ -310,7 +321,7 @@ class PipelinedAllreduce:
             out[:lo].copy_(result[:lo])
             out[hi:m].copy_(result[hi:m])
 
-    def _compiled(self, tensor: torch.Tensor, numel: int, op: str, split: bool) -> None:
+    def _compiled(self, tensor: torch.Tensor, numel: int, op: str, algorithm: int) -> None:
         """The same blocks through the compiled path (:mod:`shmtrain.fabric.native`): C does
         the copies, posts, waits and sums; every ``_SLICE`` of waiting it returns here so
         that aborts, dead peers and the timeout are judged as on the Python path."""
@@ -318,7 +329,7 @@ class PipelinedAllreduce:
             self._make_plan()
         progress = self._progress
         progress.pos, progress.seq, progress.phase = 0, self.blocks, 0
-        args = (self._plan_ref, self._progress_ref, tensor.data_ptr(), numel, split, op == "mean", _SLICE)
+        args = (self._plan_ref, self._progress_ref, tensor.data_ptr(), numel, algorithm, op == "mean", _SLICE)
         try:
             if self._run(*args) != 0:
                 self._wait_on(args)
@@ -331,7 +342,7 @@ class PipelinedAllreduce:
         deadline, where = 0.0, None
         while True:
             peer = progress.waiting
-            what = "a reduced block of the allreduce" if progress.phase == 2 else "a block of the allreduce"
+            what = "a reduced block of the allreduce" if progress.phase >= 2 else "a block of the allreduce"
             control._check(peer, what)  # raises PeerFailure on an abort or a dead peer
             now = time.monotonic()
             if (progress.seq, progress.phase) != where:  # a new hand-off: its own timeout, as in Python
@@ -358,6 +369,15 @@ class PipelinedAllreduce:
             plan.reduced[r] = control._index(self._reduced, r)
             plan.sleepers[r] = control._sleepers[r]
         plan.L, plan.me = L, host.local_rank
+        me = host.local_rank
+        group = next(g for g, members in enumerate(self.groups) if me in members)
+        plan.partials = self.segment.address(self._partials_at)
+        plan.S, plan.group = len(self.groups), group
+        plan.G, plan.gindex = len(self.groups[group]), self.groups[group].index(me)
+        for i, r in enumerate(self.groups[group]):
+            plan.members[i] = r
+        for r in range(L):
+            plan.all[r] = r
         spin = control.spin if self.spin is None else self.spin
         # as ControlBlock.wait: spin when asked, yield when ranks outnumber cores, else sleep
         plan.mode = 0 if spin else (1 if not control.spin else 2)

@@ -61,6 +61,13 @@ struct plan {
     int32_t mode;        /* 0: spin first, 1: yield first, 2: sleep at once */
     int32_t spin_ns;     /* how long mode 0 spins */
     int32_t yields;      /* how often mode 1 yields */
+    float *partials;     /* RING x S x per floats (two-level path) */
+    int32_t S;           /* groups of ranks (NUMA nodes), two-level path */
+    int32_t G;           /* ranks in this rank's group */
+    int32_t gindex;      /* this rank's index in its group */
+    int32_t group;       /* its group */
+    int32_t members[MAXL]; /* the local ranks of its group, in order */
+    int32_t all[MAXL];   /* 0, 1, ..., L - 1 */
 };
 
 struct progress {
@@ -101,20 +108,12 @@ static void futex_wake(int32_t *word) {
     syscall(SYS_futex, word, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
 }
 
-/* Store this rank's word of a channel; if that completes the hand-off (every rank's word
- * of the channel has reached value), store the completion word and wake its sleepers. */
-static void post(const struct plan *p, const int32_t *words, int32_t *done, uint32_t value) {
-    int32_t idx = words[p->me];
-    __atomic_store_n(p->ctrl + idx, (int32_t)value, __ATOMIC_SEQ_CST);
-    for (int r = 0; r < p->L; r++) { /* Python waiters on this word (other paths' threads) */
-        int32_t s = __atomic_load_n(p->ctrl + p->sleepers[r], __ATOMIC_SEQ_CST);
-        if (s == idx + 1 || s == ANY) {
-            futex_wake(p->ctrl + idx);
-            break;
-        }
-    }
-    for (int r = 0; r < p->L; r++)
-        if (!reached(__atomic_load_n(p->ctrl + words[r], __ATOMIC_SEQ_CST), value))
+/* If every rank of `ranks` (n of them) has posted value on the channel `words`, store the
+ * completion word `done` and wake the sleepers announced on it. */
+static void complete(const struct plan *p, const int32_t *words, const int32_t *ranks, int n,
+                     int32_t *done, uint32_t value) {
+    for (int i = 0; i < n; i++)
+        if (!reached(__atomic_load_n(p->ctrl + words[ranks[i]], __ATOMIC_SEQ_CST), value))
             return; /* not the last: the last poster completes the hand-off */
     int32_t tag = -(int32_t)(1 + (done - p->done));
     int32_t old = __atomic_load_n(done, __ATOMIC_SEQ_CST);
@@ -128,27 +127,46 @@ static void post(const struct plan *p, const int32_t *words, int32_t *done, uint
     }
 }
 
-static int all_reached(const struct plan *p, const int32_t *words, uint32_t target, int *late) {
-    for (int r = 0; r < p->L; r++) {
-        if (!reached(__atomic_load_n(p->ctrl + words[r], __ATOMIC_ACQUIRE), target)) {
-            *late = r;
+/* Store this rank's word of a channel, and complete the hand-off of all L ranks if this
+ * post was the last one. */
+static void post(const struct plan *p, const int32_t *words, int32_t *done, uint32_t value) {
+    int32_t idx = words[p->me];
+    __atomic_store_n(p->ctrl + idx, (int32_t)value, __ATOMIC_SEQ_CST);
+    for (int r = 0; r < p->L; r++) { /* Python waiters on this word (other paths' threads) */
+        int32_t s = __atomic_load_n(p->ctrl + p->sleepers[r], __ATOMIC_SEQ_CST);
+        if (s == idx + 1 || s == ANY) {
+            futex_wake(p->ctrl + idx);
+            break;
+        }
+    }
+    complete(p, words, p->all, p->L, done, value);
+}
+
+static int all_reached(const struct plan *p, const int32_t *words, const int32_t *ranks, int n,
+                       uint32_t target, int *late) {
+    for (int i = 0; i < n; i++) {
+        if (!reached(__atomic_load_n(p->ctrl + words[ranks[i]], __ATOMIC_ACQUIRE), target)) {
+            *late = ranks[i];
             return 0;
         }
     }
     return 1;
 }
 
-/* Wait until every rank's word of a channel reached target: 0; 1: budget used up (the
- * caller checks and calls again; s->waiting names a rank not there yet); -1: aborted. */
-static int wait_all(const struct plan *p, const int32_t *words, int32_t *done, uint32_t target,
-                    double deadline, struct progress *s) {
+/* Wait until the n ranks of `ranks` posted target on the channel `words`, whose hand-off
+ * over those ranks completes into `done`: 0; 1: budget used up (the caller checks and
+ * calls again; s->waiting names a rank not there yet); -1: aborted. */
+static int wait_set(const struct plan *p, const int32_t *words, const int32_t *ranks, int n,
+                    int32_t *done, uint32_t target, double deadline, struct progress *s) {
     int late = 0;
-    if (reached(__atomic_load_n(done, __ATOMIC_ACQUIRE), target) || all_reached(p, words, target, &late))
+#define DONE() (reached(__atomic_load_n(done, __ATOMIC_ACQUIRE), target) || \
+                all_reached(p, words, ranks, n, target, &late))
+    if (DONE())
         return 0;
     if (p->mode == 0) {
         double stop = now_s() + p->spin_ns * 1e-9;
         for (int i = 0;; i++) {
-            if (reached(__atomic_load_n(done, __ATOMIC_ACQUIRE), target) || all_reached(p, words, target, &late))
+            if (DONE())
                 return 0;
             if ((i & 15) == 15 && now_s() > stop)
                 break;
@@ -157,7 +175,7 @@ static int wait_all(const struct plan *p, const int32_t *words, int32_t *done, u
     } else if (p->mode == 1) {
         for (int i = 0; i < p->yields; i++) {
             sched_yield(); /* a runnable peer on this core posts first */
-            if (reached(__atomic_load_n(done, __ATOMIC_ACQUIRE), target) || all_reached(p, words, target, &late))
+            if (DONE())
                 return 0;
         }
     }
@@ -167,7 +185,7 @@ static int wait_all(const struct plan *p, const int32_t *words, int32_t *done, u
     __atomic_store_n(mine, -(int32_t)(1 + (done - p->done)), __ATOMIC_SEQ_CST);
     for (;;) {
         int32_t value = __atomic_load_n(done, __ATOMIC_SEQ_CST);
-        if (reached(value, target) || all_reached(p, words, target, &late)) { rc = 0; break; }
+        if (reached(value, target) || all_reached(p, words, ranks, n, target, &late)) { rc = 0; break; }
         if (__atomic_load_n(p->ctrl + ABORT_WORD, __ATOMIC_ACQUIRE) != 0) { rc = -1; break; }
         double left = deadline - now_s();
         if (left <= 0) { rc = 1; break; }
@@ -175,10 +193,16 @@ static int wait_all(const struct plan *p, const int32_t *words, int32_t *done, u
             s->wakes += 1;
         slice = slice * 2 < 0.05 ? slice * 2 : 0.05;
     }
+#undef DONE
     __atomic_store_n(mine, 0, __ATOMIC_SEQ_CST);
     if (rc)
         s->waiting = late;
     return rc;
+}
+
+static int wait_all(const struct plan *p, const int32_t *words, int32_t *done, uint32_t target,
+                    double deadline, struct progress *s) {
+    return wait_set(p, words, p->all, p->L, done, target, deadline, s);
 }
 
 /* ((s0 + s1) + s2) + ... in rank order: every rank computes the same bits. */
@@ -236,15 +260,88 @@ static void sum_chunk(float *result, float *out, const float *slot, int64_t stri
     memcpy(out + lo, result + lo, (size_t)(hi - lo) * sizeof(float));
 }
 
-/* Reduce data[0:n] in place. Returns 0 when done, 1 when a wait used up budget_s
- * (progress says where to resume), -1 on abort. */
+/* The two-level path (several NUMA nodes): per block, the split reduction inside this
+ * rank's group into the group's partial sum (the copy-in waits for the group only), then
+ * piece `me` of the block summed over the S groups' partials into the result ring and the
+ * tensor, then the all-gather. "reduced" carries 2 * seq - 1 for the partials. */
+static int two_level(const struct plan *p, struct progress *s, float *data, int64_t n, int mean,
+                     double deadline) {
+    const int L = p->L, me = p->me;
+    const int64_t per = p->per;
+    const float factor = 1.0f / (float)L;
+    int32_t *done_group = p->done + (2 + p->group) * LINE_I32, *done_reduced = p->done + LINE_I32;
+    while (s->pos < n) {
+        int64_t m = n - s->pos < per ? n - s->pos : per;
+        float *out = data + s->pos;
+        int64_t glo, ghi, lo, hi;
+        chunk(m, p->G, p->gindex, &glo, &ghi);
+        chunk(m, L, me, &lo, &hi);
+        if (s->phase == 0) {
+            s->seq += 1;
+            float *row = p->ring + (s->seq % RING) * L * per + me * per;
+            memcpy(row, out, (size_t)glo * sizeof(float));
+            memcpy(row + ghi, out + ghi, (size_t)(m - ghi) * sizeof(float));
+            post(p, p->posted, p->done, (uint32_t)s->seq);
+            complete(p, p->posted, p->members, p->G, done_group, (uint32_t)s->seq);
+            s->phase = 1;
+        }
+        const float *slot = p->ring + (s->seq % RING) * L * per;
+        float *partials = p->partials + (s->seq % RING) * p->S * per;
+        float *result = p->results + (s->seq % RING) * per;
+        int rc;
+        if (s->phase == 1) {
+            rc = wait_set(p, p->posted, p->members, p->G, done_group, (uint32_t)s->seq, deadline, s);
+            if (rc)
+                return rc;
+            float *partial = partials + p->group * per;
+            for (int i = 0; i < p->G; i++) { /* the group's rows in order, own row from the tensor */
+                int j = p->members[i];
+                const float *row = j == me ? out : slot + j * per;
+                for (int64_t x = glo; x < ghi; x++)
+                    partial[x] = i ? partial[x] + row[x] : row[x];
+            }
+            post(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq - 1));
+            s->phase = 2;
+        }
+        if (s->phase == 2) {
+            rc = wait_all(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq - 1), deadline, s);
+            if (rc)
+                return rc;
+            for (int g = 0; g < p->S; g++) {
+                const float *partial = partials + g * per;
+                for (int64_t x = lo; x < hi; x++)
+                    result[x] = g ? result[x] + partial[x] : partial[x];
+            }
+            if (mean)
+                scale(result, lo, hi, factor);
+            memcpy(out + lo, result + lo, (size_t)(hi - lo) * sizeof(float));
+            post(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq));
+            s->phase = 3;
+        }
+        rc = wait_all(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq), deadline, s);
+        if (rc)
+            return rc;
+        memcpy(out, result, (size_t)lo * sizeof(float));
+        memcpy(out + hi, result + hi, (size_t)(m - hi) * sizeof(float));
+        s->pos += m;
+        s->phase = 0;
+    }
+    return 0;
+}
+
+/* Reduce data[0:n] in place with algorithm `algo` (0: all-read, 1: split, 2: two-level).
+ * Returns 0 when done, 1 when a wait used up budget_s (progress says where to resume),
+ * -1 on abort. */
 int shm_pipeline_f32(const struct plan *p, struct progress *s, float *data, int64_t n,
-                     int split, int mean, double budget_s) {
+                     int algo, int mean, double budget_s) {
     const int L = p->L, me = p->me;
     const int64_t per = p->per;
     const double deadline = now_s() + budget_s;
     const float factor = 1.0f / (float)L;
+    const int split = algo == 1;
     int32_t *done_posted = p->done, *done_reduced = p->done + LINE_I32;
+    if (algo == 2)
+        return two_level(p, s, data, n, mean, deadline);
     while (s->pos < n) {
         int64_t m = n - s->pos < per ? n - s->pos : per;
         float *out = data + s->pos;
