@@ -1,4 +1,5 @@
-"""The compiled hot path: build ``pipeline_native.c`` once per machine, load it with ctypes.
+"""The compiled hot path: build ``pipeline_native.c`` (with ``pipeline_wait.h``) once per
+machine, load it with ctypes.
 
 The private-tensor allreduce's per-block work (copy in, post, wait, sum) costs ~20-35 us
 per call from Python, several times MPICH's compiled path on small messages (issue 16,
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("pipeline_native.c")
+HEADER = SOURCE.with_name("pipeline_wait.h")  # included by SOURCE: part of the cache key
 MAXL = 64  # local ranks a plan holds (MAXL in the C source)
 # -march=native (5-10% here: 4 KiB 3.2 vs 3.4 us, 16 MiB 2.02 vs 2.13 ms between 2
 # processes); the CPU's whole feature list is part of the cache key, so a cache folder
@@ -147,7 +149,7 @@ def _load() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         why_not = f"futex waits need Linux, this is {sys.platform}"
         return None
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + HEADER.read_bytes()
     key = hashlib.sha256(source + repr(_FLAGS).encode() + _features().encode()).hexdigest()[:16]
     target = cache_dir() / f"pipeline_native-{key}.so"
     try:
