@@ -150,3 +150,15 @@ def test_a_bad_forced_algorithm_is_named_before_any_set_up(monkeypatch: pytest.M
         PipelinedAllreduce(None)  # refused before the host is touched
     with pytest.raises(ValueError, match=r"split=True and algorithm='all-read' disagree"):
         PipelinedAllreduce(None, split=True, algorithm="all-read")
+
+
+def test_a_bound_rank_measures_the_host_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After --bind core pinned rank 0 (and its torch threads) to one core, the model must
+    still describe every core the ranks share: it is measured in a process that may use them."""
+    host = machine_model.host_cores()
+    if len(host) < 2:
+        pytest.skip("one core: nothing to narrow")
+    monkeypatch.setattr(machine_model, "allowed_cores", lambda: host[:1])  # as if bound to one core
+    monkeypatch.setattr(machine_model, "measure", lambda: pytest.fail("measured on the narrowed cores"))
+    found = machine_model.measure_host()
+    assert found.cores == host

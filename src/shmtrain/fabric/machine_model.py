@@ -2,7 +2,8 @@
 
 :func:`machine` returns the :class:`~shmtrain.fabric.allreduce_plan.Machine` that
 :func:`~shmtrain.fabric.allreduce_plan.choose` takes: the NUMA nodes and their cores
-(from ``/sys/devices/system/node``, restricted to this process's affinity), the shared
+(from ``/sys/devices/system/node``, restricted to the host's cores: this process's
+affinity before ``--bind core`` narrowed it), the shared
 cache (``/sys/devices/system/cpu/cpu*/cache``), one core's and all cores' copy bandwidth
 (a cache-sized copy timed with one torch thread and with one per core) and the hand-off
 latency (two threads passing a word back and forth, spinning and sleeping on a futex). The measurement
@@ -18,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 
 from shmtrain.fabric import native
-from shmtrain.fabric.affinity import allowed_cores
+from shmtrain.fabric.affinity import allowed_cores, host_cores
 from shmtrain.fabric.allreduce_plan import Machine
 from shmtrain.fabric.native import _features, cache_dir
 
@@ -138,7 +141,7 @@ def _python_handoff_s(rounds: int = 200) -> float:
 
 
 def measure() -> Machine:
-    """Measure this machine's parameters (~0.1-0.3 s)."""
+    """Measure this machine's parameters (~0.1-0.3 s), on the cores this process may use."""
     cores = allowed_cores()
     cache = shared_cache_bytes(cores[0])
     size = max(1 << 20, min(cache // 4 if cache else 4 << 20, 16 << 20))  # in cache, as the ring is
@@ -149,9 +152,24 @@ def measure() -> Machine:
                    wake_s=sleeping, cache_bytes=cache)
 
 
+def measure_host() -> Machine:
+    """:func:`measure` on the host's cores: here, or where :func:`~shmtrain.fabric.affinity.bind`
+    has pinned this process to its share (its torch threads too), in a fresh process
+    that may use them all (~1-2 s more, once per machine)."""
+    cores = host_cores()
+    if sorted(cores) == sorted(allowed_cores()):
+        return measure()
+    code = (f"import os; os.sched_setaffinity(0, {cores!r}); "
+            "from shmtrain.fabric import machine_model as m; print(m.to_json(m.measure()))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring the machine in a fresh process failed: {done.stderr.strip()[-300:]}")
+    return from_json(done.stdout.strip().splitlines()[-1], "the measuring process's output")
+
+
 def cache_path() -> Path:
     """Where this machine's measurement is kept."""
-    cores = allowed_cores()
+    cores = host_cores()
     key = hashlib.sha256((_features() + repr(cores) + repr(numa_nodes(cores))).encode()).hexdigest()[:16]
     return cache_dir() / f"machine-{key}.json"
 
@@ -168,7 +186,7 @@ def machine(remeasure: bool = False) -> Machine:
             return from_json(path.read_text(), str(path))
         except (OSError, ValueError):
             pass
-    found = measure()
+    found = measure_host()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
