@@ -43,7 +43,9 @@ Other dtypes, and machines without a C compiler, take the Python path.
 Ring reuse needs no extra waits: with two slots, block ``k`` overwrites the slot of
 block ``k - 2``, and every peer has finished reading that one because it has posted
 block ``k - 1`` (a rank posts ``k - 1`` only after summing ``k - 2``), which this rank
-waited for before summing ``k - 1``. Sequence numbers run on across calls.
+waited for before summing ``k - 1`` (the two-level plan's first hand-off waits for the
+rank's group only; its last one, over every rank, ends block ``k - 1`` everywhere before
+block ``k`` starts). Sequence numbers run on across calls.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
  *
  * Same ring, same channels, same sequence numbers as the Python path, sums in rank order
  * (the same bits as the Python path with 2 ranks; torch.sum may add in another order for
- * more) (issue 16, item 2). What C removes is the per-block cost of the Python path
+ * more). What C removes is the per-block cost of the Python path
  * (tensor operations, numpy word access, the wait loop: ~20-35 us per call), which made
  * small messages lose to MPICH's compiled path.
  *
