@@ -23,6 +23,8 @@ def test_every_peer_is_measured_or_says_why(tmp_path: Path) -> None:
         got = {r["bytes"]: r for r in rows if r["impl"] == impl}
         assert set(got) == {4096, 65536}, impl
         assert all(r["correct"] and r["median_s"] <= r["p90_s"] for r in got.values()), impl
+        assert all(r["cpu_s"] > 0 and r["world_size"] == 2 for r in got.values()), impl
+    assert all(r["algorithm"].startswith("all-read/") for r in rows if r["impl"] == "shm-private")  # L = 2
     for peer, module in (("mpich", "mpi4py"), ("deepspeed", "deepspeed")):
         mine = [r for r in rows if r["impl"] == peer]
         if importlib.util.find_spec(module) is None:  # CI installs only .[test]

@@ -164,7 +164,7 @@ class PipelinedAllreduce:
         self._reduced = host.channel(f"{tag}.reduced")  # 2k: block k's result; 2k - 1: its partials
         self.spin = spin
         self._views: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
-        self._plans: dict[tuple[int, int], Plan] = {}
+        self._plans: dict[tuple[int, torch.dtype], tuple[Plan, int]] = {}
         self.last_plan: Plan | None = None
         self.blocks = 0  # blocks posted so far (the sequence number of the last one)
         self._plan: _native.Plan | None = None
@@ -186,13 +186,16 @@ class PipelinedAllreduce:
 
     def plan(self, numel: int, dtype: torch.dtype) -> Plan:
         """The plan a call with ``numel`` elements of ``dtype`` runs (the same on every rank)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        plan = self._plans.get((numel, itemsize))
-        if plan is None:
-            plan = self._plans[(numel, itemsize)] = choose(
-                self.host.local_world, numel * itemsize, itemsize, self.machine,
-                block_bytes=self.block_bytes, algorithm=self.algorithm)
-        return plan
+        return self._plan_and_code(numel, dtype)[0]
+
+    def _plan_and_code(self, numel: int, dtype: torch.dtype) -> tuple[Plan, int]:
+        """The plan and its algorithm's number on the compiled path (one lookup per call)."""
+        found = self._plans.get((numel, dtype))
+        if found is None:
+            plan = choose(self.host.local_world, numel * dtype.itemsize, dtype.itemsize, self.machine,
+                          block_bytes=self.block_bytes, algorithm=self.algorithm)
+            found = self._plans[(numel, dtype)] = (plan, ALGORITHMS.index(plan.algorithm))
+        return found
 
     def _ring(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The input ring as ``(RING, L, elements per block)`` of ``dtype``, the result
@@ -222,12 +225,13 @@ class PipelinedAllreduce:
         numel = tensor.numel()
         if L == 1 or numel == 0:
             return tensor
-        plan = self.last_plan = self.plan(numel, tensor.dtype)
+        plan, code = self._plan_and_code(numel, tensor.dtype)
+        self.last_plan = plan
         if self._lib is not None and tensor.dtype == torch.float32:
             if tensor.requires_grad and torch.is_grad_enabled():
                 raise RuntimeError("PipelinedAllreduce reduces in place: a tensor that requires grad must be "
                                    "reduced under torch.no_grad() (or pass its .detach())")
-            self._compiled(tensor, numel, op, ALGORITHMS.index(plan.algorithm))
+            self._compiled(tensor, numel, op, code)
             torch.autograd.graph.increment_version(tensor)  # written through a raw pointer
             return tensor
         flat = tensor.view(-1)
