@@ -199,3 +199,24 @@ def mixed_worker(ctx, payload: dict[str, Any]) -> tuple[bool, float]:
 
 def test_every_rank_takes_the_same_path() -> None:
     assert launch("test_pipeline_allreduce:mixed_worker", 2, {}) == [(False, 0.0), (False, 0.0)]
+
+
+def staggered_worker(ctx, payload: dict[str, Any]) -> int:
+    """Rank r calls 0.15 s * r late: rank 0 waits for three peers arriving one by one."""
+    pipe = PipelinedAllreduce(ctx.host, block_bytes=PAGE, algorithm="all-read", native=True)
+    x = torch.full((100,), float(ctx.rank + 1))
+    time.sleep(0.15 * ctx.rank)
+    pipe(x)
+    assert x.eq(10.0).all()
+    wakes = pipe._progress.wakes
+    pipe.close()
+    return wakes
+
+
+@needs_native
+def test_a_hand_off_wakes_a_sleeper_once_not_once_per_peer() -> None:
+    """The compiled wait sleeps on the hand-off's completion word, which the last poster
+    sets: rank 0 is woken once, where sleeping on each late peer's word in turn woke it
+    once per peer (3 here); 0 would be a lost wake-up (it slept through time slices)."""
+    wakes = launch("test_pipeline_allreduce:staggered_worker", 4, {})
+    assert wakes[0] == 1 and max(wakes) <= 1, wakes

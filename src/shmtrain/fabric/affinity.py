@@ -22,6 +22,15 @@ def allowed_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+_unbound: list[int] | None = None  # the cores this process could use before bind() narrowed them
+
+
+def host_cores() -> list[int]:
+    """The cores the host's ranks share: this process's before :func:`bind` pinned it to its
+    share (what the allreduce's cost model describes), else :func:`allowed_cores`."""
+    return list(_unbound) if _unbound is not None else allowed_cores()
+
+
 def share(local_rank: int, local_world: int, allowed: list[int]) -> list[int]:
     """The cores of ``allowed`` that local rank ``local_rank`` of ``local_world`` gets."""
     n = len(allowed)
@@ -35,9 +44,12 @@ def bind(local_rank: int, local_world: int) -> list[int] | None:
     """Pin this process, every thread it already has (gloo's, torch's) and those it will
     start, to its share of the cores it may use; returns them (None where the platform
     has no affinity calls)."""
+    global _unbound
     if not hasattr(os, "sched_setaffinity"):
         return None
-    cores = share(local_rank, local_world, allowed_cores())
+    if _unbound is None:
+        _unbound = allowed_cores()
+    cores = share(local_rank, local_world, _unbound)
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:

@@ -1,4 +1,5 @@
-"""The compiled hot path: build ``pipeline_native.c`` once per machine, load it with ctypes.
+"""The compiled hot path: build ``pipeline_native.c`` (with ``pipeline_wait.h``) once per
+machine, load it with ctypes.
 
 The private-tensor allreduce's per-block work (copy in, post, wait, sum) costs ~20-35 us
 per call from Python, several times MPICH's compiled path on small messages.
@@ -30,11 +31,12 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("pipeline_native.c")
+HEADER = SOURCE.with_name("pipeline_wait.h")  # included by SOURCE: part of the cache key
 MAXL = 64  # local ranks a plan holds (MAXL in the C source)
 # -march=native (5-10% here: 4 KiB 3.2 vs 3.4 us, 16 MiB 2.02 vs 2.13 ms between 2
 # processes); the CPU's whole feature list is part of the cache key, so a cache folder
 # shared between machines never hands one of them instructions its CPU lacks
-_FLAGS = ["-O3", "-march=native"]
+_FLAGS = ["-O3", "-march=native", "-pthread"]
 
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -50,6 +52,7 @@ class Plan(ctypes.Structure):
         ("results", ctypes.c_void_p),
         ("ctrl", ctypes.c_void_p),
         ("announce", ctypes.c_void_p),
+        ("done", ctypes.c_void_p),
         ("per", ctypes.c_int64),
         ("posted", ctypes.c_int32 * MAXL),
         ("reduced", ctypes.c_int32 * MAXL),
@@ -59,6 +62,13 @@ class Plan(ctypes.Structure):
         ("mode", ctypes.c_int32),
         ("spin_ns", ctypes.c_int32),
         ("yields", ctypes.c_int32),
+        ("partials", ctypes.c_void_p),
+        ("S", ctypes.c_int32),
+        ("G", ctypes.c_int32),
+        ("gindex", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("members", ctypes.c_int32 * MAXL),
+        ("all", ctypes.c_int32 * MAXL),
     ]
 
 
@@ -70,6 +80,7 @@ class Progress(ctypes.Structure):
         ("seq", ctypes.c_int64),
         ("phase", ctypes.c_int32),
         ("waiting", ctypes.c_int32),
+        ("wakes", ctypes.c_int32),
     ]
 
 
@@ -138,7 +149,7 @@ def _load() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         why_not = f"futex waits need Linux, this is {sys.platform}"
         return None
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + HEADER.read_bytes()
     key = hashlib.sha256(source + repr(_FLAGS).encode() + _features().encode()).hexdigest()[:16]
     target = cache_dir() / f"pipeline_native-{key}.so"
     try:
@@ -160,6 +171,8 @@ def _load() -> ctypes.CDLL | None:
     lib.shm_pipeline_f32.restype = ctypes.c_int
     lib.shm_sum_into_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float]
     lib.shm_sum_into_f32.restype = None
+    lib.shm_handoff_s.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.shm_handoff_s.restype = ctypes.c_double
     _library = lib
     return lib
 

@@ -2,153 +2,20 @@
  *
  * Same ring, same channels, same sequence numbers as the Python path, sums in rank order
  * (the same bits as the Python path with 2 ranks; torch.sum may add in another order for
- * more) (issue 16, item 2): each block is copied into this rank's ring slot,
- * posted, and once every rank has posted it summed in rank order straight into the
- * caller's tensor (all-read path), or summed split L ways into the result ring and
- * copied out after a second hand-off (split path). What C removes is the per-block
- * cost of the Python path (tensor operations, numpy word access, the wait loop:
- * ~20-35 us per call), which made small messages lose to MPICH's compiled path.
+ * more). What C removes is the per-block cost of the Python path
+ * (tensor operations, numpy word access, the wait loop: ~20-35 us per call), which made
+ * small messages lose to MPICH's compiled path.
  *
- * Waiting: spin (mode 0) or yield the core (mode 1) briefly, then sleep on the futex.
- * A sleeper announces the word it sleeps on in its own line of the pipeline segment
- * (seq_cst store, then re-read the word); a poster stores the word (seq_cst) and then
- * reads every announcement: one of the two always sees the other, so no wake-up is
- * lost. Posters also honour the control block's own sleeper lines (Python waiters).
- *
- * The C side never decides about failures: when a wait has used its time budget it
- * returns 1 (the Python caller checks aborts, peer liveness and the timeout, then
- * calls again: the progress record says where to resume); it returns -1 at once when
- * the control block's abort word is set.
+ * Algorithms (allreduce_plan.py chooses): all-read (one hand-off per block: every rank
+ * sums all L slots straight into its tensor); the split reduce-scatter + all-gather (two
+ * hand-offs): rank r copies in every chunk but its own, sums chunk r of the L inputs in
+ * rank order (its own row straight from its tensor) into the result ring and its tensor,
+ * then copies the other chunks of the result out; two-level (three hand-offs, several
+ * NUMA nodes). The "reduced" channel carries 2 * seq (2 * seq - 1: the two-level path's
+ * partial sums), so its words grow with seq whatever algorithm each call took.
+ * The plan, the progress record and the waits: pipeline_wait.h.
  */
-#include <stdint.h>
-#include <string.h>
-#include <time.h>
-#include <sched.h>
-#include <unistd.h>
-#include <sys/syscall.h>
-#include <linux/futex.h>
-
-#define RING 2
-#define MAXL 64
-#define ANY (-1)
-#define LINE_I32 16 /* one 64-byte line per rank for announcements */
-#define ABORT_WORD 2 /* control block header: abort rank + 1 */
-
-struct plan {
-    float *ring;         /* RING x L x per floats */
-    float *results;      /* RING x per floats (split path) */
-    int32_t *ctrl;       /* the host's control block, as int32 words */
-    int32_t *announce;   /* L lines of LINE_I32 words: the word index + 1 a rank sleeps on */
-    int64_t per;         /* elements per block */
-    int32_t posted[MAXL];    /* index in ctrl of each rank's word of the "posted" channel */
-    int32_t reduced[MAXL];   /* ... of the "reduced" channel (split path) */
-    int32_t sleepers[MAXL];  /* index in ctrl of each rank's Python sleeper line */
-    int32_t L;
-    int32_t me;
-    int32_t mode;        /* 0: spin first, 1: yield first, 2: sleep at once */
-    int32_t spin_ns;     /* how long mode 0 spins */
-    int32_t yields;      /* how often mode 1 yields */
-};
-
-struct progress {
-    int64_t pos;         /* element offset of the current block */
-    int64_t seq;         /* sequence number of the last block begun (mod 2**32 on the wire) */
-    int32_t phase;       /* 0: not posted, 1: posted (waiting for inputs), 2: reduced posted */
-    int32_t waiting;     /* local rank waited for, when returning 1 */
-};
-
-static inline int reached(int32_t value, uint32_t target) {
-    return (uint32_t)((uint32_t)value - target) < 0x80000000u;
-}
-
-static inline double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static void futex_wait(int32_t *word, int32_t expected, double seconds) {
-    struct timespec ts;
-    ts.tv_sec = (time_t)seconds;
-    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
-    syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, NULL, 0);
-}
-
-static void futex_wake(int32_t *word) {
-    syscall(SYS_futex, word, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
-}
-
-static void post(const struct plan *p, int32_t idx, uint32_t value) {
-    __atomic_store_n(p->ctrl + idx, (int32_t)value, __ATOMIC_SEQ_CST);
-    for (int r = 0; r < p->L; r++) {
-        int32_t a = __atomic_load_n(p->announce + r * LINE_I32, __ATOMIC_SEQ_CST);
-        int32_t s = __atomic_load_n(p->ctrl + p->sleepers[r], __ATOMIC_SEQ_CST);
-        if (a == idx + 1 || s == idx + 1 || s == ANY) {
-            futex_wake(p->ctrl + idx);
-            return;
-        }
-    }
-}
-
-/* 0: reached; 1: budget used up (the caller checks and calls again); -1: aborted. */
-static int wait_word(const struct plan *p, int32_t idx, uint32_t target, double deadline) {
-    int32_t *word = p->ctrl + idx;
-    if (reached(__atomic_load_n(word, __ATOMIC_ACQUIRE), target))
-        return 0;
-    if (p->mode == 0) {
-        double stop = now_s() + p->spin_ns * 1e-9;
-        for (int i = 0;; i++) {
-            if (reached(__atomic_load_n(word, __ATOMIC_ACQUIRE), target))
-                return 0;
-            if ((i & 63) == 63 && now_s() > stop)
-                break;
-            cpu_relax();
-        }
-    } else if (p->mode == 1) {
-        for (int i = 0; i < p->yields; i++) {
-            sched_yield(); /* a runnable peer on this core posts first */
-            if (reached(__atomic_load_n(word, __ATOMIC_ACQUIRE), target))
-                return 0;
-        }
-    }
-    int32_t *mine = p->announce + p->me * LINE_I32;
-    double slice = 0.001;
-    int rc;
-    __atomic_store_n(mine, idx + 1, __ATOMIC_SEQ_CST);
-    for (;;) {
-        int32_t value = __atomic_load_n(word, __ATOMIC_SEQ_CST);
-        if (reached(value, target)) { rc = 0; break; }
-        if (__atomic_load_n(p->ctrl + ABORT_WORD, __ATOMIC_ACQUIRE) != 0) { rc = -1; break; }
-        double left = deadline - now_s();
-        if (left <= 0) { rc = 1; break; }
-        futex_wait(word, value, slice < left ? slice : left);
-        slice = slice * 2 < 0.05 ? slice * 2 : 0.05;
-    }
-    __atomic_store_n(mine, 0, __ATOMIC_SEQ_CST);
-    return rc;
-}
-
-static int wait_all(const struct plan *p, const int32_t *words, uint32_t target, double deadline,
-                    struct progress *s) {
-    for (int r = 0; r < p->L; r++) {
-        if (r == p->me)
-            continue;
-        int rc = wait_word(p, words[r], target, deadline);
-        if (rc) {
-            s->waiting = r;
-            return rc;
-        }
-    }
-    return 0;
-}
+#include "pipeline_wait.h"
 
 /* ((s0 + s1) + s2) + ... in rank order: every rank computes the same bits. */
 static void sum_rows(float *out, const float *slot, int64_t stride, int L, int64_t lo,
@@ -179,28 +46,136 @@ static void scale(float *restrict out, int64_t lo, int64_t hi, float factor) {
         out[i] *= factor;
 }
 
-/* Reduce data[0:n] in place. Returns 0 when done, 1 when a wait used up budget_s
- * (progress says where to resume), -1 on abort. */
+/* This rank's chunk [lo, hi) of an m-element block split L ways, boundaries on 16
+ * elements (allreduce_plan.split). */
+static void chunk(int64_t m, int L, int me, int64_t *lo, int64_t *hi) {
+    int64_t part = (m + L - 1) / L;
+    part = (part + 15) / 16 * 16;
+    *lo = me * part < m ? me * part : m;
+    *hi = (me + 1) * part < m ? (me + 1) * part : m;
+}
+
+/* The split path's sum of chunk [lo, hi): rows in rank order, this rank's own row read
+ * from its tensor (it never went through the ring), into the result ring and the tensor. */
+static void sum_chunk(float *result, float *out, const float *slot, int64_t stride, int L, int me,
+                      int64_t lo, int64_t hi, int mean, float factor) {
+    const float *r0 = me == 0 ? out : slot, *r1 = me == 1 ? out : slot + stride;
+    for (int64_t i = lo; i < hi; i++)
+        result[i] = r0[i] + r1[i];
+    for (int j = 2; j < L; j++) {
+        const float *c = j == me ? out : slot + j * stride;
+        for (int64_t i = lo; i < hi; i++)
+            result[i] += c[i];
+    }
+    if (mean)
+        scale(result, lo, hi, factor);
+    memcpy(out + lo, result + lo, (size_t)(hi - lo) * sizeof(float));
+}
+
+/* The two-level path (several NUMA nodes): per block, the split reduction inside this
+ * rank's group into the group's partial sum (the copy-in waits for the group only), then
+ * piece `me` of the block summed over the S groups' partials into the result ring and the
+ * tensor, then the all-gather. "reduced" carries 2 * seq - 1 for the partials. */
+static int two_level(const struct plan *p, struct progress *s, float *data, int64_t n, int mean,
+                     double deadline) {
+    const int L = p->L, me = p->me;
+    const int64_t per = p->per;
+    const float factor = 1.0f / (float)L;
+    int32_t *done_group = p->done + (2 + p->group) * LINE_I32, *done_reduced = p->done + LINE_I32;
+    while (s->pos < n) {
+        int64_t m = n - s->pos < per ? n - s->pos : per;
+        float *out = data + s->pos;
+        int64_t glo, ghi, lo, hi;
+        chunk(m, p->G, p->gindex, &glo, &ghi);
+        chunk(m, L, me, &lo, &hi);
+        if (s->phase == 0) {
+            s->seq += 1;
+            float *row = p->ring + (s->seq % RING) * L * per + me * per;
+            memcpy(row, out, (size_t)glo * sizeof(float));
+            memcpy(row + ghi, out + ghi, (size_t)(m - ghi) * sizeof(float));
+            post(p, p->posted, p->done, (uint32_t)s->seq);
+            complete(p, p->posted, p->members, p->G, done_group, (uint32_t)s->seq);
+            s->phase = 1;
+        }
+        const float *slot = p->ring + (s->seq % RING) * L * per;
+        float *partials = p->partials + (s->seq % RING) * p->S * per;
+        float *result = p->results + (s->seq % RING) * per;
+        int rc;
+        if (s->phase == 1) {
+            rc = wait_set(p, p->posted, p->members, p->G, done_group, (uint32_t)s->seq, deadline, s);
+            if (rc)
+                return rc;
+            float *partial = partials + p->group * per;
+            for (int i = 0; i < p->G; i++) { /* the group's rows in order, own row from the tensor */
+                int j = p->members[i];
+                const float *row = j == me ? out : slot + j * per;
+                for (int64_t x = glo; x < ghi; x++)
+                    partial[x] = i ? partial[x] + row[x] : row[x];
+            }
+            post(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq - 1));
+            s->phase = 2;
+        }
+        if (s->phase == 2) {
+            rc = wait_all(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq - 1), deadline, s);
+            if (rc)
+                return rc;
+            for (int g = 0; g < p->S; g++) {
+                const float *partial = partials + g * per;
+                for (int64_t x = lo; x < hi; x++)
+                    result[x] = g ? result[x] + partial[x] : partial[x];
+            }
+            if (mean)
+                scale(result, lo, hi, factor);
+            memcpy(out + lo, result + lo, (size_t)(hi - lo) * sizeof(float));
+            post(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq));
+            s->phase = 3;
+        }
+        rc = wait_all(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq), deadline, s);
+        if (rc)
+            return rc;
+        memcpy(out, result, (size_t)lo * sizeof(float));
+        memcpy(out + hi, result + hi, (size_t)(m - hi) * sizeof(float));
+        s->pos += m;
+        s->phase = 0;
+    }
+    return 0;
+}
+
+/* Reduce data[0:n] in place with algorithm `algo` (0: all-read, 1: split, 2: two-level).
+ * Returns 0 when done, 1 when a wait used up budget_s (progress says where to resume),
+ * -1 on abort. */
 int shm_pipeline_f32(const struct plan *p, struct progress *s, float *data, int64_t n,
-                     int split, int mean, double budget_s) {
+                     int algo, int mean, double budget_s) {
     const int L = p->L, me = p->me;
     const int64_t per = p->per;
     const double deadline = now_s() + budget_s;
     const float factor = 1.0f / (float)L;
+    const int split = algo == 1;
+    int32_t *done_posted = p->done, *done_reduced = p->done + LINE_I32;
+    if (algo == 2)
+        return two_level(p, s, data, n, mean, deadline);
     while (s->pos < n) {
         int64_t m = n - s->pos < per ? n - s->pos : per;
         float *out = data + s->pos;
+        int64_t lo = 0, hi = m;
+        if (split)
+            chunk(m, L, me, &lo, &hi);
         if (s->phase == 0) {
             s->seq += 1;
-            float *slot = p->ring + (s->seq % RING) * L * per;
-            memcpy(slot + me * per, out, (size_t)m * sizeof(float));
-            post(p, p->posted[me], (uint32_t)s->seq);
+            float *row = p->ring + (s->seq % RING) * L * per + me * per;
+            if (split) { /* every chunk but this rank's own: the peers sum those */
+                memcpy(row, out, (size_t)lo * sizeof(float));
+                memcpy(row + hi, out + hi, (size_t)(m - hi) * sizeof(float));
+            } else {
+                memcpy(row, out, (size_t)m * sizeof(float));
+            }
+            post(p, p->posted, done_posted, (uint32_t)s->seq);
             s->phase = 1;
         }
         float *slot = p->ring + (s->seq % RING) * L * per;
         float *result = p->results + (s->seq % RING) * per;
         if (s->phase == 1) {
-            int rc = wait_all(p, p->posted, (uint32_t)s->seq, deadline, s);
+            int rc = wait_all(p, p->posted, done_posted, (uint32_t)s->seq, deadline, s);
             if (rc)
                 return rc;
             if (!split) {
@@ -211,23 +186,16 @@ int shm_pipeline_f32(const struct plan *p, struct progress *s, float *data, int6
                 s->phase = 0;
                 continue;
             }
-            /* split: this rank's 1/L of the block, boundaries on 16 elements */
-            int64_t part = (m + L - 1) / L;
-            part = (part + 15) / 16 * 16;
-            int64_t lo = me * part < m ? me * part : m;
-            int64_t hi = (me + 1) * part < m ? (me + 1) * part : m;
-            if (hi > lo) {
-                sum_rows(result, slot, per, L, lo, hi, slot + me * per, me);
-                if (mean)
-                    scale(result, lo, hi, factor);
-            }
-            post(p, p->reduced[me], (uint32_t)s->seq);
+            if (hi > lo)
+                sum_chunk(result, out, slot, per, L, me, lo, hi, mean, factor);
+            post(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq));
             s->phase = 2;
         }
-        int rc = wait_all(p, p->reduced, (uint32_t)s->seq, deadline, s);
+        int rc = wait_all(p, p->reduced, done_reduced, (uint32_t)(2 * s->seq), deadline, s);
         if (rc)
             return rc;
-        memcpy(out, result, (size_t)m * sizeof(float));
+        memcpy(out, result, (size_t)lo * sizeof(float));
+        memcpy(out + hi, result + hi, (size_t)(m - hi) * sizeof(float));
         s->pos += m;
         s->phase = 0;
     }
