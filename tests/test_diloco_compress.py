@@ -130,3 +130,30 @@ def test_the_engine_uses_the_derived_defaults_unless_given() -> None:
     given = run_peers("diloco", {"sync_every": 2, "outer_lr": 0.3, "outer_momentum": 0.0}, 1, 1)["engines"][0]
     group = given.outer_optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"]) == (0.3, 0.0, False)
+
+
+# -- two hosts (two torchrun launches on this machine) -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_two_hosts_through_the_leaders_all_gather(tmp_path) -> None:
+    """Real processes, 2 hosts x 2: with a codec that keeps everything the compressed
+    exchange (host means in shared memory, the leaders' payloads all-gathered over gloo)
+    equals the exact exchange of one host of 4; the hybrid with top-k 10% in 4 bits runs
+    to the end on both hosts."""
+    import json
+    import subprocess
+    import sys
+
+    from shmtrain.fabric.segment import leftover
+    from test_torchrun import _same_weights, _two_hosts, env
+
+    common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress", "--batch-size", "8",
+              "--sync-every", "4"]
+    _two_hosts(tmp_path / "identity-2x2", [*common, "--compress", IDENTITY])
+    subprocess.run([sys.executable, "-m", "shmtrain", "train", *common, "--workers", "4", "--out",
+                    str(tmp_path / "exact-1x4")], check=True, timeout=150, env=env(), capture_output=True)
+    _same_weights(tmp_path / "exact-1x4", tmp_path / "identity-2x2")
+    _two_hosts(tmp_path / "hybrid-2x2", [*common, "--inner", "host-sync", "--compress", "topk:0.1,bits:4"])
+    summary = json.loads((tmp_path / "hybrid-2x2" / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["iterations"] == 12
+    assert not leftover()
