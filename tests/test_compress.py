@@ -14,7 +14,6 @@ from shmtrain.fabric.compress import (
     Codec,
     Compressor,
     CompressSpec,
-    benchmark,
     parse_compress,
 )
 
@@ -129,10 +128,16 @@ def test_top_k_with_error_feedback_converges_on_a_quadratic_where_plain_top_k_do
 
 
 def test_the_benchmark_prints_gb_s_and_writes_json(tmp_path, capsys) -> None:
+    from shmtrain.cli import main
+
     path = tmp_path / "compress.json"
-    result = benchmark(1 << 16, CompressSpec(0.01, 4), repeats=2, json_path=str(path))
-    saved = json.loads(path.read_text())
-    assert saved == result
-    assert saved["compress_gb_s"] > 0 and saved["decompress_gb_s"] > 0 and saved["threads"] == 1
-    assert saved["ratio"] == 4 * (1 << 16) / saved["payload_bytes"] > 100
-    assert "GB/s" in capsys.readouterr().out
+    assert main(["bench", "compress", "--numel", str(1 << 16), "--compress", "topk:0.01,bits:4", "bits:8",
+                 "--repeats", "2", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["compress"] for r in rows] == ["topk:0.01,bits:4", "topk:1,bits:8"]
+    for row in rows:
+        assert row["compress_gb_s"] > 0 and row["decompress_gb_s"] > 0 and row["threads"] == 1
+        assert row["ratio"] == 4 * (1 << 16) / row["payload_bytes"]
+    assert rows[0]["ratio"] > 100
+    out = capsys.readouterr().out
+    assert "comp cpu GB/s" in out and "topk:0.01,bits:4" in out

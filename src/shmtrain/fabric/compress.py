@@ -19,9 +19,7 @@ over their count.
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -234,43 +232,3 @@ class Compressor:
                              f"{self.spec.text()} over {self.error.numel()}: resume with the --compress and "
                              "the model the checkpoint was written with")
         self.error.copy_(error)
-
-
-def _best(call, repeats: int) -> float:
-    """The fastest of ``repeats`` calls, in seconds (the machine's other load only slows one down)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def benchmark(numel: int = 1 << 22, spec: CompressSpec | None = None, repeats: int = 10,
-              threads: int = 1, json_path: str | None = None) -> dict[str, object]:
-    """GB/s of the dense float32 vector through ``Compressor.encode`` (with feedback) and
-    through ``Compressor.mean`` of one payload, the best of ``repeats`` calls each, on
-    ``threads`` torch threads; printed, and written as JSON to ``json_path`` when given."""
-    spec = spec or CompressSpec(0.01, 4)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        delta = torch.randn(numel, generator=gen)
-        comp, out = Compressor(numel, spec), torch.empty(numel)
-        comp.encode(delta)  # warm
-        encode_s = _best(lambda: comp.encode(delta), repeats)
-        decode_s = _best(lambda: comp.mean([comp.payload], out), repeats)
-    finally:
-        torch.set_num_threads(previous)
-    dense = 4 * numel
-    result = {"numel": numel, "compress": spec.text(), "threads": threads, "repeats": repeats,
-              "payload_bytes": comp.codec.nbytes, "ratio": dense / comp.codec.nbytes,
-              "compress_gb_s": dense / encode_s / 1e9, "decompress_gb_s": dense / decode_s / 1e9}
-    print(f"--compress {spec.text()}: {numel} float32 -> {comp.codec.nbytes} bytes ({result['ratio']:.1f}x); "
-          f"compress {result['compress_gb_s']:.2f} GB/s, decompress {result['decompress_gb_s']:.2f} GB/s "
-          f"({threads} thread{'s' if threads > 1 else ''})")
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(result, fh, indent=2)
-    return result
