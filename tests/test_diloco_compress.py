@@ -37,6 +37,19 @@ def test_compression_off_is_bit_identical_to_the_exact_exchange(options: dict[st
 
 
 @pytest.mark.timeout(60)
+def test_the_staged_path_compresses_as_the_zero_copy_one(monkeypatch) -> None:
+    """``SHMTRAIN_STAGING=copy`` (the GPU data flow): Δ_i copied into the host's slot, the
+    decompressed mean copied back; the same weights."""
+    options = {"sync_every": 2, "fragments": 2, "compress": "topk:0.1,bits:4"}
+    plain = run_peers("diloco", options, 4, 5, hosts=2)
+    monkeypatch.setenv("SHMTRAIN_STAGING", "copy")
+    staged = run_peers("diloco", options, 4, 5, hosts=2)
+    assert staged["engines"][0].staged and not plain["engines"][0].staged
+    for a, b in zip(plain["finals"], staged["finals"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(60)
 def test_compressed_bytes_across_hosts_are_the_payload_once_per_outer_step() -> None:
     """2 hosts x 2, H = 4, 12 iterations: each host's leader sends one payload per outer
     step (its host's mean, compressed), nothing else; the members send nothing."""
