@@ -71,7 +71,7 @@ def test_error_feedback_is_the_leaders_and_changes_the_run() -> None:
     run = run_peers("diloco", {"sync_every": 2, "compress": "topk:0.1,bits:4"}, 4, 6, hosts=2, finish=False)
     errors = [e.state_dict()["compress"][0]["error"] for e in run["engines"]]
     assert errors[0].abs().sum() > 0 and errors[2].abs().sum() > 0  # what the leaders left out
-    assert errors[1].abs().sum() == 0 == errors[3].abs().sum()  # the members compress nothing
+    assert errors[1] is None and errors[3] is None  # the members compress nothing, and keep no error
     off = run_peers("diloco", {"sync_every": 2, "compress": "topk:0.1,bits:4,feedback:off"}, 4, 6, hosts=2,
                     finish=False)
     assert off["engines"][0].state_dict()["compress"][0]["error"].abs().sum() == 0

@@ -97,7 +97,9 @@ class CompressedAllreduce:
     def __init__(self, host_mean: Any, board: HostBoard, numel: int, spec: CompressSpec, *,
                  leader: bool, gather: Gather | None) -> None:
         self.host_mean, self.board, self.leader, self.gather = host_mean, board, leader, gather
-        self.compressor = Compressor(numel, spec)
+        self.spec = spec
+        #: the leader's compression and error feedback (a member compresses nothing)
+        self.compressor = Compressor(numel, spec) if leader else None
         self.count = 0
         #: payload bytes this worker handed the link (a leader's, with more than one host)
         self.link_bytes = 0
@@ -117,6 +119,7 @@ class CompressedAllreduce:
         if not self.leader:
             self.board.wait(self.count)
             return out
+        assert self.compressor is not None
         payload = self.compressor.encode(host_mean)
         if self.gather is None:
             payloads = [payload]
@@ -128,11 +131,21 @@ class CompressedAllreduce:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The error feedback e_h (the leader's; a member's stays 0) and the call count."""
+        """The spec, the call count and the error feedback e_h (the leader's; None on a
+        member, which has none)."""
+        if self.compressor is None:
+            return {"count": self.count, "spec": self.spec.text(), "error": None}
         return {"count": self.count, **self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.compressor.load_state_dict(state)
+        """Restore the leader's error feedback (a checkpoint of other compression, or of a
+        member where this worker leads, is refused by name)."""
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state)
+        elif state.get("spec") != self.spec.text():
+            raise ValueError(f"the checkpoint's exchange was compressed with --compress {state.get('spec')}, "
+                             f"this run's with --compress {self.spec.text()}: resume with the --compress "
+                             "and the model the checkpoint was written with")
 
     def close(self) -> None:
         self.host_mean.close()
