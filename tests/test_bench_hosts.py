@@ -148,6 +148,24 @@ def test_the_one_host_verdict_and_the_written_down_settings() -> None:
         assert hosts.method_points(preset["grid"], "ddp") == hosts.method_points(preset["grid"], hosts.ONE_HOST)
     with pytest.raises(ValueError, match="different budgets"):
         hosts._budget({"*": [{"lr": 0.1}], "diloco": [{"lr": 0.1}, {"lr": 0.2}]}, ["ddp", "diloco"])
+
+
+def test_every_grid_point_of_the_diloco_methods_is_a_valid_train_command() -> None:
+    """The compressed methods' points leave bf16 out (--compress refuses it beside it), and
+    every DiLoCo-family point gives the outer lr, so the tables do not follow the default."""
+    from shmtrain.cli import build_parser
+    from shmtrain.runtime.config import resolve
+
+    for name, preset in hosts.SETTINGS.items():
+        for method in ("diloco", "hybrid", "diloco-topk", "hybrid-topk"):
+            for point in hosts.method_points(preset["grid"], method):
+                settings = {**hosts.DEFAULTS, **{k: v for k, v in preset.items() if k in hosts.DEFAULTS}, **point}
+                words = hosts._worker_command(method, settings, Path("/tmp/x"))
+                args = vars(build_parser().parse_args(words))
+                config = resolve({k: v for k, v in args.items() if v is not None and k not in ("handler", "command")})
+                options = config.strategy_config
+                assert options.outer_lr == 0.7 and options.outer_momentum == 0.8, (name, method, point)
+                assert (options.compress == "topk:0.01,bits:4") == method.endswith("-topk"), (name, method)
     assert hosts.SETTINGS["mlp-100mbit"]["rate"] == "100mbit" and hosts.SETTINGS["resnet18-1gbit"]["rate"] == "1gbit"
 
 

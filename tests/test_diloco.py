@@ -94,6 +94,24 @@ class _World:
                 ex.barrier.abort()
 
 
+class _Board:
+    """A host's board in memory: the leader writes the tensor, a barrier publishes it."""
+
+    def __init__(self, exchange: _Exchange) -> None:
+        self.exchange = exchange
+
+    def tensor(self) -> torch.Tensor:
+        return self.exchange.results[0]
+
+    def post(self, step: int) -> None:
+        self.exchange.barrier.wait()
+
+    wait = post
+
+    def close(self) -> None:
+        pass
+
+
 class FakeTransports:
     """A ``Transports`` whose allreduces run among threads; any other factory is refused."""
 
@@ -116,6 +134,31 @@ class FakeTransports:
     def host_allreduce(self, numel: int, dtype: torch.dtype = torch.float32, op: str = "mean", *,
                        tag: str = "host") -> _PeerAllreduce:
         return self.group_allreduce(self.rank // self.world.local, numel, dtype, op, tag=tag)
+    def compressed_allreduce(self, numel: int, spec, *, tag: str):
+        """fabric's CompressedAllreduce on in-process pieces: the host's mean, a board
+        (a tensor and a barrier per host) and the leaders' all-gather, which counts the
+        payload each leader sends across."""
+        from shmtrain.fabric.compressed_allreduce import CompressedAllreduce
+
+        world, host = self.world, self.rank // self.world.local
+        members = list(range(host * world.local, (host + 1) * world.local))
+        board = world.exchange(f"{tag}.board", host, members, numel, torch.float32)
+        leader = world.is_leader(self.rank)
+        gather = None
+        if leader and world.hosts > 1:
+            leaders = [h * world.local for h in range(world.hosts)]
+            gathered = world.exchange(f"{tag}.gather", 0, leaders, 0, torch.uint8)
+
+            def gather(payload: torch.Tensor) -> list[torch.Tensor]:
+                gathered.slots[self.rank] = [payload.clone()]
+                world.count_across(self.rank, payload.nbytes)
+                gathered.barrier.wait()
+                out = [gathered.slots[r][0].clone() for r in leaders]
+                gathered.barrier.wait()
+                return out
+
+        return CompressedAllreduce(self.group_allreduce(host, numel, tag=f"{tag}.host"), _Board(board), numel,
+                                   spec, leader=leader, gather=gather)
 
     def __getattr__(self, name: str):
         raise AssertionError(f"the strategy asked the fake transports for {name}")
@@ -139,9 +182,11 @@ def _data(steps: int, peers: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(steps, peers, BATCH, IN, generator=gen), torch.randint(0, OUT, (steps, peers, BATCH), generator=gen)
 
 
-def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, hosts: int = 1) -> dict[str, Any]:
+def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, hosts: int = 1, *,
+              finish: bool = True) -> dict[str, Any]:
     """Train ``steps`` iterations of ``strategy`` on ``peers`` threads over ``hosts`` fake
-    hosts; every peer's final weights and the bytes each peer sent across hosts."""
+    hosts; every peer's final weights and the bytes each peer sent across hosts (with
+    ``finish=False`` the engines are left open, their exchanges and state still there)."""
     xs, ys = _data(steps, peers)
     config = build_config(strategy, options)
     cls = plan(strategy, config, peers, hosts)
@@ -163,7 +208,8 @@ def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, ho
                 engine.apply_update()
                 engine.after_update()
             finals[rank] = _flat(model)
-            engine.finish()
+            if finish:
+                engine.finish()
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             world.errors.append(exc)
             world.abort()

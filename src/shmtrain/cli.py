@@ -179,6 +179,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from shmtrain.bench import allreduce, checkpoint, collectives, overlap, ps, smb, step, subbatch
+    from shmtrain.bench.compress import add_bench_compress_parser
     from shmtrain.bench.hosts import add_parser as add_bench_hosts_parser
 
     p = sub.add_parser("bench", help="benchmarks (table + JSON)", description="Benchmarks: each prints a table and writes --json.")
@@ -193,6 +194,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     overlap.add_bench_overlap_parser(bench)
     checkpoint.add_bench_checkpoint_parser(bench)
     subbatch.add_bench_subbatch_parser(bench)
+    add_bench_compress_parser(bench)
 
 
 def _add_experiment(sub: argparse._SubParsersAction) -> None:

@@ -31,6 +31,8 @@ from shmtrain.fabric.smb.remote import RemoteBufferService, read_secret
 
 if TYPE_CHECKING:
     from shmtrain.fabric.accumulator import SharedAccumulator
+    from shmtrain.fabric.compress import CompressSpec
+    from shmtrain.fabric.compressed_allreduce import CompressedAllreduce
     from shmtrain.fabric.group_host import GroupHost
     from shmtrain.fabric.host_combiner import HostCombiner
     from shmtrain.fabric.nccl_group import NcclGroup
@@ -126,6 +128,15 @@ class Transports:
         from shmtrain.fabric.collectives.factory import build_allreduce
 
         return build_allreduce(name, self.ctx, numel, dtype, op, tag=tag)
+
+    def compressed_allreduce(self, numel: int, spec: CompressSpec, *, tag: str) -> CompressedAllreduce:
+        """The mean of a float32 vector over every worker with a compressed hop between
+        hosts (``--compress``): dense in each host's shared memory, then each host's
+        leader all-gathers its compressed host mean (with error feedback) with the other
+        leaders over gloo (:class:`CompressedAllreduce`)."""
+        from shmtrain.fabric.compressed_allreduce import shm_compressed_allreduce
+
+        return shm_compressed_allreduce(self.ctx.host, self.ctx.leaders, numel, spec, tag=tag)
 
     def group_allreduce(
         self,

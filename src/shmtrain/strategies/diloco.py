@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import torch
 
+from shmtrain.fabric.compress import parse_compress
 from shmtrain.fabric.control import PeerTimeout
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
@@ -62,6 +63,24 @@ def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
                          f"use at most --fragments {numel}")
     cuts = [numel * f // fragments for f in range(fragments + 1)]
     return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+#: the outer step (lr, Nesterov momentum) under an inner SGD with momentum, measured on the
+#: main job's task (docs/diloco.md): DiLoCo's (0.7, 0.9) stacked on the inner momentum overshoots
+OUTER_UNDER_MOMENTUM = (1.0, 0.5)
+#: DiLoCo's published outer step (tuned there with an AdamW inner optimizer)
+OUTER_DILOCO = (0.7, 0.9)
+
+
+def outer_defaults(optimizer: torch.optim.Optimizer | None) -> tuple[float, float]:
+    """The outer (lr, momentum) when ``--outer-lr`` / ``--outer-momentum`` are not given:
+    :data:`OUTER_UNDER_MOMENTUM` when the inner optimizer is SGD with momentum (the inner
+    momentum already carries the steps along; the outer Nesterov momentum 0.9 on top made
+    the run diverge), else DiLoCo's :data:`OUTER_DILOCO` (SGD without momentum: measured
+    within a point of ssgd; AdamW: the paper's setting)."""
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) > 0 for g in optimizer.param_groups):
+        return OUTER_UNDER_MOMENTUM
+    return OUTER_DILOCO
 
 
 class Flight:
@@ -111,12 +130,14 @@ class DiLoCo(Strategy):
         #: inner steps H between outer steps (DiLoCo Algorithm 1; the paper uses 500)
         sync_every: int = field(default=20, metadata={
             "help": "inner steps H between outer steps (DiLoCo Algorithm 1; the paper uses 500)"})
-        #: the outer SGD's learning rate (DiLoCo uses 0.7)
-        outer_lr: float = field(default=0.7, metadata={
-            "help": "learning rate of the outer SGD step on the averaged pseudo-gradient (DiLoCo: 0.7)"})
-        #: the outer SGD's Nesterov momentum; 0 = plain SGD (DiLoCo uses 0.9)
-        outer_momentum: float = field(default=0.9, metadata={
-            "help": "Nesterov momentum of the outer step in [0, 1); 0 = plain SGD (DiLoCo: 0.9)"})
+        #: the outer SGD's learning rate; None: derived from the inner optimizer (outer_defaults)
+        outer_lr: float | None = field(default=None, metadata={
+            "help": "learning rate of the outer SGD step on the averaged pseudo-gradient (not given: 1.0 "
+                    "under an inner SGD with momentum, else DiLoCo's 0.7; docs/diloco.md)"})
+        #: the outer SGD's Nesterov momentum; 0 = plain SGD; None: derived (outer_defaults)
+        outer_momentum: float | None = field(default=None, metadata={
+            "help": "Nesterov momentum of the outer step in [0, 1); 0 = plain SGD (not given: 0.5 under "
+                    "an inner SGD with momentum, else DiLoCo's 0.9; docs/diloco.md)"})
         #: the dtype of the pseudo-gradient exchange (bf16: half the bytes)
         outer_dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={
             "help": "dtype of the pseudo-gradient exchange: fp32, or bf16 (half the bytes between hosts; "
@@ -133,6 +154,11 @@ class DiLoCo(Strategy):
         mixing: float = field(default=0.0, metadata={
             "help": "after an outer step, keep this share of the worker's own weights: θ_i ← α θ_i + "
                     "(1 − α) θ_global, α in [0, 1) (0 = DiLoCo; e.g. 0.5 with overlap)"})
+        #: the compressed exchange: top-k of every chunk, B-bit values, error feedback
+        compress: str = field(default="", metadata={
+            "help": "compress the pseudo-gradient between hosts: topk:F,bits:B (the kept share F of "
+                    "every 4096-element chunk, values of B = 2, 4, 8 or 32 bits) with error feedback "
+                    "in the checkpoint, e.g. topk:0.01,bits:4 (SparseLoCo); empty = the exact exchange"})
         #: what a worker does between outer steps: train alone ("local"), or average
         #: gradients every step with its host through shared memory ("host-sync", the hybrid)
         inner: Literal["local", "host-sync"] = field(default="local", metadata={
@@ -147,10 +173,11 @@ class DiLoCo(Strategy):
                     f"--fragments {self.fragments} must divide --sync-every {self.sync_every}: fragment f "
                     f"is synchronised at offset f*H/F; choose e.g. --fragments 1 or a divisor of "
                     f"{self.sync_every}")
-            if not (isinstance(self.outer_lr, int | float) and self.outer_lr > 0):
+            if self.outer_lr is not None and not (isinstance(self.outer_lr, int | float) and self.outer_lr > 0):
                 raise ValueError(f"--outer-lr {self.outer_lr!r} must be positive: it scales the outer step "
                                  "on the averaged pseudo-gradient; pass e.g. --outer-lr 0.7 (DiLoCo)")
-            if not (isinstance(self.outer_momentum, int | float) and 0 <= self.outer_momentum < 1):
+            if self.outer_momentum is not None and not (
+                    isinstance(self.outer_momentum, int | float) and 0 <= self.outer_momentum < 1):
                 raise ValueError(f"--outer-momentum {self.outer_momentum!r} must lie in [0, 1): the "
                                  "outer Nesterov momentum; pass e.g. --outer-momentum 0.9 (DiLoCo), or 0")
             if not isinstance(self.overlap_steps, int) or isinstance(self.overlap_steps, bool) \
@@ -164,6 +191,10 @@ class DiLoCo(Strategy):
                                  "own weights kept after an outer step; pass e.g. --mixing 0.5, or 0")
             if self.outer_dtype not in OUTER_DTYPES:
                 raise ValueError(f"--outer-dtype {self.outer_dtype!r} is unknown; choose fp32 or bf16")
+            if parse_compress(self.compress) is not None and self.outer_dtype != "fp32":
+                raise ValueError(f"--outer-dtype {self.outer_dtype} with --compress {self.compress}: both set "
+                                 "how the pseudo-gradient travels (--compress quantises its values with "
+                                 "bits:B); drop --outer-dtype, or --compress")
             if self.inner not in ("local", "host-sync"):
                 raise ValueError(f"--inner {self.inner!r} is unknown; choose local (DiLoCo) or "
                                  "host-sync (the hybrid)")
@@ -189,13 +220,21 @@ class DiLoCo(Strategy):
         self.bounds = fragment_bounds(self.layout.numel, config.fragments)
         #: θ^(t), one tensor per fragment, the same on every worker
         self.global_fragments = [self.local[lo:hi].clone() for lo, hi in self.bounds]
+        lr, momentum = outer_defaults(optimizer)
+        #: the outer step's learning rate and Nesterov momentum: given, or derived from the inner optimizer
+        self.outer_lr = lr if config.outer_lr is None else config.outer_lr
+        self.outer_momentum = momentum if config.outer_momentum is None else config.outer_momentum
         self.outer_optimizer = torch.optim.SGD(
-            [{"params": [g]} for g in self.global_fragments], lr=config.outer_lr,
-            momentum=config.outer_momentum, nesterov=config.outer_momentum > 0)
+            [{"params": [g]} for g in self.global_fragments], lr=self.outer_lr,
+            momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
         dtype = OUTER_DTYPES[config.outer_dtype]
+        #: ``--compress``: None for the exact exchange
+        self.compress = parse_compress(config.compress)
         #: one exchange per fragment, so each carries only its fragment's bytes
         self.exchanges = [
             self.transports.allreduce("shm", hi - lo, dtype, op="mean", tag=f"diloco.f{f}")
+            if self.compress is None else
+            self.transports.compressed_allreduce(hi - lo, self.compress, tag=f"diloco.f{f}")
             for f, (lo, hi) in enumerate(self.bounds)
         ]
         self.outer_steps = 0
@@ -264,14 +303,18 @@ class DiLoCo(Strategy):
     # -- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The iteration (the schedule position: which fragment is due when), θ^(t) and
-        the outer momentum; every worker holds the same and saves its own."""
+        the outer momentum; every worker holds the same and saves its own. With
+        ``--compress`` also each fragment's error feedback (its host leader's)."""
         pending = self.pending
-        return {"iteration": self.iteration, "outer_steps": self.outer_steps,
-                "global_weights": list(self.global_fragments),
-                "outer_optimizer": self.outer_optimizer.state_dict(),
-                "pending": None if pending is None else {
-                    "fragment": pending.fragment, "apply_at": pending.apply_at,
-                    "mean": pending.wait(self.wait_timeout)}}
+        state = {"iteration": self.iteration, "outer_steps": self.outer_steps,
+                 "global_weights": list(self.global_fragments),
+                 "outer_optimizer": self.outer_optimizer.state_dict(),
+                 "pending": None if pending is None else {
+                     "fragment": pending.fragment, "apply_at": pending.apply_at,
+                     "mean": pending.wait(self.wait_timeout)}}
+        if self.compress is not None:  # after the wait: the exchange in flight has fed its error back
+            state["compress"] = [exchange.state_dict() for exchange in self.exchanges]
+        return state
 
     def quiesce(self) -> None:
         """Let the exchange in flight finish (its mean is applied at its step, after a
@@ -291,10 +334,25 @@ class DiLoCo(Strategy):
             for mine, theirs in zip(self.global_fragments, saved, strict=True):
                 mine.copy_(theirs)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self._load_compress(state.get("compress"))
         self.outer_steps = int(state.get("outer_steps", 0))
         pending = state.get("pending")
         self.pending = None if pending is None else Flight(
             int(pending["fragment"]), int(pending["apply_at"]), mean=pending["mean"])
+
+    def _load_compress(self, saved: list[dict[str, Any]] | None) -> None:
+        if (saved is None) != (self.compress is None):
+            raise ValueError(
+                f"the checkpoint was written {'without' if saved is None else 'with'} --compress, this run "
+                f"{'has --compress ' + self.compress.text() if self.compress else 'has none'}: resume with "
+                "the --compress the checkpoint was written with (its error feedback is part of the state)")
+        if saved is None:
+            return
+        if len(saved) != len(self.exchanges):
+            raise ValueError(f"the checkpoint's error feedback comes in {len(saved)} fragments, this run's in "
+                             f"{len(self.exchanges)}: resume with the --fragments the checkpoint was written with")
+        for exchange, state in zip(self.exchanges, saved, strict=True):
+            exchange.load_state_dict(state)
 
     def global_weights_now(self) -> torch.Tensor | None:
         """θ^(t), the outer model (the same on every worker; a worker's own weights have
