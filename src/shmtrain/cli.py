@@ -137,7 +137,7 @@ def _train(args: argparse.Namespace) -> int:
     else:
         config = resolve(merged)
     summary = run_training(config, resume=resume_dir is not None)
-    return 0 if summary is None or summary.get("accuracy") is not None else 1
+    return 0 if summary is None or summary.get(summary.get("metric", "accuracy")) is not None else 1
 
 
 COMPARE_EPILOG = """\

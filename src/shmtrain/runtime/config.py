@@ -38,6 +38,8 @@ from shmtrain.runtime.data.options import DataOptions
 from shmtrain.runtime.options import SECTIONS as SECTIONS  # re-exported: the sections of --help
 from shmtrain.runtime.options import need as _need
 from shmtrain.runtime.options import option
+from shmtrain.runtime.tasks.base import TaskConfig
+from shmtrain.runtime.tasks.options import TaskOptions
 from shmtrain.runtime.train.device import cuda_count, resolve_device
 from shmtrain.runtime.train.optim_options import OptimOptions
 from shmtrain.strategies.base import StrategyConfig, build_config, own_config, plan
@@ -131,15 +133,18 @@ class MonitorOptions:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
+class TrainConfig(MonitorOptions, OptimOptions, TaskOptions, DataOptions, JobOptions):
     """Everything ``shmtrain train`` needs; validated on construction.
 
     Attributes are flat (``config.batch_size``, ``config.workers``); ``strategy_config``
-    is the chosen strategy's typed ``Config`` (left out, the strategy's defaults). Build
-    one from flat keys (common and strategy options mixed) with :func:`resolve`.
+    is the chosen strategy's typed ``Config`` (left out, the strategy's defaults), and
+    ``task_config`` the task's (built from ``--task`` and ``--task-args``,
+    ``runtime/tasks/``). Build one from flat keys (common and strategy options mixed) with
+    :func:`resolve`.
     """
 
     strategy_config: StrategyConfig = field(default_factory=StrategyConfig)
+    task_config: TaskConfig = field(default_factory=TaskConfig)
 
     def __post_init__(self) -> None:
         hints = type_hints(TrainConfig)
@@ -149,6 +154,7 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
             setattr(self, f.name, coerce(hints[f.name], value))
         self._check_job()
         self._check_data()
+        self.task_config = self._check_task(self.data)
         self._check_optim()
         self._check_monitor()
         cls = strategies.get(self.strategy)

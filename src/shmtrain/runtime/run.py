@@ -27,11 +27,10 @@ from shmtrain.runtime.launch import runlock, smb_server
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
 from shmtrain.runtime.launch.zygote import under_torchrun
+from shmtrain.runtime.loop import train_worker
 from shmtrain.runtime.outputs import report
 from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.startup import mark
-
-TARGET = "shmtrain.runtime.loop:train_worker"
 
 
 def default_out(config: TrainConfig) -> Path:
@@ -114,7 +113,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
         payload = {"config": config, "out": str(out), "resume": str(start_from) if start_from else None}
         stretch = Stretch(out, (checkpoint_files.step_of(start_from) if start_from else None) or 0, config.workers)
         try:
-            results = launch(TARGET, config.workers, payload, threads=config.threads, timeout=config.timeout,
+            results = launch(train_worker, config.workers, payload, threads=config.threads, timeout=config.timeout,
                              # with restarts left, a death restarts the run instead (item 4)
                              tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss
                              and restarts >= config.max_restarts,
@@ -149,6 +148,15 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
     if stopped:
         raise RunStopped(_stopped_message(out, results, stopped[0]["stopped"]), 128 + stopped[0]["stopped"])
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def metric_text(summary: dict[str, Any]) -> str:
+    """``held-out accuracy 97.50%``, or the task's metric (``held-out rmse 0.1234``)."""
+    metric = summary.get("metric", "accuracy")
+    value = summary.get(metric)
+    if value is None:
+        return f"held-out {metric} -"
+    return f"held-out {metric} {value * 100:.2f}%" if metric == "accuracy" else f"held-out {metric} {value:.4g}"
 
 
 def _resume_hint(out: Path) -> str:
@@ -228,9 +236,8 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     echo(report.breakdown_table({k: v / 1e3 for k, v in summary["phases_ms"].items()}))
     for line in strategies.get(config.strategy).describe_metrics(summary):
         echo(line)
-    acc = summary["accuracy"]
     runs = len(summary.get("stretches", [])) or 1
-    echo(f"\nheld-out accuracy {acc * 100:.2f}%  |  {summary['iterations']} iterations  |  "
+    echo(f"\n{metric_text(summary)}  |  {summary['iterations']} iterations  |  "
          f"wall {summary['wall_s']:.1f} s" + (f" in {runs} stretches (this one {wall:.1f} s)" if runs > 1 else "")
          + f"  |  {out}/summary.json, {out}/plot.png")
     if summary.get("lost_workers"):
@@ -251,7 +258,6 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from shmtrain.fabric.context import from_env
-    from shmtrain.runtime.loop import train_worker
 
     torch.set_num_threads(config.threads)
     start = time.perf_counter()

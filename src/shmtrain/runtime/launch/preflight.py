@@ -15,6 +15,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data.tensors import IMAGE_SUFFIXES, parse_shape
@@ -36,6 +37,8 @@ class DataFacts:
     num_classes: int
     #: the samples live in each worker's memory (digits, synthetic), not decoded per batch
     in_memory: bool = True
+    #: one forward pass of a model on two real items (a task's data, runtime/tasks/data.py)
+    probe: Any = None
 
 
 def held_out(samples: int, fraction: float = 0.2) -> int:
@@ -46,6 +49,10 @@ def held_out(samples: int, fraction: float = 0.2) -> int:
 def check_data(config: TrainConfig) -> DataFacts:
     """The data source exists, has the right shape and classes, and a sample is readable
     (a folder or module:callable is opened as the workers will: ``runtime/data/sources.py``)."""
+    from shmtrain.runtime.tasks.data import task_facts
+
+    if (facts := task_facts(config, DataFacts)) is not None:  # a task's own items (runtime/tasks/)
+        return facts
     fraction = config.val_fraction or 0.2
     if config.data == "digits":
         return DataFacts(DIGITS_SAMPLES - held_out(DIGITS_SAMPLES, fraction), DIGITS_SHAPE, 10)
@@ -148,7 +155,7 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
 
     hooks = [m.register_forward_hook(record) for m in model.modules() if not list(m.children())]
     with torch.no_grad():
-        model(torch.zeros((2, *facts.input_shape)))
+        facts.probe(model) if facts.probe is not None else model(torch.zeros((2, *facts.input_shape)))
     for hook in hooks:
         hook.remove()
     activations = sum(sizes) * config.batch_size // 2 * 2
