@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import relative_error
-from task_data import Regressor, TwoInputs, dict_regression, regression
 from torch.nn import functional
 from torch.utils.data import default_collate
 
+from reference import relative_error
 from shmtrain.cli import main
 from shmtrain.runtime.config import resolve
 from shmtrain.runtime.data.tensors import ShardSampler
 from shmtrain.runtime.data.user_data import split_user_data
 from shmtrain.runtime.tasks import build_task, registry
 from shmtrain.runtime.tasks.base import split_batch
+from task_data import Regressor, TwoInputs, dict_regression, regression
 
 STEPS, BATCH, WORKERS, SEED, LR = 12, 8, 2, 0, 0.05
 
