@@ -62,6 +62,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
              "that --iterations/--epochs give (default: the run's own); the configuration is "
              "RUN_DIR/config.toml, other flags must agree with it (default none)",
     )
+    groups["job"].add_argument(
+        "--restart-schedule", action="store_true",
+        help="with --resume to another length: a new learning-rate schedule (cosine, or step without "
+             "--lr-step-every) from the peak --lr over the iterations left, instead of the run's, which "
+             "was drawn over its planned length (a resume that would not follow it is refused without "
+             "this) (default off)",
+    )
     _add_strategy_options(p)
     p.set_defaults(handler=_train)
 
@@ -128,6 +135,7 @@ def _train(args: argparse.Namespace) -> int:
         values.pop(key, None)
     config_file = values.pop("config", None)
     resume_dir = values.pop("resume", None)
+    restart_schedule = bool(values.pop("restart_schedule", False))
     merged = read_toml(config_file) if config_file else {}
     merged.update(values)
     if resume_dir is not None:
@@ -136,7 +144,7 @@ def _train(args: argparse.Namespace) -> int:
         config = resume_config(resume_dir, merged)  # RUN_DIR/config.toml + the run length
     else:
         config = resolve(merged)
-    summary = run_training(config, resume=resume_dir is not None)
+    summary = run_training(config, resume=resume_dir is not None, restart_schedule=restart_schedule)
     return 0 if summary is None or summary.get(summary.get("metric", "accuracy")) is not None else 1
 
 

@@ -85,6 +85,7 @@ class WorkerSession:
         self.config: TrainConfig = payload["config"]
         self.out = Path(payload["out"])
         self.resume: str | None = payload.get("resume")
+        self.restart_schedule = bool(payload.get("restart_schedule"))
         self.stack = ExitStack()
         #: the loop's services (trainer threads, prefetch, metrics file, monitor, stop)
         self.loop = ExitStack()
@@ -138,6 +139,8 @@ class WorkerSession:
         else:
             checkpoints.restore(self.trainer, self.resume)
         start = self.trainer.state.iteration
+        if self.restart_schedule:  # --restart-schedule: a new schedule over the iterations left
+            self.trainer.scheduler = schedule.restart(self.dp.optimizer, config, self.total - start)
         sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)  # --class-split
         # the shard's batches from the run's position on (runtime/data/loader.py): a thread slicing
         # tensors, or DataLoader processes decoding a folder / module:callable data

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from shmtrain import strategies
@@ -77,17 +78,25 @@ def _import_matplotlib() -> None:
         pass
 
 
-def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> dict[str, Any] | None:
+def run_training(config: TrainConfig, echo=print, *, resume: bool = False,
+                 restart_schedule: bool = False) -> dict[str, Any] | None:
     """Train as ``config`` says; return the summary (None on non-zero ranks of torchrun).
 
     ``resume``: continue the run in ``config.out`` from its newest whole checkpoint
     (``config`` comes from :func:`shmtrain.runtime.checkpoint.files.resume_config`).
+    ``restart_schedule`` (``--restart-schedule``, with ``resume``): a new learning-rate
+    schedule over the iterations left instead of the checkpoint's; a resume to another
+    length of a schedule drawn over the run's length is refused without it
+    (:func:`shmtrain.runtime.train.schedule.extended_resume`).
 
     Raises:
         ValueError: bad input, before any worker starts (exit status 2).
         WorkerFailed: a worker failed (after ``config.max_restarts`` restarts).
         RunStopped: stopped by Ctrl-C or SIGTERM (after saving a checkpoint when it could).
     """
+    if restart_schedule and not resume:
+        raise ValueError("--restart-schedule: it restarts the learning-rate schedule of a resumed run; use it "
+                         "with --resume RUN_DIR, or leave it out")
     if under_torchrun():
         return _run_torchrun(config, echo)
     from shmtrain.runtime.launch import zygote
@@ -95,14 +104,19 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     zygote.prestart()  # imports torch for the workers while the launcher checks the input
     threading.Thread(target=_import_matplotlib, name="shmtrain-plot-import", daemon=True).start()
     out = Path(config.out) if config.out else default_out(config)
-    preflight(config, out)  # before any folder or worker: one clear line, exit 2
+    facts = preflight(config, out)  # before any folder or worker: one clear line, exit 2
     with runlock.acquire(out, resume=resume):  # one run per folder, before anything is written
-        return _run_local(config, out, echo, resume)
+        return _run_local(config, out, echo, resume, (facts.train_samples, restart_schedule))
 
 
-def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, Any]:
-    """The local launch of :func:`run_training`, in a run folder this process has locked."""
+def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
+               schedule_check: tuple[int, bool] = (0, False)) -> dict[str, Any]:
+    """The local launch of :func:`run_training`, in a run folder this process has locked
+    (``schedule_check``: the training samples and ``--restart-schedule``)."""
     start_from = _starting_point(out, config, resume)
+    first_point = start_from
+    if start_from is not None:
+        _check_schedule(start_from, config, *schedule_check)
     checkpoint_files.prepare_run_folder(out, config)  # config.toml; refuses an unwritable folder
     echo(f"shmtrain: {config.strategy}, {config.workers} workers x {config.threads} thread(s), "
          f"{config.model} on {config.data}; run folder {out}"
@@ -110,7 +124,9 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
     start = time.perf_counter()
     restarts = 0
     while True:
-        payload = {"config": config, "out": str(out), "resume": str(start_from) if start_from else None}
+        payload = {"config": config, "out": str(out), "resume": str(start_from) if start_from else None,
+                   # --restart-schedule: on the checkpoint resumed from, not on one saved since
+                   "restart_schedule": schedule_check[1] and start_from is not None and start_from == first_point}
         stretch = Stretch(out, (checkpoint_files.step_of(start_from) if start_from else None) or 0, config.workers)
         try:
             results = launch(train_worker, config.workers, payload, threads=config.threads, timeout=config.timeout,
@@ -203,6 +219,25 @@ def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None
             f"--iterations {done} or more"
         )
     return point
+
+
+def _check_schedule(point: Path, config: TrainConfig, train_samples: int, restart: bool) -> None:
+    """Refuse a resume to another length of a schedule drawn over the run's planned
+    iterations (a finished cosine run extended would train at --lr-min), unless
+    ``restart`` (``--restart-schedule``)."""
+    from shmtrain.runtime.config import read_toml, resolve
+    from shmtrain.runtime.loop import planned_iterations
+    from shmtrain.runtime.train.schedule import extended_resume
+
+    saved = resolve(read_toml(str(point / "config.toml")))
+    facts = SimpleNamespace(train_samples=train_samples)
+    planned = planned_iterations(saved, facts, config.workers)
+    total = planned_iterations(config, facts, config.workers)
+    done = max(r["iteration"] for r in checkpoint_files.read_meta(point)["ranks"])
+    flag = f"--iterations {config.iterations}" if config.iterations is not None else f"--epochs {config.epochs:g}"
+    problem = extended_resume(config, planned, done, total, flag)
+    if problem is not None and not restart:
+        raise ValueError(f"--resume {config.out}: {problem}")
 
 
 def _no_checkpoint(out: Path, found: list[Path]) -> str:
