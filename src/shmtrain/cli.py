@@ -293,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "shmtrain once and forks each worker (--start-method fork --run-path); "
                     "`shmtrain torchrun --help` lists torchrun's options", add_help=False)
     _add_compare(sub)
+    from shmtrain.runtime.evaluate import add_parser as add_evaluate
+
+    add_evaluate(sub)
     _add_bench(sub)
     from shmtrain.sim.cli import add_sim_parser
 

@@ -122,6 +122,28 @@ class MonitorOptions:
         False, "write RUN_DIR/trace.json: every rank's phases per iteration on a timeline "
         "(open in ui.perfetto.dev or chrome://tracing)", "monitor", default_text="off")
 
+    keep_best: str | None = option(
+        None, "keep the model of the best held-out evaluation as RUN_DIR/best.pt (best.json: its iteration "
+        "and metrics); METRIC is one the task reports: loss, accuracy (classification), rmse (regression), "
+        "perplexity (language-model)", "monitor", default_text="off", example="loss", metavar="METRIC")
+    early_stop: str | None = option(
+        None, "stop every worker (with a checkpoint) once METRIC has not improved for PATIENCE held-out "
+        "evaluations in a row; the run counts as finished", "monitor", default_text="off",
+        example="loss:3", metavar="METRIC:PATIENCE")
+
+    def _check_selection(self, task_name: str, metrics: tuple[str, ...]) -> None:
+        """``--keep-best`` and ``--early-stop`` name a metric of the task, and the run evaluates."""
+        from shmtrain.runtime.outputs.selection import parse_early_stop
+
+        for flag, text in (("keep-best", self.keep_best), ("early-stop", self.early_stop)):
+            if text is None:
+                continue
+            metric = parse_early_stop(text)[0] if flag == "early-stop" else text
+            _need(metric in metrics, flag, text, f"--task {task_name} reports {', '.join(metrics)}",
+                  f"name one of them, e.g. --{flag} {metrics[-1]}{':3' if flag == 'early-stop' else ''}")
+            _need(self.eval_every != 0, flag, text, "it compares held-out evaluations, and --eval-every 0 "
+                  "makes none during the run", "drop --eval-every 0, or give e.g. --eval-every 100")
+
     def _check_monitor(self) -> None:
         _need(self.eval_every is None or self.eval_every >= 0, "eval-every", self.eval_every,
               "must not be negative", "use e.g. --eval-every 100, or 0 for the final accuracy only")
@@ -154,7 +176,9 @@ class TrainConfig(MonitorOptions, OptimOptions, TaskOptions, DataOptions, JobOpt
             setattr(self, f.name, coerce(hints[f.name], value))
         self._check_job()
         self._check_data()
-        self.task_config = self._check_task(self.data)
+        task = self._check_task(self.data)
+        self.task_config = task.config
+        self._check_selection(self.task, task.metric_names)
         self._check_optim()
         self._check_monitor()
         cls = strategies.get(self.strategy)

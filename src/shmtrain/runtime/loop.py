@@ -34,6 +34,7 @@ from shmtrain.runtime.data.sources import write_run_facts
 from shmtrain.runtime.outputs.files import save_output
 from shmtrain.runtime.outputs.monitor import Monitor, evaluate_batches
 from shmtrain.runtime.outputs.progress import Progress
+from shmtrain.runtime.outputs.selection import Selection
 from shmtrain.runtime.tasks.base import task_of
 from shmtrain.runtime.tasks.data import write_task_facts
 from shmtrain.runtime.train import schedule
@@ -153,11 +154,13 @@ class WorkerSession:
         log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", start, keep=rejoined)
         self.loop.callback(log.close)
         progress = Progress(self.total, config.strategy, enabled=config.progress and ctx.rank == 0, first=start)
-        monitor = Monitor(config, out, ctx.rank, self.model, data, ctx.world_size, self.held_out,
-                          self.dp.strategy, task=self.task)  # rank 0: eval, TensorBoard
-        self.loop.callback(monitor.close)
         self.stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/train/stop.py)
         self.loop.callback(self.stop.close)
+        # --keep-best, --early-stop (runtime/outputs/selection.py): rank 0, after each evaluation
+        selection = Selection(out, self.task, config.keep_best, config.early_stop, self.stop.request_early)
+        monitor = Monitor(config, out, ctx.rank, self.model, data, ctx.world_size, self.held_out,
+                          self.dp.strategy, task=self.task, selection=selection)  # rank 0: eval, TensorBoard
+        self.loop.callback(monitor.close)
         return RunServices(checkpoints, self.stop, monitor, log, progress, ctx.rank)
 
     def run(self) -> dict[str, Any]:
@@ -183,7 +186,9 @@ class WorkerSession:
             "planned_iterations": self.total,
             "trained": outcome.trained,  # this launch's iterations (0: nothing left to do)
             # a stop (Ctrl-C, SIGTERM): its signal and the checkpoint the run continues from
-            "stopped": stop.signum if stop.stopped else 0,
+            "stopped": stop.signum if stop.stopped and not stop.early else 0,
+            # --early-stop: the iteration the run stopped at (it counts as finished)
+            "early_stopped": dp.iteration if stop.stopped and stop.early else None,
             "checkpoint": str(outcome.checkpoint) if outcome.checkpoint is not None else None,
             "skipped_files": self.data.skipped,
             # asynchronous strategies: workers lost during the run (rank -> iterations done)
@@ -192,7 +197,7 @@ class WorkerSession:
             "task": self.task.name,
             "metric": self.task.primary,
         }
-        if ctx.rank == 0 and not stop.stopped:
+        if ctx.rank == 0 and (not stop.stopped or stop.early):
             primary = self.task.primary
             global_state = dp.global_state_dict()  # asynchronous strategies: W_g is the job's model
             if global_state is not None:

@@ -275,6 +275,11 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     echo(f"\n{metric_text(summary)}  |  {summary['iterations']} iterations  |  "
          f"wall {summary['wall_s']:.1f} s" + (f" in {runs} stretches (this one {wall:.1f} s)" if runs > 1 else "")
          + f"  |  {out}/summary.json, {out}/plot.png")
+    if summary.get("early_stopped") is not None:
+        echo(f"early stop (--early-stop {config.early_stop}) after iteration {summary['early_stopped']}")
+    if summary.get("best"):
+        best = summary["best"]
+        echo(f"best held-out {best['metric']} {best['value']:.4g} at iteration {best['iteration']}: {out}/best.pt")
     if summary.get("lost_workers"):
         echo("lost during the run (the others trained to the end): " + ", ".join(
             f"rank {r} after iteration {n}" for r, n in summary["lost_workers"].items()))

@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn import functional
 
 from shmtrain.runtime.config import TrainConfig
+from shmtrain.runtime.outputs.selection import Selection
 from shmtrain.runtime.tasks.base import Task, build_task
 from shmtrain.runtime.train.finite import json_text
 
@@ -94,12 +95,15 @@ class Monitor:
         strategy: the strategy whose job model is evaluated where it is not ``model``.
         task: what the held-out metrics are (``runtime/tasks/``; default classification:
             loss and accuracy).
+        selection: ``--keep-best`` and ``--early-stop`` (``runtime/outputs/selection.py``),
+            told of every evaluation.
     """
 
     def __init__(self, config: TrainConfig, out: Path, rank: int, model: nn.Module, data: Any,
                  world: int, held_out: Iterable[Any] | None = None,
-                 strategy: Any = None, task: Task | None = None) -> None:
+                 strategy: Any = None, task: Task | None = None, selection: Selection | None = None) -> None:
         self.task = task if task is not None else build_task("classification")
+        self.selection = selection if selection is not None and selection.active and rank == 0 else None
         self.wall0 = time.time()
         self.perf0 = time.perf_counter()
         self.active = rank == 0
@@ -154,6 +158,8 @@ class Monitor:
         if job_model is not None:
             entry["weights"] = "global"
         log.write(json_text({"eval": entry}) + "\n")  # a NaN/inf loss as null, flagged
+        if self.selection is not None:  # best.pt, the early stop
+            self.selection.after_eval(entry, job_model or self.model)
         self.last_eval = iteration
         if self.writer is not None:
             for name, value in metrics.items():

@@ -165,6 +165,8 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
         "iterations_per_rank": {r["rank"]: r["iterations"] for r in results},
         "final_loss": rank0.get("final_loss"),
         "held_out_loss": evals[0][-1]["loss"] if evals.get(0) else None,
+        # --early-stop: the iteration every worker stopped at (None: the run went to its end)
+        "early_stopped": rank0.get("early_stopped"),
         "evaluations": len(evals.get(0, [])),
         "phases_ms": {k: v * 1e3 for k, v in means.items()},
     }
@@ -184,6 +186,12 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
         summary["iterations_per_rank"].setdefault(int(r), n)
     summary["iterations_per_rank"] = dict(sorted(summary["iterations_per_rank"].items()))
     stretches.apply(out, summary)  # a resumed run: wall_s over every stretch, and the list
+    best = out / "best.json"  # --keep-best: the best evaluation's model is best.pt
+    if best.is_file():
+        try:
+            summary["best"] = json.loads(best.read_text())
+        except ValueError:
+            pass
     skipped = sorted({f for r in results for f in r.get("skipped_files", [])})
     summary["skipped_files"] = len(skipped)  # --skip-bad-files: each is named in the logs
     write_output(out / "summary.json", (json_text(summary, indent=2) + "\n").encode())

@@ -94,6 +94,8 @@ class Task:
     primary: ClassVar[str] = "loss"
     #: whether a larger value of :attr:`primary` is better
     higher_is_better: ClassVar[bool] = False
+    #: every metric :meth:`metrics` returns (``--keep-best``, ``--early-stop`` name one)
+    metric_names: ClassVar[tuple[str, ...]] = ("loss",)
     #: the run's data may be a built-in kind (digits, synthetic, a folder of images),
     #: whose items are (image, class); otherwise ``--data module:callable`` only
     takes_builtin_data: ClassVar[bool] = False
@@ -176,11 +178,14 @@ class Task:
             model.train(was_training)
         return self.metrics(totals)
 
-    def better(self, value: float, best: float | None) -> bool:
-        """Whether metric value ``value`` improves on ``best`` (None: nothing yet)."""
+    def better(self, metric: str, value: float | None, best: float | None) -> bool:
+        """Whether ``value`` of ``metric`` improves on ``best`` (None: nothing yet); larger is
+        better for :attr:`primary` when :attr:`higher_is_better`, smaller for the others."""
+        if value is None or math.isnan(value):
+            return False
         if best is None:
-            return not math.isnan(value)
-        return value > best if self.higher_is_better else value < best
+            return True
+        return value > best if metric == self.primary and self.higher_is_better else value < best
 
 
 _REGISTRY: dict[str, type[Task]] = {}

@@ -25,6 +25,7 @@ class Classification(Task):
     name = "classification"
     primary = "accuracy"
     higher_is_better = True
+    metric_names = ("loss", "accuracy")
     takes_builtin_data = True
 
     @dataclass(kw_only=True, slots=True)

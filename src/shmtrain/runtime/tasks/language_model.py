@@ -45,6 +45,7 @@ class LanguageModel(Task):
     name = "language-model"
     primary = "perplexity"
     higher_is_better = False
+    metric_names = ("loss", "perplexity")
 
     @dataclass(kw_only=True, slots=True)
     class Config(TaskConfig):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from shmtrain.models.user import is_user_spec
 from shmtrain.runtime.options import option
 from shmtrain.runtime.tasks import registry
-from shmtrain.runtime.tasks.base import Task, TaskConfig, build_config, build_task
+from shmtrain.runtime.tasks.base import Task, build_config, build_task
 
 
 def task_names() -> list[str]:
@@ -27,8 +27,8 @@ class TaskOptions:
     task_args: str = option("", "options of --task, as k=v separated by ';' (Python literals), e.g. "
                             "--task-args 'label_smoothing=0.1'", "data", metavar="K=V;...")
 
-    def _check_task(self, data: str) -> TaskConfig:
-        """The task's typed Config; a task that reads only ``module:callable`` data with
+    def _check_task(self, data: str) -> Task:
+        """The task (its typed Config is ``task.config``); a task that reads only ``module:callable`` data with
         another ``--data`` is refused, naming the fix."""
         config = build_config(self.task, self.task_args)
         task: Task = build_task(self.task, self.task_args, config)
@@ -36,4 +36,4 @@ class TaskOptions:
             raise ValueError(f"--task {self.task} with --data {data}: the built-in data kinds (digits, synthetic, "
                              "a folder of images) hold (image, class) items for --task classification; give "
                              "--data module:callable returning your Dataset (docs/tasks.md)")
-        return task.config
+        return task

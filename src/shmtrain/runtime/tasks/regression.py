@@ -44,6 +44,7 @@ class Regression(Task):
     name = "regression"
     primary = "rmse"
     higher_is_better = False
+    metric_names = ("loss", "rmse")
 
     @dataclass(kw_only=True, slots=True)
     class Config(TaskConfig):
