@@ -122,3 +122,20 @@ def test_a_dict_batch_without_the_target_names_the_keys_and_the_fix() -> None:
                                          r"key with --task-args 'target=\"KEY\"'"):
         task.loss(lambda **kw: kw["a"], {"a": torch.zeros(2, 1), "y": torch.zeros(2)})
     assert build_task("regression", 'target="y"').loss(lambda a: a, {"a": torch.zeros(2, 1), "y": torch.ones(2)}) == 1
+
+
+def test_the_own_task_of_docs_tasks_md_runs() -> None:
+    """The code block of docs/tasks.md "Your own task": a multi-label task's loss and metrics."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "tasks.md").read_text()
+    block = text.split("## Your own task")[1].split("```python")[1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(block, "docs/tasks.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    task = namespace["MultiLabel"]()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    batch = (torch.randn(8, 4), torch.randint(0, 2, (8, 3)))
+    loss = task.loss(model, batch)
+    loss.backward()
+    assert model.weight.grad is not None
+    assert task.evaluate(model, [batch])["loss"] == pytest.approx(float(loss), rel=1e-6)
+    assert task.output_size([(torch.zeros(4), torch.zeros(3))]) == 3

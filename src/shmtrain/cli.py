@@ -16,6 +16,10 @@ examples:
   shmtrain train --model resnet18 --data synthetic --input-shape 3x64x64 --workers 2 --iterations 20
   shmtrain train --data path/to/images --image-size 32 --epochs 5
   shmtrain train --config run.toml --lr 0.1        TOML keys are the flag names; flags win
+  shmtrain train --task regression --data mypkg.data:table --model mypkg.nets:Net   MSE, rmse (docs/tasks.md)
+  shmtrain train --task language-model --data examples.lm_text:stdlib_text --model examples.lm_text:Net
+  shmtrain train --keep-best loss --early-stop loss:3   RUN_DIR/best.pt; stop once 3 evaluations gain nothing
+  shmtrain evaluate runs/my-run                    the task's metrics of its model.pt
   torchrun --nnodes 2 --nproc-per-node 2 ... -m shmtrain train   one worker per torchrun process
   shmtrain train --lr 0.1 --lr-schedule cosine --warmup-iterations 50 --eval-every 100
   shmtrain train --lr-schedule step --lr-step-every 200 --lr-gamma 0.5
@@ -28,8 +32,9 @@ examples:
 
 The run folder (--out, default runs/<time>-<strategy>) gets config.toml, metrics/rank-<r>.jsonl
 (one line per iteration: iteration, loss, lr, t0 (start, seconds since the epoch), time per phase
-in seconds; rank 0's file also has {"eval": {iteration, loss, accuracy, ...}} rows), summary.json,
-model.pt and plot.png (loss, held-out accuracy, compute vs communication); with --trace
+in seconds; rank 0's file also has {"eval": {iteration, loss, accuracy, ...}} rows: the task's
+metrics), summary.json, model.pt and plot.png (loss, the held-out metric, compute vs
+communication), logs/rank-<r>.log; with --keep-best best.pt; with --trace
 trace.json, with --tensorboard tensorboard/, and checkpoints/step-<N>/ (every rank's state) with
 checkpoints/latest. Threads: each worker uses --threads torch threads
 (default 1) plus a prefetch thread that mostly sleeps; with more workers than cores, workers

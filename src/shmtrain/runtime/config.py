@@ -295,15 +295,21 @@ def resolve(values: Mapping[str, Any]) -> TrainConfig:
 def to_toml(config: TrainConfig) -> str:
     """The resolved config as TOML (flag names as keys), for ``DIR/config.toml``.
 
-    Common keys first, then every option of the strategy's typed config; ``None``
-    values are left out (TOML has no null; they are the defaults).
+    Common keys first, then every option of the strategy's typed config; a ``None``
+    value (TOML has no null) is written as a comment saying what it means (the flag's
+    default text, e.g. ``# checkpoint-every: every epoch, and at the end``), so every
+    default is in the file; data options the kind of ``--data`` does not take are left out.
     """
     lines = []
     options = sorted(dataclasses.asdict(config.strategy_config).items())
-    items = [(k, getattr(config, k)) for k in COMMON_KEYS]
-    for key, value in items:
+    fields = {f.name: f for f in train_fields()}
+    for key in COMMON_KEYS:
+        value = getattr(config, key)
         if value is not None:
             lines.append(f"{key.replace('_', '-')} = {_toml_value(value)}")
+        elif fields[key].metadata["section"] != "data":  # a data option unset is one the data does not take
+            meaning = fields[key].metadata.get("default_text", "not set")
+            lines.append(f"# {key.replace('_', '-')}: {meaning} (default)")
     if options:
         lines.append(f"# options of --strategy {config.strategy}")
     for key, value in options:
