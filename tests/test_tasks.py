@@ -139,3 +139,18 @@ def test_the_own_task_of_docs_tasks_md_runs() -> None:
     assert model.weight.grad is not None
     assert task.evaluate(model, [batch])["loss"] == pytest.approx(float(loss), rel=1e-6)
     assert task.output_size([(torch.zeros(4), torch.zeros(3))]) == 3
+
+
+def test_the_worker_target_is_the_function() -> None:
+    """run.py hands the launcher train_worker itself; a fresh worker process imports it by
+    the name derived from the function."""
+    import shmtrain.runtime.run as run
+    from shmtrain.runtime.launch.launcher import target_name
+    from shmtrain.runtime.launch.worker import resolve as resolve_target
+    from shmtrain.runtime.loop import train_worker
+
+    assert not hasattr(run, "TARGET") and run.train_worker is train_worker
+    assert target_name(train_worker) == "shmtrain.runtime.loop:train_worker"
+    assert resolve_target(target_name(train_worker)) is train_worker
+    with pytest.raises(ValueError, match=r"must be a function defined at the top of an importable module"):
+        target_name(lambda ctx, payload: None)
