@@ -31,6 +31,7 @@ from shmtrain.runtime.launch.zygote import under_torchrun
 from shmtrain.runtime.loop import train_worker
 from shmtrain.runtime.outputs import report
 from shmtrain.runtime.outputs.stretches import Stretch
+from shmtrain.runtime.train import schedule
 from shmtrain.startup import mark
 
 
@@ -237,7 +238,7 @@ def _check_schedule(point: Path, config: TrainConfig, train_samples: int, restar
     flag = f"--iterations {config.iterations}" if config.iterations is not None else f"--epochs {config.epochs:g}"
     problem = extended_resume(config, planned, done, total, flag)
     if problem is not None and not restart:
-        raise ValueError(f"--resume {config.out}: {problem}")
+        raise ValueError(f"--resume {point.parent.parent}: {problem}")
 
 
 def _no_checkpoint(out: Path, found: list[Path]) -> str:
@@ -430,6 +431,10 @@ def _torchrun_folder(config: TrainConfig, echo) -> tuple[dict[str, Any], runlock
         point = checkpoint_files.resume_point(out, _warn) if out.is_dir() else None
         if point is not None:
             checkpoint_files.check_compatible(point, config)
+            if schedule.depends_on_length(config):  # no silent lr --lr-min over an extended run
+                from shmtrain.runtime.tasks import task_of
+
+                _check_schedule(point, config, task_of(config).open_data(config).train_samples, False)
             echo(f"shmtrain: resuming {out} from {point.name} (torchrun restart "
                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
         checkpoint_files.prepare_run_folder(out, config)
