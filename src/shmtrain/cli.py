@@ -159,20 +159,21 @@ examples:
   shmtrain compare runs/* --out docs/compare.png
 
 Each RUN_DIR is a folder a finished `shmtrain train` wrote (its --out): the table comes from
-its summary.json (accuracy is the final held-out accuracy; ms columns are the mean time per
-iteration of each phase over workers and iterations, the first iteration left out), the curves
-from metrics/rank-0.jsonl (training loss per iteration; held-out accuracy from the --eval-every
-rows, or the final accuracy as one point when the run has none).
+its summary.json (the metric is the task's final held-out one: accuracy, rmse or perplexity;
+ms columns are the mean time per iteration of each phase over workers and iterations, the first
+iteration left out), the curves from metrics/rank-0.jsonl (training loss per iteration; the
+held-out metric from the --eval-every rows, or the final value as one point when the run has
+none).
 """
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     """Register ``shmtrain compare RUN_DIR... [--out FILE]``."""
     p = sub.add_parser(
-        "compare", help="finished runs side by side: a table and loss/accuracy curves",
+        "compare", help="finished runs side by side: a table and loss/metric curves",
         description="Compare finished runs of `shmtrain train`: print their summaries side by side "
                     "(strategy, workers, iterations, accuracy, wall time, ms per phase) and plot "
-                    "their loss and accuracy curves in one figure.",
+                    "their loss and held-out metric (accuracy, rmse, perplexity) curves in one figure.",
         epilog=COMPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders written by shmtrain train (its --out)")

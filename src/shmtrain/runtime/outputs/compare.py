@@ -126,5 +126,5 @@ def compare(folders: list[Path], out: Path, echo=print) -> Path:
     names = labels(folders)
     echo(table(runs, names))
     path = plot(runs, names, out)
-    echo(f"\nloss and accuracy curves: {path}")
+    echo(f"\nloss and held-out metric curves: {path}")
     return path
