@@ -172,7 +172,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare", help="finished runs side by side: a table and loss/metric curves",
         description="Compare finished runs of `shmtrain train`: print their summaries side by side "
-                    "(strategy, workers, iterations, accuracy, wall time, ms per phase) and plot "
+                    "(strategy, workers, iterations, held-out metric, wall time, ms per phase) and plot "
                     "their loss and held-out metric (accuracy, rmse, perplexity) curves in one figure.",
         epilog=COMPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
