@@ -6,9 +6,13 @@ of a plain single-process PyTorch loop with the same hyper-parameters and seed.
 Tolerance: ssgd averages the two workers' gradients in float32 (each the mean over its
 half of the batch, summed in another order than the plain loop's mean over the whole
 batch), so every step differs from the plain loop's by float32 round-off (~1e-7 relative);
-AdamW's normalisation carries that through a dozen steps as ~1e-6 in the weights
-(measured below 1e-5, the bound of the synchronous strategies' tests), and the perplexity,
-a smooth function of the weights, agrees to 1e-5 relative."""
+AdamW's normalisation carries that into the weights (it divides each gradient by its own
+running scale, so a near-zero component's difference counts fully), and the perplexity,
+an average over every held-out byte, agrees far closer. Measured on this 2-core VM
+(2026-11-27): 100 steps of the example's own model, weights 2.2e-5 apart (bound 1e-4),
+perplexity 10.765258 against 10.765257 (1.0e-7; bound 1e-5); the dozen steps of the
+default-suite version, weights 7.0e-6 apart (bound 5e-5), perplexity equal to every digit
+(bound 1e-5)."""
 
 from __future__ import annotations
 
@@ -85,7 +89,8 @@ def test_the_lm_example_equals_a_plain_loop(tmp_path: Path, at_root: None) -> No
                                        steps, batch)
     ref_weights, ref_perplexity = plain_loop({"files": 12, "length": 32}, {"width": 32, "layers": 1, "heads": 2},
                                              steps, batch)
-    assert relative_error(weights, ref_weights) < 1e-5
+    print(f"weights rel {relative_error(weights, ref_weights):.3g}, perplexity {perplexity!r} vs {ref_perplexity!r}")
+    assert relative_error(weights, ref_weights) < 5e-5
     assert perplexity == pytest.approx(ref_perplexity, rel=1e-5)
     assert perplexity < 200  # it learned something in 12 steps (256: knows nothing)
 
@@ -97,8 +102,9 @@ def test_the_lm_example_at_its_own_size_equals_a_plain_loop(tmp_path: Path, at_r
     weights, perplexity = shmtrain_run(tmp_path / "lm", "files=60", "", steps, batch)
     ref_weights, ref_perplexity = plain_loop({"files": 60}, {}, steps, batch)
     print(f"weights rel {relative_error(weights, ref_weights):.3g}, perplexity {perplexity!r} vs {ref_perplexity!r}")
-    # 100 AdamW steps: the per-step round-off grows (AdamW divides each gradient by its own
-    # running scale, so near-zero components' differences count fully): measured 2.2e-5
+    # 100 AdamW steps: the per-step round-off grows in the weights (AdamW divides each
+    # gradient by its own running scale, so near-zero components' differences count fully):
+    # measured 2.2e-5; the perplexity, an average over every held-out byte, 1.0e-7
     assert relative_error(weights, ref_weights) < 1e-4
-    assert perplexity == pytest.approx(ref_perplexity, rel=1e-4)
+    assert perplexity == pytest.approx(ref_perplexity, rel=1e-5)
     assert perplexity < 20
