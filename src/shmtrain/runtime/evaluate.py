@@ -61,6 +61,7 @@ def evaluate(target: str, overrides: dict[str, Any], split: str = "held-out") ->
     from shmtrain.runtime.config import read_toml, resolve
     from shmtrain.runtime.data.loader import HeldOut
     from shmtrain.runtime.tasks import task_of
+    from shmtrain.runtime.tasks.data import open_run_data
 
     run, config_dir, weights, kind = locate(target)
     toml = config_dir / "config.toml"
@@ -75,7 +76,7 @@ def evaluate(target: str, overrides: dict[str, Any], split: str = "held-out") ->
     values.update(workers=1, out=str(run), tensorboard=False)
     config = resolve(values)
     task = task_of(config)
-    source = task.open_data(config)
+    source = open_run_data(config, task)
     model = build_model(config.model, source.input_shape, source.num_classes, config.model_args)
     state = _weights(weights, kind)
     try:

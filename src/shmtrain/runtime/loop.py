@@ -36,7 +36,7 @@ from shmtrain.runtime.outputs.monitor import Monitor, evaluate_batches
 from shmtrain.runtime.outputs.progress import Progress
 from shmtrain.runtime.outputs.selection import Selection
 from shmtrain.runtime.tasks.base import task_of
-from shmtrain.runtime.tasks.data import write_task_facts
+from shmtrain.runtime.tasks.data import open_run_data, write_task_facts
 from shmtrain.runtime.train import schedule
 from shmtrain.runtime.train.device import worker_device
 from shmtrain.runtime.train.optimizers import build_optimizer
@@ -104,7 +104,7 @@ class WorkerSession:
         DataParallel, Trainer, timer and planned iterations."""
         ctx, config = self.ctx, self.config
         torch.manual_seed(config.seed)
-        self.data = self.task.open_data(config)
+        self.data = open_run_data(config, self.task)
         mark("data")
         self.device = worker_device(config.device, ctx.host.local_rank)  # GPU local_rank % count, or the CPU
         self.model = build_model(config.model, self.data.input_shape, self.data.num_classes,

@@ -433,8 +433,9 @@ def _torchrun_folder(config: TrainConfig, echo) -> tuple[dict[str, Any], runlock
             checkpoint_files.check_compatible(point, config)
             if schedule.depends_on_length(config):  # no silent lr --lr-min over an extended run
                 from shmtrain.runtime.tasks import task_of
+                from shmtrain.runtime.tasks.data import open_run_data
 
-                _check_schedule(point, config, task_of(config).open_data(config).train_samples, False)
+                _check_schedule(point, config, open_run_data(config, task_of(config)).train_samples, False)
             echo(f"shmtrain: resuming {out} from {point.name} (torchrun restart "
                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
         checkpoint_files.prepare_run_folder(out, config)

@@ -25,16 +25,13 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from shmtrain.models.user import is_user_spec, resolve_callable
 from shmtrain.typed_options import parse_kwargs
-
-if TYPE_CHECKING:
-    from shmtrain.runtime.data.sources import DataSource
 
 
 @dataclass(kw_only=True, slots=True)
@@ -148,18 +145,6 @@ class Task:
         ``num_classes`` is given it): a task that does not take the built-in kinds says."""
         raise ValueError(f"--task {self.name}: it cannot tell the model's output size from the data; give "
                          "the size in --model-args")
-
-    def open_data(self, config: Any) -> DataSource:
-        """The run's :class:`~shmtrain.runtime.data.sources.DataSource`: the built-in kinds
-        and (input, class) items for tasks that take them, else ``--data module:callable``
-        read with this task's rules (``runtime/tasks/data.py``)."""
-        if self.takes_builtin_data:
-            from shmtrain.runtime.data.sources import open_data
-
-            return open_data(config)
-        from shmtrain.runtime.tasks.data import open_task_data
-
-        return open_task_data(config, self)
 
     # -- shared ---------------------------------------------------------------------
     @torch.no_grad()

@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 
 from shmtrain.models.user import is_user_spec
 from shmtrain.runtime.data import user_data
-from shmtrain.runtime.data.sources import FACTS_MARK, DataSource
+from shmtrain.runtime.data.sources import FACTS_MARK, DataSource, open_data
 from shmtrain.runtime.outputs.files import write_atomic
 from shmtrain.runtime.tasks.base import Task, task_of
 
@@ -37,6 +37,15 @@ def first_tensor(item: Any) -> torch.Tensor | None:
         if found is not None:
             return found
     return None
+
+
+def open_run_data(config: Any, task: Task) -> DataSource:
+    """The run's :class:`DataSource` for ``task``: the built-in kinds and (input, class)
+    items for a task that takes them (classification: ``runtime/data/sources.py``), else
+    ``--data module:callable`` read with the task's rules (:func:`open_task_data`)."""
+    if task.takes_builtin_data:
+        return open_data(config)
+    return open_task_data(config, task)
 
 
 def open_task_data(config: Any, task: Task) -> DataSource:
