@@ -283,3 +283,15 @@ def test_flat_attribute_access_and_no_typos() -> None:
     assert (config.batch_size, config.workers, config.seed, config.device) == (8, 2, 0, "auto")
     with pytest.raises(AttributeError):
         config.batchsize = 3  # type: ignore[attr-defined]
+
+
+def test_config_toml_holds_every_default() -> None:
+    """The momentum a run uses is written (0.9 with sgd), and an option left unset is a
+    comment saying what it means."""
+    from shmtrain.runtime.config import resolve, to_toml
+
+    text = to_toml(resolve({}))
+    assert "momentum = 0.9\n" in text and 'task = "classification"\n' in text
+    assert "# checkpoint-every: every epoch, and at the end (default)\n" in text
+    assert "# grad-clip: no clipping (default)\n" in text
+    assert "momentum" not in to_toml(resolve({"optimizer": "adamw"})).replace("# momentum", "")

@@ -207,3 +207,43 @@ def test_unknown_schedule_is_an_argparse_choice_error(capsys) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--lr-schedule" in err and "linear" in err and "cosine" in err
+
+
+def test_an_extended_resume_of_a_schedule_drawn_over_the_run_is_refused_with_the_fix() -> None:
+    from types import SimpleNamespace
+
+    from shmtrain.runtime.train.schedule import extended_resume
+
+    cosine = SimpleNamespace(lr_schedule="cosine", lr_step_every=None, lr_min=0.0)
+    text = extended_resume(cosine, 310, 310, 620, "--epochs 20")
+    assert text == (
+        "--epochs 20: the run's cosine learning-rate schedule was planned over 310 iterations (310 done); it "
+        "ended at iteration 310, where the learning rate is --lr-min 0.0, so the 310 iterations to 620 would "
+        "not follow a schedule planned for them. Add --restart-schedule to run a new cosine schedule from the "
+        "peak --lr over the 310 iterations left (a warm restart), or resume to the planned length (give the "
+        "run's own --iterations 310, or leave --iterations/--epochs out)")
+    assert extended_resume(cosine, 310, 310, 310, "--epochs 15") is None  # the planned length
+    assert extended_resume(SimpleNamespace(lr_schedule="constant", lr_step_every=None), 10, 10, 20, "") is None
+    assert extended_resume(SimpleNamespace(lr_schedule="step", lr_step_every=5), 10, 10, 20, "") is None
+    assert "decays are spaced by a third of 10" in extended_resume(
+        SimpleNamespace(lr_schedule="step", lr_step_every=None), 10, 4, 20, "--iterations 20")
+
+
+@pytest.mark.slow  # three runs (74 s on the loaded 2-core VM; a few seconds idle)
+@pytest.mark.timeout(150)
+def test_a_finished_cosine_run_resumed_longer_is_refused_then_restarted(tmp_path, capsys) -> None:
+    import json
+
+    out = str(tmp_path / "run")
+    common = ["--no-progress"]
+    assert main(["train", "--strategy", "single", "--workers", "1", "--model", "mlp", "--iterations", "6",
+                 "--lr-schedule", "cosine", "--out", out, *common]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", out, "--iterations", "10", *common]) == 2
+    err = capsys.readouterr().err
+    assert "cosine learning-rate schedule was planned over 6 iterations (6 done); it ended at iteration 6, " \
+           "where the learning rate is --lr-min 0.0" in err and "Add --restart-schedule" in err
+    assert main(["train", "--resume", out, "--iterations", "10", "--restart-schedule", *common]) == 0
+    rows = [json.loads(line) for line in open(f"{out}/metrics/rank-0.jsonl") if '"eval"' not in line]
+    lrs = {r["iteration"]: r["lr"] for r in rows}
+    assert lrs[7] == pytest.approx(0.05) and 0 < lrs[10] < lrs[8] < lrs[7]  # a new cosine over 4 iterations

@@ -16,6 +16,10 @@ examples:
   shmtrain train --model resnet18 --data synthetic --input-shape 3x64x64 --workers 2 --iterations 20
   shmtrain train --data path/to/images --image-size 32 --epochs 5
   shmtrain train --config run.toml --lr 0.1        TOML keys are the flag names; flags win
+  shmtrain train --task regression --data mypkg.data:table --model mypkg.nets:Net   MSE, rmse (docs/tasks.md)
+  shmtrain train --task language-model --data examples.lm_text:stdlib_text --model examples.lm_text:Net
+  shmtrain train --keep-best loss --early-stop loss:3   RUN_DIR/best.pt; stop once 3 evaluations gain nothing
+  shmtrain evaluate runs/my-run                    the task's metrics of its model.pt
   torchrun --nnodes 2 --nproc-per-node 2 ... -m shmtrain train   one worker per torchrun process
   shmtrain train --lr 0.1 --lr-schedule cosine --warmup-iterations 50 --eval-every 100
   shmtrain train --lr-schedule step --lr-step-every 200 --lr-gamma 0.5
@@ -28,8 +32,9 @@ examples:
 
 The run folder (--out, default runs/<time>-<strategy>) gets config.toml, metrics/rank-<r>.jsonl
 (one line per iteration: iteration, loss, lr, t0 (start, seconds since the epoch), time per phase
-in seconds; rank 0's file also has {"eval": {iteration, loss, accuracy, ...}} rows), summary.json,
-model.pt and plot.png (loss, held-out accuracy, compute vs communication); with --trace
+in seconds; rank 0's file also has {"eval": {iteration, loss, accuracy, ...}} rows: the task's
+metrics), summary.json, model.pt and plot.png (loss, the held-out metric, compute vs
+communication), logs/rank-<r>.log; with --keep-best best.pt; with --trace
 trace.json, with --tensorboard tensorboard/, and checkpoints/step-<N>/ (every rank's state) with
 checkpoints/latest. Threads: each worker uses --threads torch threads
 (default 1) plus a prefetch thread that mostly sleeps; with more workers than cores, workers
@@ -61,6 +66,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="continue the run in RUN_DIR from its newest whole checkpoint, in place, to the total "
              "that --iterations/--epochs give (default: the run's own); the configuration is "
              "RUN_DIR/config.toml, other flags must agree with it (default none)",
+    )
+    groups["job"].add_argument(
+        "--restart-schedule", action="store_true",
+        help="with --resume to another length: a new learning-rate schedule (cosine, or step without "
+             "--lr-step-every) from the peak --lr over the iterations left, instead of the run's, which "
+             "was drawn over its planned length (a resume that would not follow it is refused without "
+             "this) (default off)",
     )
     _add_strategy_options(p)
     p.set_defaults(handler=_train)
@@ -128,6 +140,7 @@ def _train(args: argparse.Namespace) -> int:
         values.pop(key, None)
     config_file = values.pop("config", None)
     resume_dir = values.pop("resume", None)
+    restart_schedule = bool(values.pop("restart_schedule", False))
     merged = read_toml(config_file) if config_file else {}
     merged.update(values)
     if resume_dir is not None:
@@ -136,8 +149,8 @@ def _train(args: argparse.Namespace) -> int:
         config = resume_config(resume_dir, merged)  # RUN_DIR/config.toml + the run length
     else:
         config = resolve(merged)
-    summary = run_training(config, resume=resume_dir is not None)
-    return 0 if summary is None or summary.get("accuracy") is not None else 1
+    summary = run_training(config, resume=resume_dir is not None, restart_schedule=restart_schedule)
+    return 0 if summary is None or summary.get(summary.get("metric", "accuracy")) is not None else 1
 
 
 COMPARE_EPILOG = """\
@@ -146,20 +159,21 @@ examples:
   shmtrain compare runs/* --out docs/compare.png
 
 Each RUN_DIR is a folder a finished `shmtrain train` wrote (its --out): the table comes from
-its summary.json (accuracy is the final held-out accuracy; ms columns are the mean time per
-iteration of each phase over workers and iterations, the first iteration left out), the curves
-from metrics/rank-0.jsonl (training loss per iteration; held-out accuracy from the --eval-every
-rows, or the final accuracy as one point when the run has none).
+its summary.json (the metric is the task's final held-out one: accuracy, rmse or perplexity;
+ms columns are the mean time per iteration of each phase over workers and iterations, the first
+iteration left out), the curves from metrics/rank-0.jsonl (training loss per iteration; the
+held-out metric from the --eval-every rows, or the final value as one point when the run has
+none).
 """
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     """Register ``shmtrain compare RUN_DIR... [--out FILE]``."""
     p = sub.add_parser(
-        "compare", help="finished runs side by side: a table and loss/accuracy curves",
+        "compare", help="finished runs side by side: a table and loss/metric curves",
         description="Compare finished runs of `shmtrain train`: print their summaries side by side "
-                    "(strategy, workers, iterations, accuracy, wall time, ms per phase) and plot "
-                    "their loss and accuracy curves in one figure.",
+                    "(strategy, workers, iterations, held-out metric, wall time, ms per phase) and plot "
+                    "their loss and held-out metric (accuracy, rmse, perplexity) curves in one figure.",
         epilog=COMPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders written by shmtrain train (its --out)")
@@ -287,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "shmtrain once and forks each worker (--start-method fork --run-path); "
                     "`shmtrain torchrun --help` lists torchrun's options", add_help=False)
     _add_compare(sub)
+    from shmtrain.runtime.evaluate import add_parser as add_evaluate
+
+    add_evaluate(sub)
     _add_bench(sub)
     from shmtrain.sim.cli import add_sim_parser
 

@@ -39,6 +39,8 @@ from shmtrain.runtime.data.options import DataOptions
 from shmtrain.runtime.options import SECTIONS as SECTIONS  # re-exported: the sections of --help
 from shmtrain.runtime.options import need as _need
 from shmtrain.runtime.options import option
+from shmtrain.runtime.tasks.base import TaskConfig
+from shmtrain.runtime.tasks.options import TaskOptions
 from shmtrain.runtime.train.device import cuda_count, resolve_device
 from shmtrain.runtime.train.optim_options import OptimOptions
 from shmtrain.strategies.base import StrategyConfig, build_config, own_config, plan
@@ -121,6 +123,28 @@ class MonitorOptions:
         False, "write RUN_DIR/trace.json: every rank's phases per iteration on a timeline "
         "(open in ui.perfetto.dev or chrome://tracing)", "monitor", default_text="off")
 
+    keep_best: str | None = option(
+        None, "keep the model of the best held-out evaluation as RUN_DIR/best.pt (best.json: its iteration "
+        "and metrics); METRIC is one the task reports: loss, accuracy (classification), rmse (regression), "
+        "perplexity (language-model)", "monitor", default_text="off", example="loss", metavar="METRIC")
+    early_stop: str | None = option(
+        None, "stop every worker (with a checkpoint) once METRIC has not improved for PATIENCE held-out "
+        "evaluations in a row; the run counts as finished", "monitor", default_text="off",
+        example="loss:3", metavar="METRIC:PATIENCE")
+
+    def _check_selection(self, task_name: str, metrics: tuple[str, ...]) -> None:
+        """``--keep-best`` and ``--early-stop`` name a metric of the task, and the run evaluates."""
+        from shmtrain.runtime.outputs.selection import parse_early_stop
+
+        for flag, text in (("keep-best", self.keep_best), ("early-stop", self.early_stop)):
+            if text is None:
+                continue
+            metric = parse_early_stop(text)[0] if flag == "early-stop" else text
+            _need(metric in metrics, flag, text, f"--task {task_name} reports {', '.join(metrics)}",
+                  f"name one of them, e.g. --{flag} {metrics[-1]}{':3' if flag == 'early-stop' else ''}")
+            _need(self.eval_every != 0, flag, text, "it compares held-out evaluations, and --eval-every 0 "
+                  "makes none during the run", "drop --eval-every 0, or give e.g. --eval-every 100")
+
     def _check_monitor(self) -> None:
         _need(self.eval_every is None or self.eval_every >= 0, "eval-every", self.eval_every,
               "must not be negative", "use e.g. --eval-every 100, or 0 for the final accuracy only")
@@ -132,16 +156,18 @@ class MonitorOptions:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
+class TrainConfig(MonitorOptions, OptimOptions, TaskOptions, DataOptions, JobOptions):
     """Everything ``shmtrain train`` needs; validated on construction.
 
     Attributes are flat (``config.batch_size``, ``config.workers``); ``strategy_config``
     is the chosen strategy's typed ``Config`` (left out, the strategy's defaults), and
-    ``data_config`` the data kind's, built from the flat data options. Build
-    one from flat keys (common and strategy options mixed) with :func:`resolve`.
+    ``data_config`` the data kind's, built from the flat data options, and ``task_config``
+    the task's (built from ``--task`` and ``--task-args``, ``runtime/tasks/``). Build one
+    from flat keys (common and strategy options mixed) with :func:`resolve`.
     """
 
     strategy_config: StrategyConfig = field(default_factory=StrategyConfig)
+    task_config: TaskConfig = field(default_factory=TaskConfig)
     #: the data kind's typed ``Config`` (:mod:`shmtrain.runtime.data.kinds`), built from
     #: the flat data options on construction, as ``strategy_config`` is from the strategy's
     data_config: DataConfig = field(init=False, repr=False)
@@ -154,6 +180,9 @@ class TrainConfig(MonitorOptions, OptimOptions, DataOptions, JobOptions):
             setattr(self, f.name, coerce(hints[f.name], value))
         self._check_job()
         self._check_data()
+        task = self._check_task(self.data)
+        self.task_config = task.config
+        self._check_selection(self.task, task.metric_names)
         self._check_optim()
         self._check_monitor()
         cls = strategies.get(self.strategy)
@@ -270,15 +299,21 @@ def resolve(values: Mapping[str, Any]) -> TrainConfig:
 def to_toml(config: TrainConfig) -> str:
     """The resolved config as TOML (flag names as keys), for ``DIR/config.toml``.
 
-    Common keys first, then every option of the strategy's typed config; ``None``
-    values are left out (TOML has no null; they are the defaults).
+    Common keys first, then every option of the strategy's typed config; a ``None``
+    value (TOML has no null) is written as a comment saying what it means (the flag's
+    default text, e.g. ``# checkpoint-every: every epoch, and at the end``), so every
+    default is in the file; data options the kind of ``--data`` does not take are left out.
     """
     lines = []
     options = sorted(dataclasses.asdict(config.strategy_config).items())
-    items = [(k, getattr(config, k)) for k in COMMON_KEYS]
-    for key, value in items:
+    fields = {f.name: f for f in train_fields()}
+    for key in COMMON_KEYS:
+        value = getattr(config, key)
         if value is not None:
             lines.append(f"{key.replace('_', '-')} = {_toml_value(value)}")
+        elif fields[key].metadata["section"] != "data":  # a data option unset is one the data does not take
+            meaning = fields[key].metadata.get("default_text", "not set")
+            lines.append(f"# {key.replace('_', '-')}: {meaning} (default)")
     if options:
         lines.append(f"# options of --strategy {config.strategy}")
     for key, value in options:

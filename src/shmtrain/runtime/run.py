@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from shmtrain import strategies
@@ -27,11 +28,11 @@ from shmtrain.runtime.launch import runlock, smb_server
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
 from shmtrain.runtime.launch.zygote import under_torchrun
+from shmtrain.runtime.loop import train_worker
 from shmtrain.runtime.outputs import report
 from shmtrain.runtime.outputs.stretches import Stretch
+from shmtrain.runtime.train import schedule
 from shmtrain.startup import mark
-
-TARGET = "shmtrain.runtime.loop:train_worker"
 
 
 def default_out(config: TrainConfig) -> Path:
@@ -78,17 +79,25 @@ def _import_matplotlib() -> None:
         pass
 
 
-def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> dict[str, Any] | None:
+def run_training(config: TrainConfig, echo=print, *, resume: bool = False,
+                 restart_schedule: bool = False) -> dict[str, Any] | None:
     """Train as ``config`` says; return the summary (None on non-zero ranks of torchrun).
 
     ``resume``: continue the run in ``config.out`` from its newest whole checkpoint
     (``config`` comes from :func:`shmtrain.runtime.checkpoint.files.resume_config`).
+    ``restart_schedule`` (``--restart-schedule``, with ``resume``): a new learning-rate
+    schedule over the iterations left instead of the checkpoint's; a resume to another
+    length of a schedule drawn over the run's length is refused without it
+    (:func:`shmtrain.runtime.train.schedule.extended_resume`).
 
     Raises:
         ValueError: bad input, before any worker starts (exit status 2).
         WorkerFailed: a worker failed (after ``config.max_restarts`` restarts).
         RunStopped: stopped by Ctrl-C or SIGTERM (after saving a checkpoint when it could).
     """
+    if restart_schedule and not resume:
+        raise ValueError("--restart-schedule: it restarts the learning-rate schedule of a resumed run; use it "
+                         "with --resume RUN_DIR, or leave it out")
     if under_torchrun():
         return _run_torchrun(config, echo)
     from shmtrain.runtime.launch import zygote
@@ -96,14 +105,19 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False) -> di
     zygote.prestart()  # imports torch for the workers while the launcher checks the input
     threading.Thread(target=_import_matplotlib, name="shmtrain-plot-import", daemon=True).start()
     out = Path(config.out) if config.out else default_out(config)
-    preflight(config, out)  # before any folder or worker: one clear line, exit 2
+    facts = preflight(config, out)  # before any folder or worker: one clear line, exit 2
     with runlock.acquire(out, resume=resume):  # one run per folder, before anything is written
-        return _run_local(config, out, echo, resume)
+        return _run_local(config, out, echo, resume, (facts.train_samples, restart_schedule))
 
 
-def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, Any]:
-    """The local launch of :func:`run_training`, in a run folder this process has locked."""
+def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
+               schedule_check: tuple[int, bool] = (0, False)) -> dict[str, Any]:
+    """The local launch of :func:`run_training`, in a run folder this process has locked
+    (``schedule_check``: the training samples and ``--restart-schedule``)."""
     start_from = _starting_point(out, config, resume)
+    first_point = start_from
+    if start_from is not None:
+        _check_schedule(start_from, config, *schedule_check)
     checkpoint_files.prepare_run_folder(out, config)  # config.toml; refuses an unwritable folder
     echo(f"shmtrain: {config.strategy}, {config.workers} workers x {config.threads} thread(s), "
          f"{config.model} on {config.data}; run folder {out}"
@@ -111,10 +125,12 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
     start = time.perf_counter()
     restarts = 0
     while True:
-        payload = {"config": config, "out": str(out), "resume": str(start_from) if start_from else None}
+        payload = {"config": config, "out": str(out), "resume": str(start_from) if start_from else None,
+                   # --restart-schedule: on the checkpoint resumed from, not on one saved since
+                   "restart_schedule": schedule_check[1] and start_from is not None and start_from == first_point}
         stretch = Stretch(out, (checkpoint_files.step_of(start_from) if start_from else None) or 0, config.workers)
         try:
-            results = launch(TARGET, config.workers, payload, threads=config.threads, timeout=config.timeout,
+            results = launch(train_worker, config.workers, payload, threads=config.threads, timeout=config.timeout,
                              # with restarts left, a death restarts the run instead (item 4)
                              tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss
                              and restarts >= config.max_restarts,
@@ -149,6 +165,15 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
     if stopped:
         raise RunStopped(_stopped_message(out, results, stopped[0]["stopped"]), 128 + stopped[0]["stopped"])
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def metric_text(summary: dict[str, Any]) -> str:
+    """``held-out accuracy 97.50%``, or the task's metric (``held-out rmse 0.1234``)."""
+    metric = summary.get("metric", "accuracy")
+    value = summary.get(metric)
+    if value is None:
+        return f"held-out {metric} -"
+    return f"held-out {metric} {value * 100:.2f}%" if metric == "accuracy" else f"held-out {metric} {value:.4g}"
 
 
 def _resume_hint(out: Path) -> str:
@@ -197,6 +222,25 @@ def _starting_point(out: Path, config: TrainConfig, resume: bool) -> Path | None
     return point
 
 
+def _check_schedule(point: Path, config: TrainConfig, train_samples: int, restart: bool) -> None:
+    """Refuse a resume to another length of a schedule drawn over the run's planned
+    iterations (a finished cosine run extended would train at --lr-min), unless
+    ``restart`` (``--restart-schedule``)."""
+    from shmtrain.runtime.config import read_toml, resolve
+    from shmtrain.runtime.loop import planned_iterations
+    from shmtrain.runtime.train.schedule import extended_resume
+
+    saved = resolve(read_toml(str(point / "config.toml")))
+    facts = SimpleNamespace(train_samples=train_samples)
+    planned = planned_iterations(saved, facts, config.workers)
+    total = planned_iterations(config, facts, config.workers)
+    done = max(r["iteration"] for r in checkpoint_files.read_meta(point)["ranks"])
+    flag = f"--iterations {config.iterations}" if config.iterations is not None else f"--epochs {config.epochs:g}"
+    problem = extended_resume(config, planned, done, total, flag)
+    if problem is not None and not restart:
+        raise ValueError(f"--resume {point.parent.parent}: {problem}")
+
+
 def _no_checkpoint(out: Path, found: list[Path]) -> str:
     """Why ``--resume out`` has nothing to continue from (``found``: the complete
     checkpoints there before the resume looked at them)."""
@@ -228,11 +272,15 @@ def _finish(out: Path, config: TrainConfig, results: list[dict[str, Any]], wall:
     echo(report.breakdown_table({k: v / 1e3 for k, v in summary["phases_ms"].items()}))
     for line in strategies.get(config.strategy).describe_metrics(summary):
         echo(line)
-    acc = summary["accuracy"]
     runs = len(summary.get("stretches", [])) or 1
-    echo(f"\nheld-out accuracy {acc * 100:.2f}%  |  {summary['iterations']} iterations  |  "
+    echo(f"\n{metric_text(summary)}  |  {summary['iterations']} iterations  |  "
          f"wall {summary['wall_s']:.1f} s" + (f" in {runs} stretches (this one {wall:.1f} s)" if runs > 1 else "")
          + f"  |  {out}/summary.json, {out}/plot.png")
+    if summary.get("early_stopped") is not None:
+        echo(f"early stop (--early-stop {config.early_stop}) after iteration {summary['early_stopped']}")
+    if summary.get("best"):
+        best = summary["best"]
+        echo(f"best held-out {best['metric']} {best['value']:.4g} at iteration {best['iteration']}: {out}/best.pt")
     if summary.get("lost_workers"):
         echo("lost during the run (the others trained to the end): " + ", ".join(
             f"rank {r} after iteration {n}" for r, n in summary["lost_workers"].items()))
@@ -251,7 +299,6 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from shmtrain.fabric.context import from_env
-    from shmtrain.runtime.loop import train_worker
 
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
@@ -384,6 +431,11 @@ def _torchrun_folder(config: TrainConfig, echo) -> tuple[dict[str, Any], runlock
         point = checkpoint_files.resume_point(out, _warn) if out.is_dir() else None
         if point is not None:
             checkpoint_files.check_compatible(point, config)
+            if schedule.depends_on_length(config):  # no silent lr --lr-min over an extended run
+                from shmtrain.runtime.tasks import task_of
+                from shmtrain.runtime.tasks.data import open_run_data
+
+                _check_schedule(point, config, open_run_data(config, task_of(config)).train_samples, False)
             echo(f"shmtrain: resuming {out} from {point.name} (torchrun restart "
                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
         checkpoint_files.prepare_run_folder(out, config)

@@ -45,12 +45,12 @@ def _train(values: dict[str, Any], folder: Path) -> dict[int, list[dict[str, Any
     from shmtrain.runtime.checkpoint import files as checkpoint_files
     from shmtrain.runtime.config import resolve
     from shmtrain.runtime.launch.launcher import launch
+    from shmtrain.runtime.loop import train_worker
     from shmtrain.runtime.outputs.report import read_rows
-    from shmtrain.runtime.run import TARGET
 
     config = resolve({"device": "cpu", **values, "out": str(folder), "progress": False, "checkpoint_every": 0})
     checkpoint_files.prepare_run_folder(folder, config)
-    launch(TARGET, config.workers, {"config": config, "out": str(folder), "resume": None},
+    launch(train_worker, config.workers, {"config": config, "out": str(folder), "resume": None},
            threads=config.threads, timeout=config.timeout, log_dir=folder / "logs")
     return read_rows(folder)
 

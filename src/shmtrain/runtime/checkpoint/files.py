@@ -32,7 +32,7 @@ _STEP = re.compile(r"^step-(\d+)$")
 MAY_CHANGE = frozenset({
     "iterations", "epochs", "out", "timeout", "progress", "verbose", "threads", "prefetch", "force",
     "checkpoint_every", "keep_checkpoints", "max_restarts",
-    "eval_every", "tensorboard", "trace", "loader_workers",
+    "eval_every", "tensorboard", "trace", "loader_workers", "keep_best", "early_stop",
 })
 
 

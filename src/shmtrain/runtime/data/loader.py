@@ -114,7 +114,14 @@ def _plain_error(exc: Exception) -> Exception:
         return RuntimeError(message)
 
 
-def _check_labels(y: torch.Tensor, classes: int, where: str) -> None:
+def _check_labels(batch: Any, classes: int, where: str) -> None:
+    """An ``(x, y)`` batch with integer ``y``: every label is a class (or a token id of the
+    vocabulary); other batches (real targets, dicts, token tensors) are the task's to read."""
+    if not isinstance(batch, tuple | list) or len(batch) != 2 or not isinstance(batch[1], torch.Tensor):
+        return
+    y = batch[1]
+    if y.is_floating_point() or y.dtype == torch.bool:
+        return
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= classes):
         bad = int(y.min()) if int(y.min()) < 0 else int(y.max())
         raise ValueError(f"--data {where}: label {bad} is outside 0..{classes - 1} (the {classes} classes the "
@@ -148,22 +155,22 @@ class LoaderBatches:
         self.loader = _loader(items, workers, pin, prefetch, seed, batch_sampler=ShardBatches(sampler, start))
         self._iter: Any = iter(self.loader)  # forks the loader processes (from this, the main thread)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next step's ``(x, y)``."""
+    def next(self) -> Any:
+        """The next step's batch (``(x, y)``, or what the items collate to)."""
         if self._iter is None:
             raise RuntimeError("the batches are closed")
         try:
             if self.workers:
-                x, y = next(self._iter)
+                batch = next(self._iter)
             else:
                 with torch.random.fork_rng(devices=[]):  # the item seeds leave the run's RNG alone
-                    x, y = next(self._iter)
+                    batch = next(self._iter)
         except StopIteration:  # pragma: no cover - the batch sampler is endless
             raise RuntimeError("the batch sampler ended") from None
         except Exception as exc:  # noqa: BLE001 - re-raised as its plain message
             raise _plain_error(exc) from None
-        _check_labels(y, self.source.num_classes, self.source.name)
-        return x, y
+        _check_labels(batch, self.source.num_classes, self.source.name)
+        return batch
 
     def close(self) -> None:
         """End the loader processes (idempotent)."""
@@ -195,15 +202,15 @@ class HeldOut:
     def __len__(self) -> int:
         return self.source.val_samples
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         if self.loader is None:
             assert self.source.tensors is not None
             yield from self.source.tensors.held_out_batches(EVAL_BATCH)
             return
         try:
-            for x, y in self.loader:
-                _check_labels(y, self.source.num_classes, self.source.name)
-                yield x, y
+            for batch in self.loader:
+                _check_labels(batch, self.source.num_classes, self.source.name)
+                yield batch
         except Exception as exc:  # noqa: BLE001 - re-raised as its plain message
             raise _plain_error(exc) from None
 

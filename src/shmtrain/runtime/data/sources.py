@@ -38,6 +38,8 @@ class DataFacts:
     num_classes: int
     #: the samples live in each worker's memory (digits, synthetic), not decoded per batch
     in_memory: bool = True
+    #: one forward pass of a model on two real items (a task's data, runtime/tasks/data.py)
+    probe: Any = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,20 @@ class StopNow(KeyboardInterrupt):
         self.signum, self.first = signum, first
 
 
+def target_name(target: str | Callable[..., Any]) -> str:
+    """``"module:function"`` of a worker target: a function (importable at the top of its
+    module, as a fresh worker process finds it), or such a string as it is."""
+    if isinstance(target, str):
+        return target
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
+    if not module or not name or "<" in name or module == "__main__":
+        raise ValueError(f"launch target {target!r}: a worker process imports its target by name, so it must "
+                         "be a function defined at the top of an importable module (not __main__)")
+    return f"{module}:{name}"
+
+
 def launch(
-    target: str,
+    target: str | Callable[..., Any],
     nprocs: int,
     payload: Any = None,
     *,
@@ -81,8 +94,9 @@ def launch(
     verbose: bool = False,
     relay_signals: bool = False,
 ) -> list[Any]:
-    """Run ``target`` (``"module:function"``, called as ``fn(ctx, payload)``) in ``nprocs``
-    local worker processes; return their return values by rank.
+    """Run ``target`` (a function, or ``"module:function"``; called as ``fn(ctx, payload)``)
+    in ``nprocs`` local worker processes; return their return values by rank. A fresh
+    worker process imports the function by its module and name (:func:`target_name`).
 
     ``tolerate_worker_loss`` (asynchronous strategies, ``Strategy.tolerates_peer_loss``):
     a worker that dies after it started training (its control-block state word is
@@ -103,6 +117,7 @@ def launch(
     """
     if nprocs < 1:
         raise ValueError(f"--workers {nprocs}: at least 1 worker is needed")
+    target = target_name(target)
     job = _JobSetup(nprocs, payload, threads=threads, timeout=timeout, env=env)
     children: list[Any] = []  # subprocess.Popen, or zygote.Worker (the same calls)
     logs = WorkerLogs(log_dir, nprocs, verbose)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data.kinds import DataFacts
@@ -26,7 +27,12 @@ WORKERS_PER_CORE = 8
 def check_data(config: TrainConfig) -> DataFacts:
     """The data source exists, has the right shape and classes, and a sample is readable
     (each data kind's ``Config.facts``: digits and synthetic are not loaded; a folder or
-    module:callable is opened as the workers will)."""
+    module:callable is opened as the workers will; a task that reads its own items,
+    ``runtime/tasks/data.py``, opens them with its rules)."""
+    from shmtrain.runtime.tasks.data import task_facts
+
+    if (facts := task_facts(config, DataFacts)) is not None:  # a task's own items (runtime/tasks/)
+        return facts
     return config.data_config.facts()
 
 
@@ -87,7 +93,7 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
 
     hooks = [m.register_forward_hook(record) for m in model.modules() if not list(m.children())]
     with torch.no_grad():
-        model(torch.zeros((2, *facts.input_shape)))
+        facts.probe(model) if facts.probe is not None else model(torch.zeros((2, *facts.input_shape)))
     for hook in hooks:
         hook.remove()
     activations = sum(sizes) * config.batch_size // 2 * 2

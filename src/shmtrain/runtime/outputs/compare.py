@@ -1,10 +1,11 @@
 """``shmtrain compare RUN_DIR...``: finished runs side by side, a table and one figure.
 
 The table has one line per run folder (from its ``summary.json``): strategy, workers,
-iterations, final held-out accuracy, wall seconds, and the mean ms per iteration of the
-main phases. The figure (``--out``, default ``compare.png``) draws every run's training
-loss (rank 0) and held-out accuracy (its ``eval`` rows, or the final accuracy alone as one
-point) per iteration, on shared axes.
+iterations, the final held-out value of its task's primary metric (accuracy, rmse,
+perplexity: ``runtime/tasks/``), wall seconds, and the mean ms per iteration of the main
+phases. The figure (``--out``, default ``compare.png``) draws every run's training loss
+(rank 0) and held-out metric (its ``eval`` rows, or the final value alone as one point) per
+iteration, on shared axes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain.runtime.outputs.files import figure_output
-from shmtrain.runtime.outputs.report import read_evals, read_metrics
+from shmtrain.runtime.outputs.report import metric_axis, read_evals, read_metrics
 
 #: the phases the table shows (mean ms per iteration), in the loop's order
 PHASES = ("data", "forward", "backward", "update", "comm", "iteration")
@@ -45,20 +46,36 @@ def labels(folders: list[Path]) -> list[str]:
     return names if len(set(names)) == len(names) else [str(f) for f in folders]
 
 
+def metric_of(summary: dict[str, Any]) -> str:
+    """The run's primary held-out metric (``accuracy`` for runs from before tasks)."""
+    return str(summary.get("metric") or "accuracy")
+
+
+def _metric_cell(summary: dict[str, Any], named: bool) -> str:
+    metric = metric_of(summary)
+    value = summary.get(metric)
+    if value is None:
+        return "-"
+    text = f"{value * 100:.2f}%" if metric == "accuracy" else f"{value:.4g}"
+    return f"{metric} {text}" if named else text
+
+
 def table(runs: list[dict[str, Any]], names: list[str]) -> str:
-    """The runs side by side, one line each."""
+    """The runs side by side, one line each: each run's primary metric under its name
+    (``accuracy``, ``rmse``, ``perplexity``), or under ``metric`` when the runs differ."""
     width = max(12, *(len(n) for n in names)) + 2
-    head = (f"{'run':<{width}}{'strategy':<11}{'workers':>8}{'iters':>8}{'accuracy':>10}{'wall s':>9}"
+    metrics = {metric_of(run["summary"]) for run in runs}
+    column = next(iter(metrics)) if len(metrics) == 1 else "metric"
+    head = (f"{'run':<{width}}{'strategy':<11}{'workers':>8}{'iters':>8}{column:>18}{'wall s':>9}"
             + "".join(f"{p + ' ms':>13}" for p in PHASES))
     lines = [head, "-" * len(head)]
     for name, run in zip(names, runs, strict=True):
         s = run["summary"]
-        acc = s.get("accuracy")
         ms = s.get("phases_ms", {})
-        accuracy = "-" if acc is None else f"{acc * 100:.2f}%"
+        value = _metric_cell(s, column == "metric")
         lines.append(
             f"{name:<{width}}{s.get('strategy', '?')!s:<11}{s.get('workers', '?')!s:>8}"
-            f"{s.get('iterations', '?')!s:>8}{accuracy:>10}{_number(s.get('wall_s'), 1):>9}"
+            f"{s.get('iterations', '?')!s:>8}{value:>18}{_number(s.get('wall_s'), 1):>9}"
             + "".join(f"{_number(ms.get(p), 2):>13}" for p in PHASES)
         )
     return "\n".join(lines)
@@ -76,19 +93,23 @@ def plot(runs: list[dict[str, Any]], names: list[str], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    metrics = {metric_of(run["summary"]) for run in runs}
     for i, (name, run) in enumerate(zip(names, runs, strict=True)):
         color = f"C{i % 10}"
         rows = run["rows"]
         ax_loss.plot([r["iteration"] for r in rows], [r["loss"] for r in rows], color=color, lw=0.8, label=name)
-        evals = run["evals"]
+        evals, metric = run["evals"], metric_of(run["summary"])
+        scale, _ = metric_axis(metric)
+        label = name if len(metrics) == 1 else f"{name} ({metric})"
         if evals:
-            ax_acc.plot([e["iteration"] for e in evals], [e["accuracy"] * 100 for e in evals], ".-",
-                        color=color, lw=1.2, label=name)
-        elif run["summary"].get("accuracy") is not None:
-            ax_acc.plot([run["summary"].get("iterations", 0)], [run["summary"]["accuracy"] * 100], "o",
-                        color=color, label=f"{name} (final)")
+            ax_acc.plot([e["iteration"] for e in evals], [e.get(metric, float("nan")) * scale for e in evals], ".-",
+                        color=color, lw=1.2, label=label)
+        elif run["summary"].get(metric) is not None:
+            ax_acc.plot([run["summary"].get("iterations", 0)], [run["summary"][metric] * scale], "o",
+                        color=color, label=f"{label} (final)")
     ax_loss.set(xlabel="iteration", ylabel="training loss (rank 0)", title="loss", yscale="log")
-    ax_acc.set(xlabel="iteration", ylabel="accuracy (%)", title="held-out accuracy")
+    shown = next(iter(metrics)) if len(metrics) == 1 else "metric"
+    ax_acc.set(xlabel="iteration", ylabel=metric_axis(shown)[1], title=f"held-out {shown}")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -105,5 +126,5 @@ def compare(folders: list[Path], out: Path, echo=print) -> Path:
     names = labels(folders)
     echo(table(runs, names))
     path = plot(runs, names, out)
-    echo(f"\nloss and accuracy curves: {path}")
+    echo(f"\nloss and held-out metric curves: {path}")
     return path

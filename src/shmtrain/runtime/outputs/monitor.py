@@ -3,16 +3,17 @@
 :class:`Monitor` is called by the worker loop (``runtime/loop.py``) after each
 iteration's metrics row is written, outside the iteration's timing:
 
-- every ``--eval-every`` iterations (default: each epoch) rank 0 computes the held-out
-  loss and accuracy, in batches under ``no_grad`` with the model in ``eval()`` mode, and
-  writes ``{"eval": {"iteration", "loss", "accuracy", "t0", "time"}}`` to its metrics
+- every ``--eval-every`` iterations (default: each epoch) rank 0 computes the task's
+  held-out metrics (``runtime/tasks/``: loss and accuracy for classification, loss and
+  rmse for regression, loss and perplexity for a language model), in batches under ``no_grad`` with the model in ``eval()`` mode, and
+  writes ``{"eval": {"iteration", "loss", <metric>, "t0", "time"}}`` to its metrics
   file (``time``: seconds the evaluation took; the other ranks wait for rank 0 at their
   next exchange meanwhile, which their ``comm`` shows); for a strategy whose job model
   is not rank 0's own weights (SEASGD, EASGD, Downpour, HSGD: W_g; DiLoCo: θ^(t);
   ``Strategy.global_weights_now``) it is that model that is evaluated, on a copy of
   rank 0's module, and the row says ``"weights": "global"``;
 - with ``--tensorboard`` rank 0 writes ``loss/train``, ``lr``, ``time_ms/<phase>`` per
-  iteration and ``loss/held_out``, ``accuracy/held_out`` per evaluation to
+  iteration and ``<metric>/held_out`` (``loss``, ``accuracy``, ...) per evaluation to
   ``RUN_DIR/tensorboard/`` (``torch.utils.tensorboard.SummaryWriter``).
 
 Times in the rows (``t0``) are seconds since the epoch on one clock per rank: the wall
@@ -33,6 +34,8 @@ from torch import nn
 from torch.nn import functional
 
 from shmtrain.runtime.config import TrainConfig
+from shmtrain.runtime.outputs.selection import Selection
+from shmtrain.runtime.tasks.base import Task, build_task
 from shmtrain.runtime.train.finite import json_text
 
 #: samples per forward pass of the held-out evaluation
@@ -89,11 +92,18 @@ class Monitor:
             held out unless ``held_out`` is given).
         world: workers in the job.
         held_out: the held-out batches (``runtime/data/loader.py``'s ``HeldOut``).
+        strategy: the strategy whose job model is evaluated where it is not ``model``.
+        task: what the held-out metrics are (``runtime/tasks/``; default classification:
+            loss and accuracy).
+        selection: ``--keep-best`` and ``--early-stop`` (``runtime/outputs/selection.py``),
+            told of every evaluation.
     """
 
     def __init__(self, config: TrainConfig, out: Path, rank: int, model: nn.Module, data: Any,
-                 world: int, held_out: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 strategy: Any = None) -> None:
+                 world: int, held_out: Iterable[Any] | None = None,
+                 strategy: Any = None, task: Task | None = None, selection: Selection | None = None) -> None:
+        self.task = task if task is not None else build_task("classification")
+        self.selection = selection if selection is not None and selection.active and rank == 0 else None
         self.wall0 = time.time()
         self.perf0 = time.perf_counter()
         self.active = rank == 0
@@ -138,20 +148,22 @@ class Monitor:
         return None
 
     def evaluate(self, iteration: int, log: IO[str]) -> dict[str, Any]:
-        """Held-out loss and accuracy now: one ``eval`` row in ``log`` (and TensorBoard)."""
+        """The task's held-out metrics now (loss and accuracy for classification): one
+        ``eval`` row in ``log`` (and TensorBoard)."""
         start = time.perf_counter()
         job_model = self.job_model() if self.job_model is not None else None
-        loss, accuracy = evaluate_batches(job_model or self.model, self.held_out)
+        metrics = self.task.evaluate(job_model or self.model, self.held_out)
         seconds = time.perf_counter() - start
-        entry = {"iteration": iteration, "loss": loss, "accuracy": accuracy,
-                 "t0": self.stamp(start), "time": seconds}
+        entry = {"iteration": iteration, **metrics, "t0": self.stamp(start), "time": seconds}
         if job_model is not None:
             entry["weights"] = "global"
         log.write(json_text({"eval": entry}) + "\n")  # a NaN/inf loss as null, flagged
+        if self.selection is not None:  # best.pt, the early stop
+            self.selection.after_eval(entry, job_model or self.model)
         self.last_eval = iteration
         if self.writer is not None:
-            self.writer.add_scalar("loss/held_out", loss, iteration)
-            self.writer.add_scalar("accuracy/held_out", accuracy, iteration)
+            for name, value in metrics.items():
+                self.writer.add_scalar(f"{name}/held_out", value, iteration)
         return entry
 
     def close(self) -> None:

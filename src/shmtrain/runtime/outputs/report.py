@@ -44,8 +44,8 @@ def read_metrics(out: Path) -> dict[int, list[dict[str, Any]]]:
 
 
 def read_evals(out: Path) -> dict[int, list[dict[str, Any]]]:
-    """rank -> its held-out evaluations (``iteration``, ``loss``, ``accuracy``, ``t0``,
-    ``time``); only rank 0 evaluates, so other ranks have none."""
+    """rank -> its held-out evaluations (``iteration``, ``loss``, the task's metrics, e.g.
+    ``accuracy``, ``t0``, ``time``); only rank 0 evaluates, so other ranks have none."""
     evals = {rank: [r["eval"] for r in rows if "eval" in r] for rank, rows in read_rows(out).items()}
     return {rank: entries for rank, entries in evals.items() if entries}
 
@@ -73,10 +73,15 @@ def breakdown_table(means: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def metric_axis(metric: str) -> tuple[float, str]:
+    """(scale, axis label) of a held-out metric: accuracy in percent, others as they are."""
+    return (100.0, "accuracy (%)") if metric == "accuracy" else (1.0, metric)
+
+
 def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str,
-         evals: dict[int, list[dict[str, Any]]] | None = None) -> Path:
-    """Loss per iteration (with the held-out loss), the held-out accuracy when the run
-    evaluated, and compute vs communication per iteration, to ``plot.png``."""
+         evals: dict[int, list[dict[str, Any]]] | None = None, metric: str = "accuracy") -> Path:
+    """Loss per iteration (with the held-out loss), the task's held-out ``metric`` when the
+    run evaluated, and compute vs communication per iteration, to ``plot.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,8 +98,10 @@ def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str,
         its = [e["iteration"] for e in held_out]
         ax_loss.plot(its, [e["loss"] for e in held_out], "k.-", lw=1.2, label="held-out (rank 0)")
         ax_acc = axes[1]
-        ax_acc.plot(its, [e["accuracy"] * 100 for e in held_out], "C2.-", lw=1.2)
-        ax_acc.set(xlabel="iteration", ylabel="accuracy (%)", title="held-out accuracy (rank 0)")
+        scale, label = metric_axis(metric)
+        values = [e.get(metric) for e in held_out]
+        ax_acc.plot(its, [v * scale if v is not None else float("nan") for v in values], "C2.-", lw=1.2)
+        ax_acc.set(xlabel="iteration", ylabel=label, title=f"held-out {metric} (rank 0)")
         ax_acc.grid(alpha=0.3)
     ax_loss.set(xlabel="iteration", ylabel="loss", title="loss", yscale="log")
     ax_loss.legend(fontsize=7)
@@ -132,6 +139,7 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
     evals = read_evals(out)
     means = phase_means(rows)
     rank0 = next(r for r in results if r["rank"] == 0)
+    metric = rank0.get("metric", "accuracy")
     summary = {
         "strategy": config["strategy"],
         "workers": config.get("workers", len(results)),
@@ -141,16 +149,24 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
         # where each rank computed (``--device``: auto resolves in the workers)
         "devices": {r["rank"]: r["device"] for r in results if "device" in r},
         "accuracy": rank0.get("accuracy"),
+        # what the run learned (runtime/tasks/): its primary held-out metric, and all of them
+        "task": rank0.get("task", "classification"),
+        "metric": metric,
+        "metrics": rank0.get("metrics"),
         # model.pt: the job's model (asynchronous strategies: the global weights W_g, rank
         # 0's own beside it in model-rank0.pt, with its accuracy)
         "model_pt": rank0.get("model", "rank 0's weights (the same on every worker)"),
         "accuracy_rank0_local": rank0.get("accuracy_rank0_local"),
+        **({metric: rank0.get(metric), f"{metric}_rank0_local": rank0.get(f"{metric}_rank0_local")}
+           if metric != "accuracy" else {}),
         "wall_s": wall_s,
         "train_s": max(r["wall_s"] for r in results),
         "iterations": rank0["iterations"],
         "iterations_per_rank": {r["rank"]: r["iterations"] for r in results},
         "final_loss": rank0.get("final_loss"),
         "held_out_loss": evals[0][-1]["loss"] if evals.get(0) else None,
+        # --early-stop: the iteration every worker stopped at (None: the run went to its end)
+        "early_stopped": rank0.get("early_stopped"),
         "evaluations": len(evals.get(0, [])),
         "phases_ms": {k: v * 1e3 for k, v in means.items()},
     }
@@ -170,11 +186,17 @@ def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], 
         summary["iterations_per_rank"].setdefault(int(r), n)
     summary["iterations_per_rank"] = dict(sorted(summary["iterations_per_rank"].items()))
     stretches.apply(out, summary)  # a resumed run: wall_s over every stretch, and the list
+    best = out / "best.json"  # --keep-best: the best evaluation's model is best.pt
+    if best.is_file():
+        try:
+            summary["best"] = json.loads(best.read_text())
+        except ValueError:
+            pass
     skipped = sorted({f for r in results for f in r.get("skipped_files", [])})
     summary["skipped_files"] = len(skipped)  # --skip-bad-files: each is named in the logs
     write_output(out / "summary.json", (json_text(summary, indent=2) + "\n").encode())
     plot(out, rows, f"{config['strategy']}, {len(results)} workers, {config['model']} on {config['data']}",
-         evals)
+         evals, metric)
     if config.get("trace"):
         from shmtrain.runtime.outputs.trace import write_trace
 

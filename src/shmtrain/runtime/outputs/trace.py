@@ -61,7 +61,7 @@ def build_trace(rows: dict[int, list[dict[str, Any]]],
                 events.append({
                     "name": "eval", "cat": "eval", "ph": "X", "pid": rank, "tid": rank, "ts": begin,
                     "dur": max(0, _us(entry["t0"] - origin + entry["time"]) - begin),
-                    "args": {k: entry[k] for k in ("iteration", "loss", "accuracy") if k in entry},
+                    "args": {k: v for k, v in entry.items() if k not in ("t0", "time", "weights")},
                 })
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"t0_epoch_s": origin, "leaves": [*LEAVES, OTHER]}}

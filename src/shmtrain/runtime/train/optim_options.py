@@ -8,7 +8,11 @@ from typing import Literal
 
 from shmtrain.runtime.options import need as _need
 from shmtrain.runtime.options import option
-from shmtrain.runtime.train.optimizers import check_optimizer_options, optimizer_names
+from shmtrain.runtime.train.optimizers import (
+    check_optimizer_options,
+    default_momentum,
+    optimizer_names,
+)
 from shmtrain.runtime.train.schedule import Schedule
 
 
@@ -111,3 +115,5 @@ class OptimOptions:
             )
         # last: the flags' own rules name them before the optimizer's constructor would
         check_optimizer_options(self.optimizer, self.optimizer_args, self.momentum, self.weight_decay)
+        if self.momentum is None:  # the value the optimizer will use, so config.toml records it
+            self.momentum = default_momentum(self.optimizer)

@@ -61,6 +61,19 @@ def _accepted(cls: type[torch.optim.Optimizer]) -> set[str]:
     return {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")}
 
 
+def default_momentum(name: str) -> float | None:
+    """The momentum a run of ``--optimizer name`` uses when ``--momentum`` is not given
+    (0.9 for SGD, the papers' value; the optimizer's own default for the others that take
+    one; None for those that take none), so ``config.toml`` records it."""
+    cls = optimizer_class(name)
+    if cls is torch.optim.SGD:
+        return 0.9
+    parameter = inspect.signature(cls.__init__).parameters.get("momentum")
+    if parameter is None or not isinstance(parameter.default, int | float) or isinstance(parameter.default, bool):
+        return None
+    return float(parameter.default)
+
+
 def optimizer_kwargs(name: str, args: str, lr: float, momentum: float | None,
                      weight_decay: float) -> dict[str, Any]:
     """The keyword arguments of ``--optimizer name``: lr, weight decay and momentum where

@@ -156,3 +156,41 @@ def _shape(state: dict[str, Any]) -> Any:
     if "_schedulers" in state:
         return tuple(_shape(part) for part in state["_schedulers"])
     return tuple(sorted(state))
+
+
+def depends_on_length(config: ScheduleOptions) -> bool:
+    """Whether the schedule is drawn over the run's planned iterations (cosine decays to
+    ``--lr-min`` at the last one; step decays every third of them unless
+    ``--lr-step-every``), so a run resumed to another length would not follow it."""
+    return config.lr_schedule == "cosine" or (config.lr_schedule == "step" and config.lr_step_every is None)
+
+
+def extended_resume(config: ScheduleOptions, planned: int, done: int, total: int, flag: str) -> str | None:
+    """Why a run resumed to ``total`` iterations cannot simply continue a schedule planned
+    over ``planned`` (``done`` of them trained), with the fixes; None when it can.
+
+    A cosine schedule holds ``--lr-min`` after its planned end, so extending a finished
+    cosine run at ``--lr-min 0`` would train every added iteration at learning rate 0.
+    ``flag``: the run-length option given (``--epochs 20``).
+    """
+    if total == planned or not depends_on_length(config):
+        return None
+    ended = done >= planned
+    if config.lr_schedule == "cosine":
+        what = (f"it ended at iteration {planned}, where the learning rate is --lr-min {config.lr_min}"
+                if ended else f"it reaches --lr-min {config.lr_min} at iteration {planned} and stays there")
+    else:
+        what = f"its decays are spaced by a third of {planned} iterations"
+    return (f"{flag}: the run's {config.lr_schedule} learning-rate schedule was planned over {planned} "
+            f"iterations ({done} done); {what}, so the {total - done} iterations to {total} would not follow "
+            f"a schedule planned for them. Add --restart-schedule to run a new {config.lr_schedule} schedule "
+            f"from the peak --lr over the {total - done} iterations left (a warm restart), or resume to the "
+            f"planned length (give the run's own --iterations {planned}, or leave --iterations/--epochs out)")
+
+
+def restart(optimizer: torch.optim.Optimizer, config: ScheduleOptions, iterations: int) -> LRScheduler:
+    """``--restart-schedule``: a new schedule from the peak rate (the optimizer's
+    ``initial_lr``) over the ``iterations`` left (SGDR's warm restart, Loshchilov & Hutter)."""
+    for group in optimizer.param_groups:  # the peak, not the rate the old schedule ended at
+        group["lr"] = group.get("initial_lr", group["lr"])
+    return from_config(optimizer, config, max(1, iterations))

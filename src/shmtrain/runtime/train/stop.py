@@ -42,6 +42,8 @@ POLL_S = 0.5
 #: a signal this soon after the first is the same request relayed again (torchrun's agent)
 DUPLICATE_S = 1.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: the code of a stop asked for by ``--early-stop`` (rank 0's model selection), not a signal
+EARLY_STOP = 1000
 
 
 class StopRequest:
@@ -99,6 +101,16 @@ class StopRequest:
         me, control = self.ctx.host.local_rank, self.control
         return any(control.pid(r) > 0 and not alive(control.pid(r))
                    for r in range(self.ctx.host.local_world) if r != me)
+
+    def request_early(self) -> None:
+        """``--early-stop``: ask every rank to stop as a signal would (agreed iteration, a
+        checkpoint), with the code :data:`EARLY_STOP`."""
+        self.control.request_stop(EARLY_STOP)
+
+    @property
+    def early(self) -> bool:
+        """Whether the stop was ``--early-stop``'s (the run counts as finished)."""
+        return self.signum == EARLY_STOP
 
     # -- per iteration ----------------------------------------------------------------------
     def requested(self) -> int:

@@ -25,34 +25,48 @@ from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import IO, Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from shmtrain.runtime.tasks.base import Task, batch_size, split_batch, to_device
+from shmtrain.runtime.train.engine import (
+    Accumulating,
+    CheckpointSink,
+    DDPStyled,
+    Looping,
+    ProgressLine,
+    RunMonitor,
+    Scaled,
+    Stateful,
+    Steppable,
+    StopSignal,
+    SubBatched,
+)
 from shmtrain.runtime.train.finite import check_loss, json_text
 from shmtrain.runtime.train.schedule import check_state, current_lr, step_scheduler
 from shmtrain.runtime.train.subbatch import SubBatch
 from shmtrain.timing import PhaseTimer
 
-if TYPE_CHECKING:
-    from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
-    from shmtrain.runtime.outputs.monitor import Monitor
-    from shmtrain.runtime.outputs.progress import Progress
-    from shmtrain.runtime.train.stop import StopRequest
 
+class CriterionTask(Task):
+    """A plain ``loss_fn(output, target)`` (e.g. ``nn.CrossEntropyLoss()``) as a task of
+    ``(input, ..., target)`` batches, for callers that give the Trainer a loss module."""
 
-class Steppable(Protocol):
-    """What :class:`Trainer` drives: :class:`shmtrain.api.DataParallel`, or an adapter
-    with the same three calls (e.g. DDP in the benchmarks)."""
+    name = "criterion"
 
-    def zero_grad(self) -> None: ...
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
 
-    def __call__(self, *args: Any) -> torch.Tensor: ...
+    def loss(self, model: Callable[..., Any], batch: Any) -> torch.Tensor:
+        return self.loss_fn(*self.forward(model, batch))
 
-    def step(self) -> None: ...
+    def criterion(self) -> Callable[[Any, Any], torch.Tensor]:
+        return self.loss_fn
 
 
 @dataclass
@@ -93,11 +107,11 @@ class RunServices:
     TensorBoard, ``runtime/outputs/monitor.py``), this rank's metrics file and the progress line.
     Their owner (``runtime/loop.py``) opens and closes them."""
 
-    checkpoints: Checkpointer
-    stop: StopRequest
-    monitor: Monitor
+    checkpoints: CheckpointSink
+    stop: StopSignal
+    monitor: RunMonitor
     log: IO[str]
-    progress: Progress
+    progress: ProgressLine
     #: this worker's rank (named when its loss diverges)
     rank: int = 0
 
@@ -120,16 +134,21 @@ class Trainer:
     """One iteration of data-parallel training, timed the same way for every strategy.
 
     Args:
-        engine: the wrapped model (``DataParallel``) or an adapter with its three calls.
-        loss_fn: the loss (``loss_fn(output, target)``).
+        engine: the wrapped model (``DataParallel``) or an adapter with its three calls
+            (:class:`Steppable`); the options below need more of it (the protocols above:
+            :class:`SubBatched`, :class:`Accumulating`, :class:`Scaled`; :meth:`train`
+            :class:`Looping`, checkpoints :class:`Stateful`).
+        loss_fn: the task (``runtime/tasks/``: the loss of ``(model, batch)`` for batches of
+            any structure), or a plain ``loss_fn(output, target)`` for ``(input, target)``
+            batches (:class:`CriterionTask`).
         timer: receives ``forward`` and ``backward`` (the engine adds its own phases).
         scheduler: a learning-rate scheduler on the engine's optimizer, stepped once per
             iteration after the engine's step (``runtime/train/schedule.py``); its state is part
             of :meth:`state_dict`, so a resumed run continues the schedule exactly.
         sub_batch: K, the threads each mini-batch is split over (swCaffe Algorithm 1,
             :class:`shmtrain.runtime.train.subbatch.SubBatch`); 1 runs forward and backward on
-            the calling thread. K > 1 needs an engine with ``module`` and
-            ``before_forward`` (``DataParallel``); :meth:`close` ends the threads.
+            the calling thread. K > 1 needs a :class:`SubBatched` engine, a task with a
+            ``criterion()`` and ``(input, target)`` batches; :meth:`close` ends the threads.
         amp: ``"bf16"`` runs forward and the loss under ``torch.autocast`` with bfloat16
             (``--amp bf16``); ``"fp16"`` with float16, the loss scaled by a
             ``torch.amp.GradScaler`` before backward and the optimizer stepped through it
@@ -142,19 +161,19 @@ class Trainer:
             ``no_sync()`` (no exchange), each loss weighted by its share of the batch, so
             the gradient that is exchanged and stepped with is the whole batch's.
 
-    The batch is moved to the model's device (a GPU worker's ``x`` and ``y`` come from
-    host memory) and autocast runs on that device.
+    The batch is moved to the model's device (a GPU worker's batch comes from host memory)
+    and autocast runs on that device.
     """
 
-    def __init__(self, engine: Steppable, loss_fn: nn.Module, timer: PhaseTimer,
+    def __init__(self, engine: Steppable, loss_fn: Task | Callable[[Any, Any], torch.Tensor], timer: PhaseTimer,
                  scheduler: LRScheduler | None = None, sub_batch: int = 1, amp: str = "none",
                  accumulate: int = 1) -> None:
         if amp not in ("none", "bf16", "fp16"):
             raise ValueError(f"--amp {amp!r}: choose none, bf16 or fp16")
         self.bf16 = amp == "bf16"
         self.engine = engine
-        if getattr(engine, "ddp_style", False):  # this loop steps with engine.step(), communicating there
-            engine.ddp_style = False  # type: ignore[attr-defined]
+        if isinstance(engine, DDPStyled) and engine.ddp_style:  # this loop steps with engine.step()
+            engine.ddp_style = False
         module = getattr(engine, "module", engine)
         first = next(module.parameters(), None) if isinstance(module, nn.Module) else None
         #: where the model computes (the batch is moved there)
@@ -162,8 +181,7 @@ class Trainer:
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
         self.scaler: torch.amp.GradScaler | None = None
         if amp == "fp16":
-            attach = getattr(engine, "attach_scaler", None)
-            if attach is None:
+            if not isinstance(engine, Scaled):
                 raise ValueError(f"--amp fp16 steps the optimizer through a GradScaler, which a "
                                  f"{type(engine).__name__} cannot take; wrap the model in "
                                  "shmtrain.api.DataParallel, or use --amp bf16")
@@ -171,7 +189,7 @@ class Trainer:
                 raise ValueError(f"--amp fp16 with --sub-batch {sub_batch}: the sub-batch threads run bf16 "
                                  "or float32 only (no GradScaler); use --amp bf16, or --sub-batch 1")
             self.scaler = torch.amp.GradScaler(self.device.type)
-            attach(self.scaler)
+            engine.attach_scaler(self.scaler)
         if sub_batch != 1 and self.device.type != "cpu":
             raise ValueError(f"--sub-batch {sub_batch}: the sub-batch threads split a batch over CPU "
                              f"cores (swCaffe's core groups), but the model is on {self.device}; use "
@@ -179,40 +197,59 @@ class Trainer:
         if accumulate < 1 or (accumulate > 1 and sub_batch != 1):
             raise ValueError(f"--accumulate {accumulate}: K micro-batches, at least 1, and not with "
                              f"--sub-batch {sub_batch} threads; use --accumulate 1, or --sub-batch 1")
-        if accumulate > 1 and not callable(getattr(engine, "no_sync", None)):
-            raise ValueError(f"--accumulate {accumulate}: the micro-batches before the last run inside the "
-                             f"engine's no_sync(), which a {type(engine).__name__} does not have; wrap the "
-                             "model in shmtrain.api.DataParallel, or use --accumulate 1")
+        #: the engine's no_sync() and module, with --accumulate K > 1
+        self.accumulating: Accumulating | None = None
+        if accumulate > 1:
+            if not isinstance(engine, Accumulating):
+                raise ValueError(f"--accumulate {accumulate}: the micro-batches before the last run inside the "
+                                 f"engine's no_sync(), which a {type(engine).__name__} does not have; wrap the "
+                                 "model in shmtrain.api.DataParallel, or use --accumulate 1")
+            self.accumulating = engine
         self.accumulate = accumulate
-        self.loss_fn = loss_fn
+        #: the loss and metrics of a batch (``runtime/tasks/``)
+        self.task: Task = loss_fn if isinstance(loss_fn, Task) else CriterionTask(loss_fn)
         self.timer = timer
         self.scheduler = scheduler
         self.sub_batch: SubBatch | None = None
+        self.sub_engine: SubBatched | None = None
         if sub_batch != 1:
-            module = getattr(engine, "module", None)
-            if not isinstance(module, nn.Module) or not callable(getattr(engine, "before_forward", None)):
-                raise ValueError(
-                    f"--sub-batch {sub_batch}: the threads run copies of the engine's module, but a "
-                    f"{type(engine).__name__} has no module and before_forward; wrap the model in "
-                    "shmtrain.api.DataParallel, or use --sub-batch 1")
-            self.sub_batch = SubBatch(module, sub_batch, loss_fn, timer, bf16=self.bf16)
+            self.sub_batch, self.sub_engine = self._sub_batch(engine, sub_batch)
         self.state = TrainState()
         #: the learning rate the last :meth:`step` used (None before the first step, or
         #: when the engine has no ``optimizer`` and there is no scheduler)
         self.lr: float | None = None
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """zero_grad -> forward (``forward``) -> backward (``backward``) -> step; the loss."""
+    def _sub_batch(self, engine: Steppable, parts: int) -> tuple[SubBatch, SubBatched]:
+        """The sub-batch threads (``--sub-batch K``) and the engine they copy."""
+        if not isinstance(engine, SubBatched):
+            raise ValueError(
+                f"--sub-batch {parts}: the threads run copies of the engine's module, but a "
+                f"{type(engine).__name__} has no module and before_forward; wrap the model in "
+                "shmtrain.api.DataParallel, or use --sub-batch 1")
+        criterion = self.task.criterion()
+        if criterion is None:
+            raise ValueError(f"--sub-batch {parts} with --task {self.task.name}: the threads split (input, "
+                             "target) batches scored by a loss(output, target), which this task has not; "
+                             "use --sub-batch 1")
+        return SubBatch(engine.module, parts, criterion, self.timer, bf16=self.bf16), engine
+
+    def step(self, *batch: Any) -> torch.Tensor:
+        """zero_grad -> forward (``forward``) -> backward (``backward``) -> step; the loss.
+
+        ``step(batch)`` takes one batch of any structure the task reads; ``step(x, y)``
+        is ``step((x, y))``."""
         engine = self.engine
-        if x.device != self.device:  # from host memory (pageable: the copy is synchronous)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        data = to_device(batch[0] if len(batch) == 1 else batch, self.device)  # from host memory
         engine.zero_grad()
-        if self.sub_batch is not None:  # both phases timed inside, the threads' compute overlapping
-            loss = self.sub_batch.step(x, y, before_forward=engine.before_forward)  # type: ignore[attr-defined]
-        elif self.accumulate == 1:
-            loss = self._pass(engine, x, y)
+        if self.sub_batch is not None and self.sub_engine is not None:  # both phases timed inside
+            if not isinstance(data, tuple | list) or len(data) != 2:
+                raise ValueError(f"--sub-batch: the threads split (input, target) batches, not a "
+                                 f"{type(data).__name__}; use --sub-batch 1")
+            loss = self.sub_batch.step(data[0], data[1], before_forward=self.sub_engine.before_forward)
+        elif self.accumulating is None:
+            loss = self._pass(engine, data)
         else:
-            loss = self._accumulate(x, y)
+            loss = self._accumulate(self.accumulating, data)
         optimizer = self.scheduler.optimizer if self.scheduler is not None else getattr(engine, "optimizer", None)
         self.lr = current_lr(optimizer) if optimizer is not None else None
         engine.step()
@@ -223,56 +260,58 @@ class Trainer:
         self.state.iteration += 1
         return loss
 
-    def _pass(self, forward: Any, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+    def _pass(self, forward: Callable[..., Any], batch: Any, weight: float = 1.0) -> torch.Tensor:
         """Forward (``forward``) and backward (``backward``) of one batch or micro-batch,
         its loss weighted by ``weight`` before backward."""
         dtype = self.autocast_dtype
         with self.timer.phase("forward"), torch.autocast(self.device.type, dtype=dtype or torch.bfloat16,
                                                          enabled=dtype is not None):
-            loss = self.loss_fn(forward(x), y)
+            loss = self.task.loss(forward, batch)
             if weight != 1.0:
                 loss = loss * weight
         with self.timer.phase("backward"):
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss
 
-    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, engine: Accumulating, batch: Any) -> torch.Tensor:
         """``--accumulate K``: the batch as K micro-batches (sizes differ by at most 1); the
         engine's ``forward`` (with its ``before_forward``) runs once, on the first, the
         module itself on the others; all but the last backward inside ``no_sync()``."""
-        engine = self.engine
         total = torch.zeros((), device=self.device)
-        parts = list(zip(x.tensor_split(self.accumulate), y.tensor_split(self.accumulate), strict=True))
-        for i, (xi, yi) in enumerate(parts):
-            forward = engine if i == 0 else engine.module  # type: ignore[attr-defined]
-            weight = len(xi) / len(x)
+        parts = split_batch(batch, self.accumulate)
+        size = batch_size(batch)
+        for i, part in enumerate(parts):
+            forward = self.engine if i == 0 else engine.module
+            weight = batch_size(part) / size
             if i < len(parts) - 1:
-                with engine.no_sync():  # type: ignore[attr-defined]
-                    total += self._pass(forward, xi, yi, weight).detach()
+                with engine.no_sync():
+                    total += self._pass(forward, part, weight).detach()
             else:
-                total += self._pass(forward, xi, yi, weight).detach()
+                total += self._pass(forward, part, weight).detach()
         return total
 
-    def train(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], run: RunServices,
-              total: int) -> TrainOutcome:
+    def train(self, next_batch: Callable[[], Any], run: RunServices, total: int) -> TrainOutcome:
         """The loop of ``shmtrain train``, until the engine says stop (its target, or a
         termination policy, TERM) or a stop is requested: per iteration the next batch
         (phase ``data``), :meth:`step`, one JSON line in ``run.log`` (loss, lr, start
         ``t0``, phases), the monitor and progress line outside the iteration's time, a
         checkpoint when due; then the last evaluation and the final checkpoint."""
         engine, timer = self.engine, self.timer
+        if not isinstance(engine, Looping):
+            raise TypeError(f"Trainer.train: a {type(engine).__name__} has no iteration and should_stop(); "
+                            "wrap the model in shmtrain.api.DataParallel")
         start = time.perf_counter()
         value: float | None = None
-        first = engine.iteration  # type: ignore[attr-defined]
-        while not engine.should_stop():  # type: ignore[attr-defined]
+        first = engine.iteration
+        while not engine.should_stop():
             iter_start = time.perf_counter()
             with timer.phase("data"):
-                x, y = next_batch()
-            loss = self.step(x, y)
+                batch = next_batch()
+            loss = self.step(batch)
             phases = timer.finish_iteration()
             phases["iteration"] = time.perf_counter() - iter_start
             value = float(loss.detach())
-            iteration = engine.iteration  # type: ignore[attr-defined]
+            iteration = engine.iteration
             row = {"iteration": iteration, "loss": value, "lr": self.lr,
                    "t0": run.monitor.stamp(iter_start), "time": phases, **timer.take_details()}
             run.log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/train/finite.py)
@@ -284,14 +323,15 @@ class Trainer:
             if run.checkpoints.due(iteration, total):
                 run.log.flush()  # rows up to the checkpoint are on disk before it is
                 run.checkpoints.save(self, iteration)
-        iteration = engine.iteration  # type: ignore[attr-defined]
+        iteration = engine.iteration
         run.stop.finished(iteration)
         if iteration > first:  # a finished run resumed at its total has its last eval row
             run.monitor.finish(iteration, run.log)
         run.progress.close()
         wall = time.perf_counter() - start
         run.log.flush()
-        saved = run.checkpoints.save_final(self, run.stop.target if run.stop.stopped else total)
+        saved = run.checkpoints.save_final(self, run.stop.target if run.stop.stopped and run.stop.target is not None
+                                           else total)
         return TrainOutcome(wall, value, saved, iteration - first)
 
     def close(self) -> None:
@@ -300,19 +340,27 @@ class Trainer:
             self.sub_batch.close()
 
     # -- state (checkpoints) ------------------------------------------------------
+    def _stateful(self) -> Stateful:
+        """The engine as :class:`Stateful` (a checkpoint needs its module, optimizer and
+        strategy)."""
+        if not isinstance(self.engine, Stateful):
+            raise TypeError(f"Trainer state: a {type(self.engine).__name__} has no module, optimizer and "
+                            "strategy to save; wrap the model in shmtrain.api.DataParallel")
+        return self.engine
+
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """The model, optimizer, strategy and loop state of this rank, consistent between
         iterations (the strategy's exchanges in flight are drained first). With ``copy``
         a deep-copied snapshot, so training on does not change it; without, the live
         tensors, for a caller that serializes them before the next iteration (the
         checkpointer: no extra pass over the weights and momentum)."""
-        dp = self.engine
-        strategy = dp.strategy  # type: ignore[attr-defined]
+        dp = self._stateful()
+        strategy = dp.strategy
         strategy.quiesce()
         self.state.capture_rng()
         state = {
-            "model": dp.module.state_dict(),  # type: ignore[attr-defined]
-            "optimizer": dp.optimizer.state_dict(),  # type: ignore[attr-defined]
+            "model": dp.module.state_dict(),
+            "optimizer": dp.optimizer.state_dict(),
             "strategy": strategy.state_dict(),
             "train": asdict(self.state),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -323,12 +371,12 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (collective: every rank, between iterations)."""
-        dp = self.engine
-        strategy = dp.strategy  # type: ignore[attr-defined]
+        dp = self._stateful()
+        strategy = dp.strategy
         strategy.quiesce()
         with torch.no_grad():
-            dp.module.load_state_dict(state["model"])  # type: ignore[attr-defined]
-        dp.optimizer.load_state_dict(state["optimizer"])  # type: ignore[attr-defined]
+            dp.module.load_state_dict(state["model"])
+        dp.optimizer.load_state_dict(state["optimizer"])
         strategy.load_state_dict(state["strategy"])
         saved = state.get("scheduler")  # absent in states saved before schedules existed
         if self.scheduler is not None and saved is not None:
