@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data.kinds import DataFacts
