@@ -84,3 +84,34 @@ def wrong_classes() -> Dataset:
     data = blobs(64, 4)
     data.num_classes = 2  # type: ignore[attr-defined]
     return data
+
+
+class Huge(Dataset):
+    """``size`` lazy items (10^9 by default), nothing held per item; two classes declared."""
+
+    num_classes = 2
+
+    def __init__(self, size: int = 10**9) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.tensor([float(index % 7), 1.0]), index % 2
+
+
+class Heavy(Huge):
+    """A data set that holds ``mb`` MB once opened (what loading a table would)."""
+
+    def __init__(self, mb: int = 64) -> None:
+        super().__init__(1000)
+        self.table = torch.ones(mb * 1 << 20, dtype=torch.uint8)  # touched: resident
+
+
+def huge(size: int = 10**9) -> Huge:
+    return Huge(size)
+
+
+def heavy(mb: int = 64) -> Heavy:
+    return Heavy(mb)

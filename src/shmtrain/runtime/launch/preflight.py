@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.data.tensors import IMAGE_SUFFIXES, parse_shape
+from shmtrain.runtime.data.tensors import EAGER_LIMIT, IMAGE_SUFFIXES, parse_shape
 from shmtrain.runtime.data.tensors import held_out as _held_out
 
 #: workers per core beyond which a run is refused without --force
@@ -36,6 +36,9 @@ class DataFacts:
     num_classes: int
     #: the samples live in each worker's memory (digits, synthetic), not decoded per batch
     in_memory: bool = True
+    #: what opening the data cost the launcher (its resident memory before and after): every
+    #: worker opens it too (a folder's file list, what a user's data set holds)
+    open_bytes: int = 0
 
 
 def held_out(samples: int, fraction: float = 0.2) -> int:
@@ -60,8 +63,21 @@ def check_data(config: TrainConfig) -> DataFacts:
         for flag, folder in (("--data", config.data), ("--val-data", config.val_data)):
             if folder is not None:
                 _check_folder(Path(folder), config.skip_bad_files, flag)
+        import torchvision  # noqa: F401 - imported by every worker anyway: not the data's cost
+    before = resident_bytes()
     source = open_data(config)
-    return DataFacts(source.train_samples, source.input_shape, source.num_classes, in_memory=False)
+    opened = max(0, resident_bytes() - before)
+    return DataFacts(source.train_samples, source.input_shape, source.num_classes, in_memory=False,
+                     open_bytes=opened)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``), 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _check_folder(path: Path, skip_bad_files: bool = False, flag: str = "--data") -> None:
@@ -130,7 +146,9 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
     """(private bytes for all workers, shared-memory bytes) the run needs, estimated.
 
     Per worker: weights, gradients, momentum (3 copies of the parameters), the data set
-    when it is held in memory (digits, synthetic), and the activations of one batch, measured by one forward pass at batch
+    when it is held in memory (digits, synthetic), what opening the data cost the launcher
+    (:attr:`DataFacts.open_bytes`, once more for the launcher itself), the sharding
+    permutation (at most ``EAGER_LIMIT`` x 8 bytes), and the activations of one batch, measured by one forward pass at batch
     2 and scaled to the batch (x2: what autograd saves, plus the gradients of the
     activations while backward runs). Shared memory:
     two gradient slot sets per worker (the allreduce's, the largest any strategy uses)."""
@@ -155,7 +173,9 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
     data = (facts.train_samples + held_out(facts.train_samples)) * 4 if facts.in_memory else 0
     for dim in facts.input_shape:  # decoded per batch (folders, module:callable): batches only
         data *= dim
-    private = workers * (3 * params + activations + data)
+    order = min(facts.train_samples, EAGER_LIMIT) * 8  # each worker's epoch permutation
+    # the launcher holds the opened data while the workers run, and each worker opens it too
+    private = workers * (3 * params + activations + data + order + facts.open_bytes) + facts.open_bytes
     shared = workers * 2 * params
     return private, shared
 
