@@ -28,6 +28,7 @@ from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
 from shmtrain.runtime.launch.zygote import under_torchrun
 from shmtrain.runtime.outputs import report
+from shmtrain.runtime.outputs.files import OutputError
 from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.startup import mark
 
@@ -122,7 +123,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
                              env=_preload_env(config))
             break
         except WorkerFailed as exc:
-            stretch.end("failed")
+            _end_stretch(stretch, "failed")  # its own failure (a full disk) must not hide the worker's
             if not exc.stop_signal and restarts < config.max_restarts:  # a dead zygote too: a new one forks
                 restarts += 1
                 start_from = checkpoint_files.resume_point(out, _warn)
@@ -141,7 +142,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
                 exc.args = (f"{exc}; {_resume_hint(out)}",)
             raise
         except KeyboardInterrupt as exc:
-            stretch.end("interrupted")
+            _end_stretch(stretch, "interrupted")
             signum = getattr(exc, "signum", signal.SIGINT)
             raise RunStopped(_interrupted_message(out, exc), 128 + signum) from None
     stopped = [r for r in results if r.get("stopped")]
@@ -149,6 +150,16 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool) -> dict[str, 
     if stopped:
         raise RunStopped(_stopped_message(out, results, stopped[0]["stopped"]), 128 + stopped[0]["stopped"])
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def _end_stretch(stretch: Stretch, ended: str) -> None:
+    """Record how a stretch ended while a failure or stop is being reported: a file that
+    cannot be written then (the disk that failed the worker is full) is one warning line,
+    and the report stays the worker's own (its rank and its log)."""
+    try:
+        stretch.end(ended)
+    except OutputError as exc:
+        _warn(f"shmtrain: warning: {exc}")
 
 
 def _resume_hint(out: Path) -> str:
