@@ -295,7 +295,7 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     except BaseException:
         ctx.fail()
         if stretch is not None:
-            stretch.end("failed")
+            _end_stretch(stretch, "failed")
         raise
     finally:
         ctx.close()

@@ -2,9 +2,12 @@
 
 Everything that can be known without a worker is checked here, so a mistyped run fails
 in a second instead of after N workers have imported torch: the data source (shape,
-class count, a sample of its files readable), the batch size against the training set,
-the ``--out`` path, the worker count against the cores, and the memory the run needs
-against what is free in RAM and in /dev/shm (admission control). ``--force`` lets a run
+class count, a sample of its files readable, no link to a folder in a folder of images,
+no ``train``/``val`` split folders taken for classes), the batch size against the
+training set, the model's outputs against the data's classes (one forward pass on a zero
+batch, which the memory estimate uses too), the ``--out`` path, the worker count against
+the cores, and the memory the run needs against what is free in RAM and in /dev/shm
+(admission control). ``--force`` lets a run
 past the last two, which are estimates. Every message names the option, the value, the
 rule and a fix.
 """
@@ -86,6 +89,10 @@ def _check_folder(path: Path, skip_bad_files: bool = False, flag: str = "--data"
     if not path.is_dir():
         raise ValueError(f"{where}: no such folder; give digits, synthetic, or a folder with one "
                          "sub-folder of images per class")
+    from shmtrain.runtime.data.image_folder import refuse_links, refuse_split_folders
+
+    refuse_split_folders(path, flag)
+    refuse_links(path, flag)  # before any walk: a link loop would never end
     classes = sorted(d for d in path.iterdir() if d.is_dir())
     if len(classes) < 2:
         raise ValueError(f"{where}: a folder of images needs one sub-folder per class, at least 2; "
@@ -142,7 +149,60 @@ def check_workers(config: TrainConfig) -> None:
         )
 
 
-def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple[int, int]:
+@dataclass(frozen=True)
+class ModelProbe:
+    """What one forward pass of the model on a zero batch of 2 tells the launcher."""
+
+    #: bytes of the parameters (float32)
+    param_bytes: int
+    #: bytes of every leaf module's output for that batch of 2
+    activation_bytes: int
+    #: the size of the output's last dimension (the class scores), None when it is not a 2-D tensor
+    outputs: int | None
+
+
+def probe_model(config: TrainConfig, facts: DataFacts) -> ModelProbe:
+    """Build the model once, as the workers will, and run it on a zero batch of 2."""
+    import torch
+
+    from shmtrain.models import build_model
+
+    model = build_model(config.model, facts.input_shape, facts.num_classes, config.model_args)
+    sizes: list[int] = []
+
+    def record(_module, _inputs, output) -> None:
+        if isinstance(output, torch.Tensor):
+            sizes.append(output.numel() * output.element_size())
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros((2, *facts.input_shape)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = getattr(out, "logits", out)
+    if isinstance(out, tuple | list) and out:
+        out = out[0]
+    outputs = int(out.shape[-1]) if isinstance(out, torch.Tensor) and out.dim() == 2 else None
+    return ModelProbe(sum(p.numel() for p in model.parameters()) * 4, sum(sizes), outputs)
+
+
+def check_model_outputs(config: TrainConfig, facts: DataFacts, probe: ModelProbe) -> None:
+    """The model scores as many classes as the data has: fewer leave labels it cannot
+    predict (the loss fails in a worker), more train scores no label ever asks for."""
+    if probe.outputs is None or probe.outputs == facts.num_classes:
+        return
+    how = "too few" if probe.outputs < facts.num_classes else "too many"
+    raise ValueError(
+        f"--model {config.model}: it gives {probe.outputs} outputs per sample, but --data {config.data} has "
+        f"{facts.num_classes} classes ({how}); make its last layer give {facts.num_classes} (a model "
+        "callable that takes num_classes gets the data's count)"
+    )
+
+
+def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int,
+                   probe: ModelProbe | None = None) -> tuple[int, int]:
     """(private bytes for all workers, shared-memory bytes) the run needs, estimated.
 
     Per worker: weights, gradients, momentum (3 copies of the parameters), the data set
@@ -152,24 +212,9 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
     2 and scaled to the batch (x2: what autograd saves, plus the gradients of the
     activations while backward runs). Shared memory:
     two gradient slot sets per worker (the allreduce's, the largest any strategy uses)."""
-    import torch
-
-    from shmtrain.models import build_model
-
-    model = build_model(config.model, facts.input_shape, facts.num_classes, config.model_args)
-    params = sum(p.numel() for p in model.parameters()) * 4
-    sizes: list[int] = []
-
-    def record(_module, _inputs, output) -> None:
-        if isinstance(output, torch.Tensor):
-            sizes.append(output.numel() * output.element_size())
-
-    hooks = [m.register_forward_hook(record) for m in model.modules() if not list(m.children())]
-    with torch.no_grad():
-        model(torch.zeros((2, *facts.input_shape)))
-    for hook in hooks:
-        hook.remove()
-    activations = sum(sizes) * config.batch_size // 2 * 2
+    probe = probe or probe_model(config, facts)
+    params = probe.param_bytes
+    activations = probe.activation_bytes * config.batch_size // 2 * 2
     data = (facts.train_samples + held_out(facts.train_samples)) * 4 if facts.in_memory else 0
     for dim in facts.input_shape:  # decoded per batch (folders, module:callable): batches only
         data *= dim
@@ -191,11 +236,11 @@ def available_bytes() -> tuple[int, int]:
     return available, shm
 
 
-def check_memory(config: TrainConfig, facts: DataFacts, workers: int) -> None:
+def check_memory(config: TrainConfig, facts: DataFacts, workers: int, probe: ModelProbe | None = None) -> None:
     """Admission control: refuse a run whose estimate exceeds what is free, unless --force."""
     if config.force:
         return
-    private, shared = estimate_bytes(config, facts, workers)
+    private, shared = estimate_bytes(config, facts, workers, probe)
     available, shm = available_bytes()
     gib = 1 << 30
     if private + shared > available:
@@ -221,5 +266,7 @@ def preflight(config: TrainConfig, out: Path, workers: int | None = None) -> Dat
     check_out(out)
     facts = check_data(config)
     check_batch(config, facts, workers)
-    check_memory(config, facts, workers)
+    probe = probe_model(config, facts)  # once, for both checks
+    check_model_outputs(config, facts, probe)
+    check_memory(config, facts, workers, probe)
     return facts
