@@ -3,6 +3,8 @@ PYTHONPATH, so the workers import them too)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
@@ -115,3 +117,38 @@ def huge(size: int = 10**9) -> Huge:
 
 def heavy(mb: int = 64) -> Heavy:
     return Heavy(mb)
+
+
+class Broken(Huge):
+    """Fails in a worker (``RANK`` set; the launcher's checks read items too) on item 37's
+    lookup, as a data set with a missing label does."""
+
+    def __init__(self) -> None:
+        super().__init__(64)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        labels = {} if "RANK" in os.environ else {f"label_of_{index}": index % 2}
+        return torch.tensor([1.0, 2.0]), labels[f"label_of_{index}"]
+
+
+def broken() -> Broken:
+    return Broken()
+
+
+class Spawning(Huge):
+    """Starts a child process in each worker that opens it (``RANK`` set), as a data set
+    with a helper server would, and writes its pid to ``folder``/child-<rank>."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(64)
+        if "RANK" in os.environ:
+            import subprocess
+            import sys
+
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            with open(os.path.join(folder, f"child-{os.environ['RANK']}"), "w") as f:
+                f.write(str(child.pid))
+
+
+def spawning(folder: str) -> Spawning:
+    return Spawning(folder)

@@ -35,6 +35,19 @@ class WorkerFailed(RuntimeError):
         self.zygote = False
 
 
+#: the exit status of a job one of whose ranks ended with status 0 while the others needed it
+EARLY_EXIT = 1
+
+
+def exit_status(code: int) -> int:
+    """The launcher's exit status for a worker that ended with ``code`` (as
+    :attr:`subprocess.Popen.returncode`): its own status; 128 + N when signal N killed it;
+    :data:`EARLY_EXIT` (1) for a status 0 that still failed the job (a rank that left early)."""
+    if code < 0:
+        return 128 - code
+    return code or EARLY_EXIT
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -56,6 +69,16 @@ def shm_note(code: int) -> str:
     return (f" (a SIGBUS in a worker means a shared-memory page could not be given, most often because "
             f"/dev/shm is full: {now}; free space there (df -h /dev/shm), use fewer workers or a "
             "smaller model, and leave out --force so the memory check can refuse such a run)")
+
+
+#: what gloo and the store say when the process at the other end is gone
+CONNECTION_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe",
+                   "connection refused", "socket closed")
+
+
+def connection_lost(cause: str) -> bool:
+    """Whether a worker's error says its peer's end of a connection went away."""
+    return any(words in cause.lower() for words in CONNECTION_LOST)
 
 
 def first_cause(children: list[Any], bad: list[tuple[int, int]], lost: dict[int, int]) -> tuple[int, int]:
@@ -82,6 +105,9 @@ def root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any]
     peer = record.get("peer")
     if record.get("timeout") and peer is None and stuck:
         peer = stuck[0]
+    if peer is None and connection_lost(record.get("cause") or ""):
+        peer = next((r for r, c in enumerate(children) if r != rank and c.returncode is not None
+                     and r not in stuck), None)  # the one that had already ended: it closed the connection
     if peer is None or peer == rank or not 0 <= peer < len(children):
         failure = failure_of(children, rank, code, record, logs)
     elif record.get("timeout"):
@@ -89,6 +115,13 @@ def root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any]
         message = (f"worker rank {peer} (pid {children[peer].pid}) stalled: worker rank {rank} gave up "
                    f"waiting for it ({record.get('cause')}); the launcher ended it ({how})")
         failure = WorkerFailed(message + logs.where(peer), peer, children[peer].returncode or code)
+        failure.cause = record.get("cause")
+    elif children[peer].returncode == 0:  # it left the job early, without an error
+        message = (f"worker rank {peer} (pid {children[peer].pid}) left the job early: it ended with exit "
+                   f"status 0 (sys.exit(0), or its script returned) while worker rank {rank} still needed "
+                   f"it ({record.get('cause') or describe_exit(code)}); every rank must run the same "
+                   "steps (to end early, make all of them stop at the same step)")
+        failure = WorkerFailed(message + logs.where(peer), peer, 0)  # exit_status: EARLY_EXIT
         failure.cause = record.get("cause")
     else:
         peer_code = children[peer].returncode
