@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
+from shmtrain.fabric.control import PeerFailure, first_line
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.launch import runlock, smb_server
+from shmtrain.runtime.launch import failures, runlock, smb_server
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
 from shmtrain.runtime.launch.zygote import under_torchrun
@@ -292,10 +293,13 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
             results = [None] * ctx.world_size
             dist.all_gather_object(results, result)
             ctx.shutdown()  # every peer done before any gloo pair is torn down (no exit abort)
-    except BaseException:
+    except BaseException as exc:
         ctx.fail()
         if stretch is not None:
             _end_stretch(stretch, "failed")
+        lost = _lost_peers(ctx, exc)
+        if lost is not None:
+            raise lost from exc
         raise
     finally:
         ctx.close()
@@ -310,6 +314,27 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     if ctx.rank != 0:
         return None
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def _lost_peers(ctx: Any, exc: BaseException) -> PeerFailure | None:
+    """For a rank that fails under torchrun: its failure posted in the job's store; when it
+    was a lost connection, the one-line error naming the peers that were lost by host and
+    rank (those that never posted, :func:`~shmtrain.runtime.launch.failures.roll_call`), so
+    the survivor is not blamed; None otherwise (the error stands as it is)."""
+    cause = failures.short_cause(str(exc)) or first_line(exc)
+    lost_connection = isinstance(exc, Exception) and failures.connection_lost(str(exc))
+    try:
+        missing = failures.roll_call(ctx.store, ctx.rank, ctx.world_size, cause,
+                                     failures.ROLL_CALL_S if lost_connection else 0.0)
+    except Exception:  # noqa: BLE001 - the store is gone with host 0
+        if not lost_connection or ctx.node_rank == 0:
+            return None
+        return PeerFailure(f"host 0 ({os.environ.get('MASTER_ADDR')}), which holds the job's store, was lost "
+                           f"(killed, or it went down; see its output); worker rank {ctx.rank} (host "
+                           f"{ctx.node_rank}) only lost its connection to it ({cause})")
+    if not lost_connection or not missing:
+        return None
+    return PeerFailure(failures.lost_peers_message(ctx.rank, ctx.local_world, missing, cause))
 
 
 def _gather_survivors(ctx: Any, result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ exited, and where its log is (``runtime/launch/launcher.py``'s supervisor raises
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -79,6 +80,40 @@ CONNECTION_LOST = ("connection reset by peer", "connection closed by peer", "bro
 def connection_lost(cause: str) -> bool:
     """Whether a worker's error says its peer's end of a connection went away."""
     return any(words in cause.lower() for words in CONNECTION_LOST)
+
+
+#: seconds a rank that lost a connection waits for the other ranks to report their failure
+ROLL_CALL_S = 3.0
+
+
+def roll_call(store: Any, rank: int, world: int, cause: str, grace: float = ROLL_CALL_S) -> list[int]:
+    """Post this rank's failure (``failed/<rank>``) in the job's store and wait up to
+    ``grace`` seconds for every other rank to post its own (every rank that fails posts,
+    ``runtime/run.py``); the ranks that have not are returned: lost (killed, or their host
+    went down), since a rank that fails for a cause of its own says so."""
+    store.set(f"failed/{rank}", cause)
+    deadline = time.monotonic() + grace
+    while True:
+        missing = [r for r in range(world) if r != rank and not store.check([f"failed/{r}"])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.1)
+
+
+def short_cause(text: str) -> str:
+    """gloo's error without its source location and advice: ``Connection closed by peer
+    [127.0.0.1]:35229``."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
+    return text.split(". ", 1)[0]
+
+
+def lost_peers_message(rank: int, local_world: int, lost: list[int], cause: str) -> str:
+    """``worker rank 2 (host 1, local rank 0) was lost ...``: the peers a connection loss
+    came from, by host and rank, and the survivor's own account in brackets."""
+    names = ", ".join(f"worker rank {r} (host {r // local_world}, local rank {r % local_world})" for r in lost)
+    return (f"{names} {'was' if len(lost) == 1 else 'were'} lost: it stopped without reporting an error "
+            f"(killed, or its host went down; see that host's output); worker rank {rank} (host "
+            f"{rank // local_world}) only lost its connection to it ({cause})")
 
 
 def first_cause(children: list[Any], bad: list[tuple[int, int]], lost: dict[int, int]) -> tuple[int, int]:
