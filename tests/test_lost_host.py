@@ -10,13 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
 from test_torchrun import env, free_port
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # two torchrun hosts start: over 30 s
 
 
 def _rows(path: Path) -> int:
@@ -26,6 +25,29 @@ def _rows(path: Path) -> int:
         return 0
 
 
+def test_the_roll_call_names_the_ranks_that_never_reported_by_host() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shmtrain.runtime import run
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store.set("failed/1", "local rank 0 failed")  # host 0's other worker failed for a cause of its own
+    ctx = SimpleNamespace(store=store, rank=0, world_size=4, local_world=2, node_rank=0)
+    gloo = RuntimeError("[/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:35229. This is "
+                        "typically caused by a remote worker crashing. GLHF!")
+    store.set("failed/3", "stopped by SIGTERM")  # host 1's survivor, ended by its agent
+    lost = run._lost_peers(ctx, gloo)
+    assert str(lost) == ("worker rank 2 (host 1, local rank 0) was lost: it stopped without reporting an error "
+                         "(killed, or the host went down; see that host's output); worker rank 0 (host 0) only "
+                         "lost its connection to it (Connection closed by peer [127.0.0.1]:35229)")
+    assert store.get("failed/0") == b"Connection closed by peer [127.0.0.1]:35229"
+    assert run._lost_peers(ctx, ValueError("a cause of its own")) is None  # posted, and stands as it is
+
+
+@pytest.mark.slow  # two torchrun hosts start: over 30 s on a busy machine
+@pytest.mark.timeout(240)
 def test_a_lost_host_is_named_by_host_and_rank_and_the_survivor_is_not_blamed(tmp_path: Path) -> None:
     out, port = tmp_path / "run", free_port()
 

@@ -111,9 +111,10 @@ def lost_peers_message(rank: int, local_world: int, lost: list[int], cause: str)
     """``worker rank 2 (host 1, local rank 0) was lost ...``: the peers a connection loss
     came from, by host and rank, and the survivor's own account in brackets."""
     names = ", ".join(f"worker rank {r} (host {r // local_world}, local rank {r % local_world})" for r in lost)
-    return (f"{names} {'was' if len(lost) == 1 else 'were'} lost: it stopped without reporting an error "
-            f"(killed, or its host went down; see that host's output); worker rank {rank} (host "
-            f"{rank // local_world}) only lost its connection to it ({cause})")
+    one = len(lost) == 1
+    return (f"{names} {'was' if one else 'were'} lost: {'it' if one else 'they'} stopped without reporting "
+            f"an error (killed, or the host went down; see that host's output); worker rank {rank} (host "
+            f"{rank // local_world}) only lost its connection to {'it' if one else 'them'} ({cause})")
 
 
 def first_cause(children: list[Any], bad: list[tuple[int, int]], lost: dict[int, int]) -> tuple[int, int]:
