@@ -25,12 +25,15 @@ def _rows(path: Path) -> int:
         return 0
 
 
-def test_the_roll_call_names_the_ranks_that_never_reported_by_host() -> None:
+def test_the_roll_call_names_the_ranks_that_never_reported_by_host(monkeypatch) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from shmtrain.runtime import run
+    from shmtrain.runtime.launch import failures
+
+    monkeypatch.setattr(failures, "ROLL_CALL_S", 0.5)  # how long rank 2 is waited for
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
     store.set("failed/1", "local rank 0 failed")  # host 0's other worker failed for a cause of its own
