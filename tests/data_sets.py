@@ -3,6 +3,8 @@ PYTHONPATH, so the workers import them too)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
@@ -84,3 +86,69 @@ def wrong_classes() -> Dataset:
     data = blobs(64, 4)
     data.num_classes = 2  # type: ignore[attr-defined]
     return data
+
+
+class Huge(Dataset):
+    """``size`` lazy items (10^9 by default), nothing held per item; two classes declared."""
+
+    num_classes = 2
+
+    def __init__(self, size: int = 10**9) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.tensor([float(index % 7), 1.0]), index % 2
+
+
+class Heavy(Huge):
+    """A data set that holds ``mb`` MB once opened (what loading a table would)."""
+
+    def __init__(self, mb: int = 64) -> None:
+        super().__init__(1000)
+        self.table = torch.ones(mb * 1 << 20, dtype=torch.uint8)  # touched: resident
+
+
+def huge(size: int = 10**9) -> Huge:
+    return Huge(size)
+
+
+def heavy(mb: int = 64) -> Heavy:
+    return Heavy(mb)
+
+
+class Broken(Huge):
+    """Fails in a worker (``RANK`` set; the launcher's checks read items too) on item 37's
+    lookup, as a data set with a missing label does."""
+
+    def __init__(self) -> None:
+        super().__init__(64)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        labels = {} if "RANK" in os.environ else {f"label_of_{index}": index % 2}
+        return torch.tensor([1.0, 2.0]), labels[f"label_of_{index}"]
+
+
+def broken() -> Broken:
+    return Broken()
+
+
+class Spawning(Huge):
+    """Starts a child process in each worker that opens it (``RANK`` set), as a data set
+    with a helper server would, and writes its pid to ``folder``/child-<rank>."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(64)
+        if "RANK" in os.environ:
+            import subprocess
+            import sys
+
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            with open(os.path.join(folder, f"child-{os.environ['RANK']}"), "w") as f:
+                f.write(str(child.pid))
+
+
+def spawning(folder: str) -> Spawning:
+    return Spawning(folder)

@@ -88,3 +88,58 @@ def test_a_run_that_fills_the_disk_ends_with_one_line_naming_the_file(disk: Path
     assert str(run / "checkpoints") in last and "No space left on device" in last and "it needs" in last, last
     assert (run / "config.toml").read_text().startswith("#") or "strategy" in (run / "config.toml").read_text()
     assert [p.name for p in run.rglob("*.part")] == []
+
+
+def test_a_full_disk_mid_row_leaves_only_whole_rows(disk: Path) -> None:
+    from shmtrain.runtime.outputs.files import LineLog
+
+    path = disk / "rank-0.jsonl"
+    log = LineLog(path, truncate=True)
+    rows = [{"iteration": i, "loss": 0.5} for i in range(3)]
+    log.write("".join(json.dumps(r) + "\n" for r in rows))
+    fill(disk, 0)  # the file's last page still has room: the next row is written in part
+    with pytest.raises(OutputError) as info:
+        log.write(json.dumps({"iteration": 3, "pad": "x" * 20_000}) + "\n")
+    log.close()
+    assert str(path) in str(info.value) and "No space left on device" in str(info.value)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+    assert path.read_text().endswith("\n")
+
+
+def test_more_free_than_needed_does_not_read_as_room(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    from shmtrain.runtime.outputs import files
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**7, 8 * 10**6, 2 * 10**6))
+    note = files.space_note(tmp_path / "rank-0.pt", 1_800_000)
+    assert "it needs 1.8 MB" in note and "2.0 MB are free there now" in note and "other ranks" in note, note
+    assert "it needs 1.8 MB; 2.0 MB are free there" not in note
+    assert files.space_note(tmp_path / "x", 3_000_000) == "it needs 3.0 MB; 2.0 MB are free there"
+
+
+def test_a_full_disk_behind_a_failed_worker_keeps_the_workers_report(tmp_path: Path, monkeypatch) -> None:
+    """Recording the failed stretch (stretches.json) on the same full disk must not replace
+    the worker's failure, which names the rank and its log."""
+    from shmtrain.runtime import run
+    from shmtrain.runtime.config import TrainConfig
+    from shmtrain.runtime.launch.failures import WorkerFailed
+    from shmtrain.runtime.outputs import stretches
+
+    failure = WorkerFailed(f"worker rank 1 (pid 9) failed: cannot write metrics; its log: {tmp_path}/logs/rank-1.log",
+                           1, 1)
+
+    def launch(*_args, **_kwargs):
+        raise failure
+
+    def full(path: Path, _data: bytes) -> None:
+        raise OutputError(f"cannot write {path}: No space left on device")
+
+    monkeypatch.setattr(run, "launch", launch)
+    monkeypatch.setattr(stretches, "write_output", full)
+    warned: list[str] = []
+    monkeypatch.setattr(run, "_warn", warned.append)
+    with pytest.raises(WorkerFailed) as info:
+        run._run_local(TrainConfig(workers=2), tmp_path / "run", lambda *_: None, False)
+    assert info.value is failure and "rank-1.log" in str(info.value)
+    assert any("stretches.json" in w for w in warned), warned

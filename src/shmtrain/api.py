@@ -17,6 +17,7 @@ changing its wrapper line only, docs/convert_ddp.md)::
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -53,7 +54,8 @@ class DataParallel(nn.Module):
         optimizer: its optimizer (each worker keeps its own).
         strategy: a registered strategy name (``ssgd``, ``single``, ...).
         config: the strategy's typed ``Config`` (built from ``options`` when omitted).
-        ctx: the process context; joined from the environment (torchrun) when omitted.
+        ctx: the process context; joined from the environment (torchrun) when omitted,
+            waiting for peers ``SHMTRAIN_TIMEOUT`` seconds (``shmtrain run --timeout``; 120).
         timer: where phase times go (one per worker).
         transports: where the strategy's transports come from (default: built from ``ctx``).
         device: move ``module`` there first (``"cuda"``, ``"cuda:1"``, ``"cpu"``); by
@@ -96,7 +98,9 @@ class DataParallel(nn.Module):
             raise ValueError(f"give the options of --strategy {strategy} either as config= or "
                              f"as keywords, not both ({', '.join(sorted(options))})")
         self._own_ctx = ctx is None
-        self.ctx = ctx if ctx is not None else fabric_context.from_env()
+        # shmtrain run --timeout reaches its workers as SHMTRAIN_TIMEOUT: the waits for peers follow it
+        timeout = float(os.environ.get("SHMTRAIN_TIMEOUT", fabric_context.DEFAULT_TIMEOUT_S))
+        self.ctx = ctx if ctx is not None else fabric_context.from_env(timeout)
         self.timer = timer or PhaseTimer()
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip={grad_clip!r}: the norm to clip to must be positive; use e.g. 1.0, or None")

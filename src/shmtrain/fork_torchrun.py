@@ -117,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         print(exc.format_msg(), file=sys.stderr)
         what = "shmtrain train" if command in COMMANDS else command
         ranks = ", ".join(f"rank {r} (exit status {f.exitcode})" for r, f in sorted(exc.failures.items()))
-        print(f"shmtrain torchrun: {what} failed on this host: {ranks}", file=sys.stderr)
+        if command in COMMANDS:  # each rank printed its cause; one that lost a peer names it, not itself
+            print(f"shmtrain torchrun: {what} ended with an error on this host ({ranks}); the cause each "
+                  "rank found is its 'shmtrain: error:' line above (a rank that lost a peer names it by host "
+                  "and rank)", file=sys.stderr)
+        else:
+            print(f"shmtrain torchrun: {what} failed on this host: {ranks}", file=sys.stderr)
         return 1
     return 0
 

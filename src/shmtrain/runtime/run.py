@@ -22,14 +22,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from shmtrain import strategies
+from shmtrain.fabric.control import PeerFailure, first_line
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.launch import runlock, smb_server
+from shmtrain.runtime.launch import failures, runlock, smb_server
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
 from shmtrain.runtime.launch.zygote import under_torchrun
 from shmtrain.runtime.loop import train_worker
 from shmtrain.runtime.outputs import report
+from shmtrain.runtime.outputs.files import OutputError
 from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.runtime.train import schedule
 from shmtrain.startup import mark
@@ -138,7 +140,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
                              env=_preload_env(config))
             break
         except WorkerFailed as exc:
-            stretch.end("failed")
+            _end_stretch(stretch, "failed")  # its own failure (a full disk) must not hide the worker's
             if not exc.stop_signal and restarts < config.max_restarts:  # a dead zygote too: a new one forks
                 restarts += 1
                 start_from = checkpoint_files.resume_point(out, _warn)
@@ -157,7 +159,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
                 exc.args = (f"{exc}; {_resume_hint(out)}",)
             raise
         except KeyboardInterrupt as exc:
-            stretch.end("interrupted")
+            _end_stretch(stretch, "interrupted")
             signum = getattr(exc, "signum", signal.SIGINT)
             raise RunStopped(_interrupted_message(out, exc), 128 + signum) from None
     stopped = [r for r in results if r.get("stopped")]
@@ -174,6 +176,16 @@ def metric_text(summary: dict[str, Any]) -> str:
     if value is None:
         return f"held-out {metric} -"
     return f"held-out {metric} {value * 100:.2f}%" if metric == "accuracy" else f"held-out {metric} {value:.4g}"
+
+
+def _end_stretch(stretch: Stretch, ended: str) -> None:
+    """Record how a stretch ended while a failure or stop is being reported: a file that
+    cannot be written then (the disk that failed the worker is full) is one warning line,
+    and the report stays the worker's own (its rank and its log)."""
+    try:
+        stretch.end(ended)
+    except OutputError as exc:
+        _warn(f"shmtrain: warning: {exc}")
 
 
 def _resume_hint(out: Path) -> str:
@@ -328,10 +340,13 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
             results = [None] * ctx.world_size
             dist.all_gather_object(results, result)
             ctx.shutdown()  # every peer done before any gloo pair is torn down (no exit abort)
-    except BaseException:
+    except BaseException as exc:
         ctx.fail()
         if stretch is not None:
-            stretch.end("failed")
+            _end_stretch(stretch, "failed")
+        lost = _lost_peers(ctx, exc)
+        if lost is not None:
+            raise lost from exc
         raise
     finally:
         ctx.close()
@@ -346,6 +361,27 @@ def _run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     if ctx.rank != 0:
         return None
     return _finish(out, config, results, time.perf_counter() - start, echo)
+
+
+def _lost_peers(ctx: Any, exc: BaseException) -> PeerFailure | None:
+    """For a rank that fails under torchrun: its failure posted in the job's store; when it
+    was a lost connection, the one-line error naming the peers that were lost by host and
+    rank (those that never posted, :func:`~shmtrain.runtime.launch.failures.roll_call`), so
+    the survivor is not blamed; None otherwise (the error stands as it is)."""
+    cause = failures.short_cause(str(exc)) or first_line(exc)
+    lost_connection = isinstance(exc, Exception) and failures.connection_lost(str(exc))
+    try:
+        missing = failures.roll_call(ctx.store, ctx.rank, ctx.world_size, cause,
+                                     failures.ROLL_CALL_S if lost_connection else 0.0)
+    except Exception:  # noqa: BLE001 - the store is gone with host 0
+        if not lost_connection or ctx.node_rank == 0:
+            return None
+        return PeerFailure(f"host 0 ({os.environ.get('MASTER_ADDR')}), which holds the job's store, was lost "
+                           f"(killed, or it went down; see its output); worker rank {ctx.rank} (host "
+                           f"{ctx.node_rank}) only lost its connection to it ({cause})")
+    if not lost_connection or not missing:
+        return None
+    return PeerFailure(failures.lost_peers_message(ctx.rank, ctx.local_world, missing, cause))
 
 
 def _gather_survivors(ctx: Any, result: dict[str, Any]) -> list[dict[str, Any]]:

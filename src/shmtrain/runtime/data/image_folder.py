@@ -1,7 +1,8 @@
 """A folder of images, ``--data DIR`` (docs/data.md).
 
 The folder holds one sub-folder per class (``DIR/<class>/...``, any depth below it);
-:class:`torchvision.datasets.ImageFolder` lists the files (labels: the class folders in
+:class:`torchvision.datasets.ImageFolder` lists the files (a link to a folder anywhere
+below ``DIR`` is refused with its path, :func:`refuse_links`: none is followed) (labels: the class folders in
 sorted order) and nothing is decoded until a batch asks for it: each item is read by
 :func:`load_image` (every PIL mode scaled by its own value range, ``runtime/data/images.py``)
 in a DataLoader worker process (``runtime/data/loader.py``), then transformed.
@@ -31,6 +32,7 @@ Held out: ``--val-data DIR2`` (the same class folders), or else a share ``--val-
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -100,11 +102,64 @@ class _ValidFile:
         return True
 
 
-def _folder(path: str, flag: str, valid: _ValidFile, transform: Any) -> Any:
-    from torchvision.datasets import ImageFolder
+def refuse_links(root: str | Path, flag: str = "--data") -> None:
+    """ValueError naming the first link to a folder under ``root`` (``root`` itself may be
+    one): a walk never follows a link, which can lead out of the tree or back into it (a
+    loop such as ``ln -s .. train/b/loop`` lists every image again, under the wrong class,
+    until the path is too long). Links to files are read as files: they cannot loop."""
+    for top, dirs, _ in os.walk(root, followlinks=False):
+        for name in sorted(dirs):
+            link = Path(top) / name
+            if link.is_symlink():
+                raise ValueError(f"{flag} {str(root)!r}: {str(link)!r} is a link to a folder "
+                                 f"({os.readlink(link)!r}); folders behind links are not walked (one can "
+                                 "lead out of the tree or back into it, and list images twice or "
+                                 "endlessly); copy or move that folder in instead, or remove the link")
 
+
+#: sub-folder names of a data set's splits, which are not classes
+SPLIT_NAMES = ("train", "training", "val", "valid", "validation", "test", "testing")
+
+
+def refuse_split_folders(root: str | Path, flag: str = "--data") -> None:
+    """ValueError when ``root``'s sub-folders are a data set's splits (``train`` with
+    ``val``, ``valid`` or ``test``), not its classes: the run would learn "which split"."""
     try:
-        return ImageFolder(path, transform=transform, loader=load_image, is_valid_file=valid)
+        names = sorted(d.name for d in Path(root).iterdir() if d.is_dir())
+    except OSError:
+        return  # the folder's own check names what is wrong with it
+    if len(names) < 2 or not all(n.lower() in SPLIT_NAMES for n in names) or \
+            not any(n.lower() in ("train", "training") for n in names):
+        return
+    train = next(n for n in names if n.lower() in ("train", "training"))
+    held = next((n for n in names if n.lower() in ("val", "valid", "validation")), None)
+    held = held or next(n for n in names if n != train)
+    base = str(root).rstrip("/")
+    raise ValueError(f"{flag} {str(root)!r}: its sub-folders {names} are the data set's splits, not its "
+                     f"classes (each sub-folder of --data is one class); give the splits apart: "
+                     f"--data {base}/{train} --val-data {base}/{held}")
+
+
+def _image_folder_class() -> Any:
+    """torchvision's ImageFolder whose walk refuses links to folders (:func:`refuse_links`)."""
+    from torchvision.datasets import ImageFolder
+    from torchvision.datasets import folder as tv_folder
+
+    class LinkFreeImageFolder(ImageFolder):
+        @staticmethod
+        def make_dataset(directory: Any, class_to_idx: dict[str, int], extensions: Any = None,
+                         is_valid_file: Any = None, allow_empty: bool = False) -> list[tuple[str, int]]:
+            refuse_links(directory)  # then torchvision's walk meets no link to follow
+            return tv_folder.make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty)
+
+    return LinkFreeImageFolder
+
+
+def _folder(path: str, flag: str, valid: _ValidFile, transform: Any) -> Any:
+    refuse_split_folders(path, flag)
+    refuse_links(path, flag)
+    try:
+        return _image_folder_class()(path, transform=transform, loader=load_image, is_valid_file=valid)
     except (FileNotFoundError, OSError) as exc:
         raise ValueError(f"{flag} {path!r}: {exc}; put each class's images in its own sub-folder") from None
 
@@ -144,6 +199,8 @@ def check_folder(path: Path, skip_bad_files: bool = False, flag: str = "--data")
     if not path.is_dir():
         raise ValueError(f"{where}: no such folder; give digits, synthetic, or a folder with one "
                          "sub-folder of images per class")
+    refuse_split_folders(path, flag)
+    refuse_links(path, flag)  # before any walk: a link loop would never end
     classes = sorted(d for d in path.iterdir() if d.is_dir())
     if len(classes) < 2:
         raise ValueError(f"{where}: a folder of images needs one sub-folder per class, at least 2; "

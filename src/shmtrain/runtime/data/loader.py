@@ -32,6 +32,7 @@ import ctypes
 import functools
 import math
 import os
+import re
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -101,17 +102,25 @@ def _loader_process_init(parent: int, worker_id: int) -> None:
 
 
 def _plain_error(exc: Exception) -> Exception:
-    """A loader process's error as its last line (the DataLoader adds the traceback text,
-    which the worker's log keeps), of the same type when it takes one message."""
+    """A loader process's error as its last line, of the same type when it takes one
+    message, with ``where`` (``file:line`` of every frame of the loader process's
+    traceback, innermost last) for the launcher's line. Raised ``from`` the DataLoader's error, whose text
+    holds that whole traceback: the worker's log keeps it."""
     text = str(exc)
     if "Original Traceback" not in text:
         return exc
-    last = [line for line in text.strip().splitlines() if line.strip()][-1]
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1]
     message = last.split(": ", 1)[1] if ": " in last else last
     try:
-        return type(exc)(message)
+        plain = type(exc)(message)
     except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-        return RuntimeError(message)
+        plain = RuntimeError(message)
+    frames = [re.match(r'\s*File "(.+)", line (\d+)', line) for line in lines]
+    found = [f"{m.group(1)}:{m.group(2)}" for m in frames if m]
+    if found:
+        plain.where = found  # type: ignore[attr-defined]  # every frame, innermost last
+    return plain
 
 
 def _check_labels(batch: Any, classes: int, where: str) -> None:
@@ -168,7 +177,10 @@ class LoaderBatches:
         except StopIteration:  # pragma: no cover - the batch sampler is endless
             raise RuntimeError("the batch sampler ended") from None
         except Exception as exc:  # noqa: BLE001 - re-raised as its plain message
-            raise _plain_error(exc) from None
+            plain = _plain_error(exc)
+            if plain is exc:
+                raise
+            raise plain from exc
         _check_labels(batch, self.source.num_classes, self.source.name)
         return batch
 
@@ -212,7 +224,10 @@ class HeldOut:
                 _check_labels(batch, self.source.num_classes, self.source.name)
                 yield batch
         except Exception as exc:  # noqa: BLE001 - re-raised as its plain message
-            raise _plain_error(exc) from None
+            plain = _plain_error(exc)
+            if plain is exc:
+                raise
+            raise plain from exc
 
     def close(self) -> None:
         """End the persistent loader processes (idempotent)."""

@@ -40,6 +40,9 @@ class DataFacts:
     in_memory: bool = True
     #: one forward pass of a model on two real items (a task's data, runtime/tasks/data.py)
     probe: Any = None
+    #: what opening the data cost the launcher (its resident memory before and after): every
+    #: worker opens it too (a folder's file list, what a user's data set holds)
+    open_bytes: int = 0
 
 
 @dataclass

@@ -135,8 +135,19 @@ def read_image(file: Path, image_size: int) -> np.ndarray:
     return rgb.permute(1, 2, 0).numpy()
 
 
+#: training sets up to this size are shuffled with ``torch.randperm`` (8 bytes per sample per
+#: worker, 8 MiB at most); larger ones with a permutation computed per index, in O(1) memory
+#: (``runtime/data/permutation.py``), so neither memory nor start-up grows with the data set
+EAGER_LIMIT = 1 << 20
+
+
 class ShardSampler:
-    """Indices of this worker's batch at every global step (see module docstring)."""
+    """Indices of this worker's batch at every global step (see module docstring).
+
+    The permutation of an epoch is ``torch.randperm`` for at most :data:`EAGER_LIMIT`
+    samples (digits, synthetic and small data sets: the same batches as always), and
+    :func:`~shmtrain.runtime.data.permutation.permute` beyond: only this step's ``batch``
+    positions are mapped, whatever the size."""
 
     def __init__(self, size: int, batch: int, world: int, rank: int, seed: int) -> None:
         self.size, self.batch, self.world, self.rank, self.seed = size, batch, world, rank, seed
@@ -152,11 +163,16 @@ class ShardSampler:
 
     def indices(self, step: int) -> torch.Tensor:
         epoch, within = divmod(step, self.steps_per_epoch)
+        start = within * self.global_batch + self.rank * self.batch
+        if self.size > EAGER_LIMIT:
+            from shmtrain.runtime.data.permutation import permute
+
+            positions = np.arange(start, start + self.batch)
+            return permute(positions, self.size, self.seed * 1_000_003 + epoch)
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm = torch.randperm(self.size, generator=gen)
             self._epoch = epoch
-        start = within * self.global_batch + self.rank * self.batch
         return self._perm[start : start + self.batch]
 
 

@@ -3,8 +3,9 @@
 The spec names a callable in an importable module (the current directory is importable,
 as for ``--model``, ``models/user.py``), called with ``--data-args`` (``'k=v; k=v'``,
 Python literals). It returns a map-style :class:`torch.utils.data.Dataset` (``__getitem__``
-and ``__len__``), whose share ``--val-fraction`` (0.2, a permutation with seed 0) is held
-out, or a ``(train, val)`` pair of them. Each item is ``(x, label)``: ``x`` a floating-point
+and ``__len__``), whose share ``--val-fraction`` (0.2, a permutation with seed 0, computed
+per index: ``runtime/data/permutation.py``, so nothing per item is allocated) is held out,
+or a ``(train, val)`` pair of them. Each item is ``(x, label)``: ``x`` a floating-point
 tensor, every item of the same shape; ``label`` an ``int`` (or a 0-d integer tensor) in
 ``0 .. classes - 1``.
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from shmtrain.models.user import resolve_callable
+from shmtrain.runtime.data.permutation import PermutedRange
 from shmtrain.runtime.data.tensors import held_out
 from shmtrain.typed_options import parse_kwargs
 
@@ -70,10 +72,10 @@ def split_user_data(spec: str, result: Any, val_fraction: float | None) -> tuple
         if len(result) < 2:
             raise ValueError(f"--data {spec!r} returned a Dataset of {len(result)} item(s); at least 2 are "
                              "needed (one to train on, one held out)")
-        order = torch.randperm(len(result), generator=torch.Generator().manual_seed(0)).tolist()
-        test = held_out(len(result), val_fraction or 0.2)
-        train = torch.utils.data.Subset(result, order[test:])
-        val = torch.utils.data.Subset(result, order[:test])
+        size = len(result)
+        test = held_out(size, val_fraction or 0.2)  # a permutation computed per index: O(1) memory
+        train = torch.utils.data.Subset(result, PermutedRange(size, 0, test, size))
+        val = torch.utils.data.Subset(result, PermutedRange(size, 0, 0, test))
         for attr in ("classes", "class_to_idx", "num_classes"):  # the Subsets keep what it says
             if hasattr(result, attr):
                 setattr(train, attr, getattr(result, attr))

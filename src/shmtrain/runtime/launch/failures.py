@@ -4,6 +4,7 @@ exited, and where its log is (``runtime/launch/launcher.py``'s supervisor raises
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -35,6 +36,19 @@ class WorkerFailed(RuntimeError):
         self.zygote = False
 
 
+#: the exit status of a job one of whose ranks ended with status 0 while the others needed it
+EARLY_EXIT = 1
+
+
+def exit_status(code: int) -> int:
+    """The launcher's exit status for a worker that ended with ``code`` (as
+    :attr:`subprocess.Popen.returncode`): its own status; 128 + N when signal N killed it;
+    :data:`EARLY_EXIT` (1) for a status 0 that still failed the job (a rank that left early)."""
+    if code < 0:
+        return 128 - code
+    return code or EARLY_EXIT
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -56,6 +70,51 @@ def shm_note(code: int) -> str:
     return (f" (a SIGBUS in a worker means a shared-memory page could not be given, most often because "
             f"/dev/shm is full: {now}; free space there (df -h /dev/shm), use fewer workers or a "
             "smaller model, and leave out --force so the memory check can refuse such a run)")
+
+
+#: what gloo and the store say when the process at the other end is gone
+CONNECTION_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe",
+                   "connection refused", "socket closed")
+
+
+def connection_lost(cause: str) -> bool:
+    """Whether a worker's error says its peer's end of a connection went away."""
+    return any(words in cause.lower() for words in CONNECTION_LOST)
+
+
+#: seconds a rank that lost a connection waits for the other ranks to report their failure
+ROLL_CALL_S = 3.0
+
+
+def roll_call(store: Any, rank: int, world: int, cause: str, grace: float = ROLL_CALL_S) -> list[int]:
+    """Post this rank's failure (``failed/<rank>``) in the job's store and wait up to
+    ``grace`` seconds for every other rank to post its own (every rank that fails posts,
+    ``runtime/run.py``); the ranks that have not are returned: lost (killed, or their host
+    went down), since a rank that fails for a cause of its own says so."""
+    store.set(f"failed/{rank}", cause)
+    deadline = time.monotonic() + grace
+    while True:
+        missing = [r for r in range(world) if r != rank and not store.check([f"failed/{r}"])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.1)
+
+
+def short_cause(text: str) -> str:
+    """gloo's error without its source location and advice: ``Connection closed by peer
+    [127.0.0.1]:35229``."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
+    return text.split(". ", 1)[0]
+
+
+def lost_peers_message(rank: int, local_world: int, lost: list[int], cause: str) -> str:
+    """``worker rank 2 (host 1, local rank 0) was lost ...``: the peers a connection loss
+    came from, by host and rank, and the survivor's own account in brackets."""
+    names = ", ".join(f"worker rank {r} (host {r // local_world}, local rank {r % local_world})" for r in lost)
+    one = len(lost) == 1
+    return (f"{names} {'was' if one else 'were'} lost: {'it' if one else 'they'} stopped without reporting "
+            f"an error (killed, or the host went down; see that host's output); worker rank {rank} (host "
+            f"{rank // local_world}) only lost its connection to {'it' if one else 'them'} ({cause})")
 
 
 def first_cause(children: list[Any], bad: list[tuple[int, int]], lost: dict[int, int]) -> tuple[int, int]:
@@ -82,6 +141,9 @@ def root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any]
     peer = record.get("peer")
     if record.get("timeout") and peer is None and stuck:
         peer = stuck[0]
+    if peer is None and connection_lost(record.get("cause") or ""):
+        peer = next((r for r, c in enumerate(children) if r != rank and c.returncode is not None
+                     and r not in stuck), None)  # the one that had already ended: it closed the connection
     if peer is None or peer == rank or not 0 <= peer < len(children):
         failure = failure_of(children, rank, code, record, logs)
     elif record.get("timeout"):
@@ -89,6 +151,13 @@ def root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any]
         message = (f"worker rank {peer} (pid {children[peer].pid}) stalled: worker rank {rank} gave up "
                    f"waiting for it ({record.get('cause')}); the launcher ended it ({how})")
         failure = WorkerFailed(message + logs.where(peer), peer, children[peer].returncode or code)
+        failure.cause = record.get("cause")
+    elif children[peer].returncode == 0:  # it left the job early, without an error
+        message = (f"worker rank {peer} (pid {children[peer].pid}) left the job early: it ended with exit "
+                   f"status 0 (sys.exit(0), or its script returned) while worker rank {rank} still needed "
+                   f"it ({record.get('cause') or describe_exit(code)}); every rank must run the same "
+                   "steps (to end early, make all of them stop at the same step)")
+        failure = WorkerFailed(message + logs.where(peer), peer, 0)  # exit_status: EARLY_EXIT
         failure.cause = record.get("cause")
     else:
         peer_code = children[peer].returncode

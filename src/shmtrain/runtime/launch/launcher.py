@@ -7,7 +7,8 @@ by the launcher's zygote, which imported torch once (``runtime/launch/zygote.py`
 kernel: no port races) and creates the host's control block; when a worker dies it
 marks the failure there (waking every waiter), gives the others a moment to fail
 with an error naming it, then terminates them. Ctrl-C and errors end every child, and
-the run's shared-memory names are swept on every exit path. With ``graceful_stop``
+the run's shared-memory names are swept on every exit path, and what a worker started
+ends with it (its process group, the orphans it left: ``runtime/launch/reaping.py``). With ``graceful_stop``
 (``shmtrain train``), the first SIGINT or SIGTERM is relayed to the workers through the
 control block's stop word instead: they finish the iteration, save a checkpoint and
 return (``runtime/train/stop.py``); a second one ends them at once (SIGHUP too). With
@@ -42,10 +43,12 @@ import torch.distributed as dist
 
 from shmtrain.fabric.control import ControlBlock, process_state
 from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
+from shmtrain.runtime.launch import reaping
 from shmtrain.runtime.launch.failures import (
     WorkerFailed,
     describe_exit,
     error_record,
+    exit_status,
     first_cause,
     root_cause,
     shm_note,
@@ -219,7 +222,7 @@ class _Supervisor:
             time.sleep(0.05)
 
     def _failure(self, rank: int, code: int) -> WorkerFailed:
-        self.job.control.abort(rank, code if code > 0 else 128 - code)
+        self.job.control.abort(rank, exit_status(code))
         zygote = _dead_zygote(self.children)
         if zygote is not None:  # not the worker's doing: its log is empty
             failure = WorkerFailed(zygote, rank, code)
@@ -348,6 +351,8 @@ def _end(children: list[Any], grace: float, kill: bool = False) -> list[int]:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+        if isinstance(child, subprocess.Popen):  # the zygote does this for the workers it forked
+            reaping.kill_group(child.pid)
     return ended
 
 

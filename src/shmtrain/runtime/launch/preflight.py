@@ -2,9 +2,12 @@
 
 Everything that can be known without a worker is checked here, so a mistyped run fails
 in a second instead of after N workers have imported torch: the data source (shape,
-class count, a sample of its files readable), the batch size against the training set,
-the ``--out`` path, the worker count against the cores, and the memory the run needs
-against what is free in RAM and in /dev/shm (admission control). ``--force`` lets a run
+class count, a sample of its files readable, no link to a folder in a folder of images,
+no ``train``/``val`` split folders taken for classes), the batch size against the
+training set, the model's outputs against the data's classes (one forward pass on a zero
+batch, which the memory estimate uses too), the ``--out`` path, the worker count against
+the cores, and the memory the run needs against what is free in RAM and in /dev/shm
+(admission control). ``--force`` lets a run
 past the last two, which are estimates. Every message names the option, the value, the
 rule and a fix.
 """
@@ -13,11 +16,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.data.kinds import DataFacts
-from shmtrain.runtime.data.tensors import held_out
+from shmtrain.runtime.data.kinds import kind_of
+from shmtrain.runtime.data.sources import DataFacts
+from shmtrain.runtime.data.tensors import EAGER_LIMIT, held_out
 
 #: workers per core beyond which a run is refused without --force
 WORKERS_PER_CORE = 8
@@ -27,12 +32,28 @@ def check_data(config: TrainConfig) -> DataFacts:
     """The data source exists, has the right shape and classes, and a sample is readable
     (each data kind's ``Config.facts``: digits and synthetic are not loaded; a folder or
     module:callable is opened as the workers will; a task that reads its own items,
-    ``runtime/tasks/data.py``, opens them with its rules)."""
+    ``runtime/tasks/data.py``, opens them with its rules). Data opened here is measured:
+    what it cost the launcher, every worker pays too (``DataFacts.open_bytes``)."""
     from shmtrain.runtime.tasks.data import task_facts
 
-    if (facts := task_facts(config, DataFacts)) is not None:  # a task's own items (runtime/tasks/)
+    if kind_of(config.data).torchvision:
+        import torchvision  # noqa: F401 - imported by every worker anyway: not the data's cost
+    before = resident_bytes()
+    facts = task_facts(config, DataFacts)  # a task's own items (runtime/tasks/)
+    if facts is None:
+        facts = config.data_config.facts()
+    if facts.in_memory:  # tensors the memory check counts by their size
         return facts
-    return config.data_config.facts()
+    return replace(facts, open_bytes=max(0, resident_bytes() - before))
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``), 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def check_batch(config: TrainConfig, facts: DataFacts, workers: int) -> None:
@@ -70,20 +91,25 @@ def check_workers(config: TrainConfig) -> None:
         )
 
 
-def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple[int, int]:
-    """(private bytes for all workers, shared-memory bytes) the run needs, estimated.
+@dataclass(frozen=True)
+class ModelProbe:
+    """What one forward pass of the model on a zero batch of 2 tells the launcher."""
 
-    Per worker: weights, gradients, momentum (3 copies of the parameters), the data set
-    when it is held in memory (digits, synthetic), and the activations of one batch, measured by one forward pass at batch
-    2 and scaled to the batch (x2: what autograd saves, plus the gradients of the
-    activations while backward runs). Shared memory:
-    two gradient slot sets per worker (the allreduce's, the largest any strategy uses)."""
+    #: bytes of the parameters (float32)
+    param_bytes: int
+    #: bytes of every leaf module's output for that batch of 2
+    activation_bytes: int
+    #: the size of the output's last dimension (the class scores), None when it is not a 2-D tensor
+    outputs: int | None
+
+
+def probe_model(config: TrainConfig, facts: DataFacts) -> ModelProbe:
+    """Build the model once, as the workers will, and run it on a zero batch of 2."""
     import torch
 
     from shmtrain.models import build_model
 
     model = build_model(config.model, facts.input_shape, facts.num_classes, config.model_args)
-    params = sum(p.numel() for p in model.parameters()) * 4
     sizes: list[int] = []
 
     def record(_module, _inputs, output) -> None:
@@ -91,15 +117,52 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int) -> tuple
             sizes.append(output.numel() * output.element_size())
 
     hooks = [m.register_forward_hook(record) for m in model.modules() if not list(m.children())]
-    with torch.no_grad():
-        facts.probe(model) if facts.probe is not None else model(torch.zeros((2, *facts.input_shape)))
-    for hook in hooks:
-        hook.remove()
-    activations = sum(sizes) * config.batch_size // 2 * 2
+    try:
+        with torch.no_grad():  # a task's own items where it has them (runtime/tasks/data.py)
+            out = facts.probe(model) if facts.probe is not None else model(torch.zeros((2, *facts.input_shape)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = getattr(out, "logits", out)
+    if isinstance(out, tuple | list) and out:
+        out = out[0]
+    outputs = int(out.shape[-1]) if isinstance(out, torch.Tensor) and out.dim() == 2 else None
+    return ModelProbe(sum(p.numel() for p in model.parameters()) * 4, sum(sizes), outputs)
+
+
+def check_model_outputs(config: TrainConfig, facts: DataFacts, probe: ModelProbe) -> None:
+    """The model scores as many classes as the data has: fewer leave labels it cannot
+    predict (the loss fails in a worker), more train scores no label ever asks for."""
+    if probe.outputs is None or probe.outputs == facts.num_classes:
+        return
+    how = "too few" if probe.outputs < facts.num_classes else "too many"
+    raise ValueError(
+        f"--model {config.model}: it gives {probe.outputs} outputs per sample, but --data {config.data} has "
+        f"{facts.num_classes} classes ({how}); make its last layer give {facts.num_classes} (a model "
+        "callable that takes num_classes gets the data's count)"
+    )
+
+
+def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int,
+                   probe: ModelProbe | None = None) -> tuple[int, int]:
+    """(private bytes for all workers, shared-memory bytes) the run needs, estimated.
+
+    Per worker: weights, gradients, momentum (3 copies of the parameters), the data set
+    when it is held in memory (digits, synthetic), what opening the data cost the launcher
+    (:attr:`DataFacts.open_bytes`, once more for the launcher itself), the sharding
+    permutation (at most ``EAGER_LIMIT`` x 8 bytes), and the activations of one batch, measured by one forward pass at batch
+    2 and scaled to the batch (x2: what autograd saves, plus the gradients of the
+    activations while backward runs). Shared memory:
+    two gradient slot sets per worker (the allreduce's, the largest any strategy uses)."""
+    probe = probe or probe_model(config, facts)
+    params = probe.param_bytes
+    activations = probe.activation_bytes * config.batch_size // 2 * 2
     data = (facts.train_samples + held_out(facts.train_samples)) * 4 if facts.in_memory else 0
     for dim in facts.input_shape:  # decoded per batch (folders, module:callable): batches only
         data *= dim
-    private = workers * (3 * params + activations + data)
+    order = min(facts.train_samples, EAGER_LIMIT) * 8  # each worker's epoch permutation
+    # the launcher holds the opened data while the workers run, and each worker opens it too
+    private = workers * (3 * params + activations + data + order + facts.open_bytes) + facts.open_bytes
     shared = workers * 2 * params
     return private, shared
 
@@ -115,11 +178,11 @@ def available_bytes() -> tuple[int, int]:
     return available, shm
 
 
-def check_memory(config: TrainConfig, facts: DataFacts, workers: int) -> None:
+def check_memory(config: TrainConfig, facts: DataFacts, workers: int, probe: ModelProbe | None = None) -> None:
     """Admission control: refuse a run whose estimate exceeds what is free, unless --force."""
     if config.force:
         return
-    private, shared = estimate_bytes(config, facts, workers)
+    private, shared = estimate_bytes(config, facts, workers, probe)
     available, shm = available_bytes()
     gib = 1 << 30
     if private + shared > available:
@@ -145,5 +208,7 @@ def preflight(config: TrainConfig, out: Path, workers: int | None = None) -> Dat
     check_out(out)
     facts = check_data(config)
     check_batch(config, facts, workers)
-    check_memory(config, facts, workers)
+    probe = probe_model(config, facts)  # once, for both checks
+    check_model_outputs(config, facts, probe)
+    check_memory(config, facts, workers, probe)
     return facts

@@ -15,7 +15,9 @@ a terminal's Ctrl-C reaches the launcher, which passes it on to every worker onc
 exits 130 (SIGTERM: 143). Each worker's stderr goes to ``LOG_DIR/rank-<r>.log``
 (appended; each launch adds a header line), its stdout to the terminal. The first worker
 to fail is named with its cause or exit status and the last lines of its log; the others
-are stopped; the exit status is the failing worker's (128 + N for signal N).
+are stopped; the exit status is the failing worker's (128 + N for signal N; 1 for a worker
+that ended with status 0, ``sys.exit(0)`` mid-run, while the others still needed it: it is
+named as having left the job early, not the peers that noticed).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
                 log_dir: Path | None = None, verbose: bool = False, timeout: float = 120.0) -> int:
     """Run ``command`` (``[script, *args]``; or ``args`` of ``-m module``) on ``workers``
     local workers; return the exit status (see the module docstring)."""
+    from shmtrain.runtime.launch.failures import exit_status
     from shmtrain.runtime.launch.launcher import StopNow, WorkerFailed, describe_exit, launch
     from shmtrain.runtime.outputs.worker_logs import mark
 
@@ -79,7 +82,7 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
             print(f"the last lines of worker rank {exc.rank}'s log ({describe_exit(exc.returncode)}):",
                   file=sys.stderr)
             print("\n".join(f"  | {line}" for line in tail), file=sys.stderr)
-        return exc.returncode if exc.returncode > 0 else 128 - exc.returncode
+        return exit_status(exc.returncode)
     except StopNow as exc:
         how = "at once (a second signal)" if exc.first else "once every worker had ended"
         print(f"shmtrain run: stopped by {_signame(exc.signum)} {how}; their logs: {log_dir}", file=sys.stderr)
@@ -119,7 +122,8 @@ to LOG_DIR/rank-<r>.log (default shmtrain-logs/<script name>/; appended, each la
 headed by a '--- shmtrain run ...' line), and with --verbose to this terminal as well.
 Failures: the first worker to fail is named with its cause or exit status and the last
 lines of its log, and the others are stopped (SIGKILL of one worker too); the exit status
-is that worker's (an exception: 1; killed by signal N: 128 + N). Ctrl-C (or SIGTERM)
+is that worker's (an exception: 1; killed by signal N: 128 + N; a worker that left early
+with sys.exit(0) while the others needed it: 1). Ctrl-C (or SIGTERM)
 is passed on to every worker once, they have 30 s to end (e.g. save a checkpoint), then
 are killed; the exit status is 130 (SIGTERM: 143); Ctrl-C again kills them at once.
 """
@@ -141,7 +145,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where each worker's stderr goes, as rank-<r>.log (default shmtrain-logs/<script name>)")
     p.add_argument("--verbose", action="store_true", help="copy the workers' stderr to this terminal too")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                   help="seconds the workers wait for the launcher's store (default 120)")
+                   help="seconds the workers wait for the launcher's store, and shmtrain.DataParallel "
+                        "for a peer (SHMTRAIN_TIMEOUT; default 120)")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ARGS",
                    help="run a module as python -m does (what follows is its arguments)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS",

@@ -51,11 +51,38 @@ def _says_it_all(exc: BaseException) -> bool:
     return isinstance(exc, (*_plain_errors(), OutputError, ValueError)) and bool(str(exc))
 
 
+#: paths of code that is not the user's: torch's and shmtrain's own
+_NOT_USERS = (os.sep + "torch" + os.sep, os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep)
+
+
+def _users(location: str) -> bool:
+    return not any(part in location for part in _NOT_USERS)
+
+
+def where(exc: BaseException) -> tuple[str | None, bool]:
+    """(``file:line`` of the last frame of ``exc``'s traceback in the user's code, else
+    its last frame; whether the error was raised there, in the user's code). A loader
+    process's error carries it as ``where`` (``runtime/data/loader.py``: its traceback
+    is text)."""
+    locations = getattr(exc, "where", None) or [
+        f"{f.filename}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)]
+    if isinstance(locations, str):
+        locations = [locations]
+    if not locations:
+        return None, False
+    theirs = [loc for loc in locations if _users(loc)]
+    return (theirs or locations)[-1], _users(locations[-1])
+
+
 def _report(ctx, exc: BaseException) -> None:
-    """One line for the launcher: the cause, and the peer waited for when it timed out."""
+    """One line for the launcher: the cause (with the last frame of an error that is not
+    shmtrain's own one-line kind), and the peer waited for when it timed out."""
     from shmtrain.fabric.control import PeerTimeout
 
     cause = str(exc) if _says_it_all(exc) else f"{type(exc).__name__}: {exc}"
+    location, raised_by_user = where(exc)
+    if location and (raised_by_user or not _says_it_all(exc)):
+        cause += f" (at {location}; the traceback is in this rank's log)"
     record = {"cause": " ".join(cause.split()), "peer": getattr(exc, "peer", None),
               # gloo's own timeouts are RuntimeErrors that say so
               "timeout": isinstance(exc, PeerTimeout | TimeoutError) or "timed out" in cause.lower()}

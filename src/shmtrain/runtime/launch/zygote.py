@@ -18,6 +18,12 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (one message per datagram):
 - zygote -> launcher: ``{"pid"}`` for each fork, ``{"exit": pid, "code"}`` when a worker
   ends (``code`` as :attr:`subprocess.Popen.returncode`: negative for a signal).
 
+What a worker starts ends with it: the zygote kills a worker's process group when it
+ends (a ``shmtrain run`` script's worker leads its own) and, as the subreaper of every
+worker's descendants (``PR_SET_CHILD_SUBREAPER``), kills the orphans they left once no
+worker is live (the children of a ``shmtrain train`` worker, a daemonized fork): none
+keeps the launcher's stdout open (``shmtrain run ... | tail`` ends with the run).
+
 The zygote is started on a process's first :func:`spawn` and lives as long as that
 process (it dies with it: ``PR_SET_PDEATHSIG``; and the launcher closes it at exit). It
 ignores SIGINT: Ctrl-C is for the workers and the launcher. ``SHMTRAIN_ZYGOTE=0`` starts
@@ -40,7 +46,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+from shmtrain.runtime.launch import reaping
+
+_PR_SET_PDEATHSIG, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 15, 36
 _MAX_FDS = 8
 #: seconds the zygote may take to import torch (a busy machine takes tens)
 START_S = 120.0
@@ -70,7 +78,8 @@ def _prctl(option: int, value: Any) -> None:
 
 def _serve(sock: socket.socket) -> None:
     """Fork a worker per request; report forks and exits; return when the launcher has
-    closed its end and every worker has ended."""
+    closed its end and every worker has ended. What a worker started is ended with it
+    (:func:`shmtrain.runtime.launch.reaping.reap`)."""
     live: set[int] = set()
     open_ = True
     while open_ or live:
@@ -88,17 +97,8 @@ def _serve(sock: socket.socket) -> None:
                 pid = _fork(sock, request, fds)
                 live.add(pid)
                 _send(sock, {"pid": pid})
-        while live:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                live.clear()
-                break
-            if pid == 0:
-                break
-            live.discard(pid)
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            _send(sock, {"exit": pid, "code": code})
+        reaping.reap(live, lambda pid, code: _send(sock, {"exit": pid, "code": code}))
+    reaping.kill_children()
 
 
 def preload_workers(extra: str = "", data: bool = True) -> None:
@@ -195,6 +195,7 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
 def main() -> int:
     """``python -m shmtrain.runtime.launch.zygote FD``: serve the launcher on socket ``FD``."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a dead worker's children come here, not to init
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the launcher's fork
     sock = socket.socket(fileno=int(sys.argv[1]))
@@ -423,12 +424,23 @@ def pid() -> int | None:
 
 
 def shutdown() -> None:
-    """End this process's zygote (after its workers): at exit, or when asked."""
+    """End this process's zygote (after its workers): at exit, or when asked. A Ctrl-C
+    meanwhile (the third of a stop, typed while the launcher exits) is ignored, or kills
+    the zygote at once: no traceback from an exit handler."""
     global _ZYGOTE
     with _ZYGOTE_LOCK:
-        if _ZYGOTE is not None:
-            _ZYGOTE.close()
-            _ZYGOTE = None
+        zygote, _ZYGOTE = _ZYGOTE, None
+        if zygote is None:
+            return
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            zygote.close()
+        except KeyboardInterrupt:  # came before SIGINT was ignored
+            zygote.process.kill()
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
 if __name__ == "__main__":

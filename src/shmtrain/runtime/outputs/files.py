@@ -58,7 +58,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 class LineLog:
     """A file of whole lines, appended with one ``write`` per line on an ``O_APPEND``
     descriptor: a reader, a kill or another writer never sees part of a line (a text
-    file's buffer would flush wherever it fills). The part of :class:`typing.TextIO` the
+    file's buffer would flush wherever it fills), and a full disk never leaves one: the
+    file is cut back to the line's start (one writer per file: a rank's metrics). The part of :class:`typing.TextIO` the
     training loop uses: ``write``, ``flush``, ``close``."""
 
     def __init__(self, path: Path, *, truncate: bool = False) -> None:
@@ -76,10 +77,25 @@ class LineLog:
             cut = self._pending.rindex("\n") + 1
             lines, self._pending = self._pending[:cut], self._pending[cut:]
             for line in lines.splitlines(keepends=True):
-                data = line.encode()
-                while data:  # a short write (a signal) must not split the line's bytes apart
-                    data = data[os.write(self._fd, data):]
+                self._append(line.encode())
         return len(text)
+
+    def _append(self, data: bytes) -> None:
+        """One whole line, or none: a write that fails part-way (a full disk) is cut back
+        to where the line began, and :class:`OutputError` names the file and the space."""
+        assert self._fd is not None
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        left = data
+        try:
+            while left:  # a short write (a signal) must not split the line's bytes apart
+                left = left[os.write(self._fd, left):]
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, start)  # shrinking a file needs no free space
+            except OSError:
+                pass
+            raise OutputError(f"{cannot_write(self.path, exc, len(data))}; the row was not written "
+                              "(the rows before it are whole); free space there or give another --out") from None
 
     def flush(self) -> None:
         """Lines are written as they complete; nothing is held but an unfinished one."""
@@ -95,12 +111,19 @@ def megabytes(n: int) -> str:
 
 
 def space_note(path: Path, needed: int) -> str:
-    """``"it needs 12.3 MB; 0.8 MB are free there"`` (what is known of the two)."""
+    """``"it needs 12.3 MB; 0.8 MB are free there"`` (what is known of the two); when more is
+    free by now than it needed, what took the space."""
     try:
         free = shutil.disk_usage(path.parent if path.parent.exists() else Path.cwd()).free
     except OSError:
         return f"it needs {megabytes(needed)}"
-    return f"it needs {megabytes(needed)}; {megabytes(free)} are free there"
+    if free < needed:
+        return f"it needs {megabytes(needed)}; {megabytes(free)} are free there"
+    # more is free now than it needed: the space went to writes at the same moment (other
+    # ranks' files), freed since they failed too; the figure alone would read as room
+    return (f"it needs {megabytes(needed)}, more than was free when it was written; {megabytes(free)} are "
+            "free there now that the failed writes are gone (other ranks write at the same time: "
+            "leave room for all of them)")
 
 
 def cannot_write(path: Path, exc: OSError, needed: int | None) -> str:
