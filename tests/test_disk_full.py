@@ -121,7 +121,7 @@ def test_more_free_than_needed_does_not_read_as_room(tmp_path: Path, monkeypatch
 def test_a_full_disk_behind_a_failed_worker_keeps_the_workers_report(tmp_path: Path, monkeypatch) -> None:
     """Recording the failed stretch (stretches.json) on the same full disk must not replace
     the worker's failure, which names the rank and its log."""
-    from shmtrain.runtime import run
+    from shmtrain.runtime import run, run_end
     from shmtrain.runtime.config import TrainConfig
     from shmtrain.runtime.launch.failures import WorkerFailed
     from shmtrain.runtime.outputs import stretches
@@ -138,7 +138,7 @@ def test_a_full_disk_behind_a_failed_worker_keeps_the_workers_report(tmp_path: P
     monkeypatch.setattr(run, "launch", launch)
     monkeypatch.setattr(stretches, "write_output", full)
     warned: list[str] = []
-    monkeypatch.setattr(run, "_warn", warned.append)
+    monkeypatch.setattr(run_end, "warn", warned.append)
     with pytest.raises(WorkerFailed) as info:
         run._run_local(TrainConfig(workers=2), tmp_path / "run", lambda *_: None, False)
     assert info.value is failure and "rank-1.log" in str(info.value)

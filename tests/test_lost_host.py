@@ -30,7 +30,7 @@ def test_the_roll_call_names_the_ranks_that_never_reported_by_host(monkeypatch) 
 
     import torch.distributed as dist
 
-    from shmtrain.runtime import run
+    from shmtrain.runtime import torchrun_job
     from shmtrain.runtime.launch import failures
 
     monkeypatch.setattr(failures, "ROLL_CALL_S", 0.5)  # how long rank 2 is waited for
@@ -41,12 +41,12 @@ def test_the_roll_call_names_the_ranks_that_never_reported_by_host(monkeypatch) 
     gloo = RuntimeError("[/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:35229. This is "
                         "typically caused by a remote worker crashing. GLHF!")
     store.set("failed/3", "stopped by SIGTERM")  # host 1's survivor, ended by its agent
-    lost = run._lost_peers(ctx, gloo)
+    lost = torchrun_job.lost_peers(ctx, gloo)
     assert str(lost) == ("worker rank 2 (host 1, local rank 0) was lost: it stopped without reporting an error "
                          "(killed, or the host went down; see that host's output); worker rank 0 (host 0) only "
                          "lost its connection to it (Connection closed by peer [127.0.0.1]:35229)")
     assert store.get("failed/0") == b"Connection closed by peer [127.0.0.1]:35229"
-    assert run._lost_peers(ctx, ValueError("a cause of its own")) is None  # posted, and stands as it is
+    assert torchrun_job.lost_peers(ctx, ValueError("a cause of its own")) is None  # posted, and stands as it is
 
 
 @pytest.mark.slow  # two torchrun hosts start: over 30 s on a busy machine

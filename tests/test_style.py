@@ -43,7 +43,7 @@ def test_no_internal_issue_numbers_in_code_or_docs() -> None:
     """Code and docs speak of what a thing does, not of the tracker's numbers."""
     import re
 
-    pattern = re.compile(r"\b[Ii]ssues? #?\d+")
+    pattern = re.compile(r"\b[Ii]ssues? (#?\d+|items? \d)")
     found = []
     for folder in ("src", "docs", "examples", "tests"):
         for path in sorted((ROOT / folder).rglob("*")):

@@ -15,7 +15,7 @@ learning-rate scheduler, iterations done = the data position, every RNG state), 
         step-<N>.corrupt/      found damaged by a resume and moved aside (kept for inspection)
         latest                 "step-<N>": the newest complete checkpoint (written atomically)
 
-Writing (issue item 1): each rank writes ``rank-<r>.pt.part`` inside ``step-<N>.tmp``,
+Writing: each rank writes ``rank-<r>.pt.part`` inside ``step-<N>.tmp``,
 fsyncs it and renames it to ``rank-<r>.pt``, then records its size and CRC-32 in the
 job's store and counts itself in (``store.add``). The rank whose count completes the
 set, whichever it is, finishes the checkpoint: ``meta.json`` and ``config.toml``
@@ -30,7 +30,7 @@ a rank's loop ends (target reached, termination alignment, or an agreed stop), t
 name the first finisher proposes (``store.compare_set``), so ranks of an asynchronous
 strategy that end at different iterations still fill one folder.
 
-Reading (issue items 2, 4, 7): :func:`resume_point` returns the newest complete checkpoint
+Reading: :func:`resume_point` returns the newest complete checkpoint
 whose files all have the recorded size and CRC-32; a damaged one is named, moved aside
 to ``step-<N>.corrupt`` and the previous complete one is used, with a warning.
 :func:`check_compatible` refuses a configuration other than the checkpoint's, naming

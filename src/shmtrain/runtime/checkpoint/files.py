@@ -189,7 +189,7 @@ def resume_point(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
 
     A damaged one (``meta.json`` or a rank's file missing, truncated, or with another
     CRC-32) is named in a warning, moved aside to ``step-<N>.corrupt``, and the previous
-    complete one is tried (issue item 7); ``latest`` is rewritten to the one returned.
+    complete one is tried; ``latest`` is rewritten to the one returned.
     """
     for path in reversed(complete_checkpoints(run_dir)):
         try:

@@ -1,4 +1,4 @@
-"""Stops that save (issue item 3): Ctrl-C or SIGTERM ends a run with a checkpoint.
+"""Stops that save: Ctrl-C or SIGTERM ends a run with a checkpoint.
 
 **Request.** A worker's first SIGINT or SIGTERM does not interrupt it: the handler
 records the signal and sets the host's stop word in the control block
