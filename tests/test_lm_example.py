@@ -93,6 +93,12 @@ def test_the_lm_example_equals_a_plain_loop(tmp_path: Path, at_root: None) -> No
     assert relative_error(weights, ref_weights) < 5e-5
     assert perplexity == pytest.approx(ref_perplexity, rel=1e-5)
     assert perplexity < 200  # it learned something in 12 steps (256: knows nothing)
+    # shmtrain evaluate on the run: the task's metric of its model.pt, as the run reported it
+    from shmtrain.runtime.evaluate import evaluate
+
+    result = evaluate(str(tmp_path / "lm"), {})
+    assert result["task"] == "language-model" and result["metric"] == "perplexity"
+    assert result["perplexity"] == pytest.approx(perplexity, rel=1e-6)
 
 
 @pytest.mark.slow  # the example's own model, 60 files (minutes on 2 cores)

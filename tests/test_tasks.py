@@ -62,6 +62,10 @@ def test_regression_and_a_dict_batch_equal_a_plain_loop_under_ssgd(tmp_path: Pat
     summary = json.loads((tmp_path / "pairs" / "summary.json").read_text())
     assert summary["task"] == "regression" and summary["metric"] == "rmse" and summary["accuracy"] is None
     assert summary["rmse"] == pytest.approx(summary["metrics"]["loss"] ** 0.5)
+    # shmtrain evaluate on the run gives the task's metric of its model.pt, as the run reported it
+    assert main(["evaluate", str(tmp_path / "pairs"), "--out", str(tmp_path / "pairs-eval.json")]) == 0
+    evaluated = json.loads((tmp_path / "pairs-eval.json").read_text())
+    assert evaluated["task"] == "regression" and evaluated["rmse"] == pytest.approx(summary["rmse"], rel=1e-6)
     # dict items {"a", "b", "target"}: the model is called as model(a=..., b=...)
     torch.manual_seed(SEED)
     reference = plain_loop(dict_regression(), TwoInputs(1), lambda m, b: (m(a=b["a"], b=b["b"]), b["target"]))
