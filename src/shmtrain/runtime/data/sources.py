@@ -76,6 +76,17 @@ class DataSource:
                          in_memory=self.tensors is not None)
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``), 0 where it cannot be read."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def from_tensors(data: Dataset, classes: dict[str, int]) -> DataSource:
     """A :class:`DataSource` of tensors in memory (batched by slicing, no loader processes)."""
     from torch.utils.data import TensorDataset

@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.data.kinds import kind_of
-from shmtrain.runtime.data.sources import DataFacts
+from shmtrain.runtime.data.sources import DataFacts, resident_bytes
 from shmtrain.runtime.data.tensors import EAGER_LIMIT, held_out
 
 #: workers per core beyond which a run is refused without --force
@@ -36,24 +35,11 @@ def check_data(config: TrainConfig) -> DataFacts:
     what it cost the launcher, every worker pays too (``DataFacts.open_bytes``)."""
     from shmtrain.runtime.tasks.data import task_facts
 
-    if kind_of(config.data).torchvision:
-        import torchvision  # noqa: F401 - imported by every worker anyway: not the data's cost
     before = resident_bytes()
     facts = task_facts(config, DataFacts)  # a task's own items (runtime/tasks/)
     if facts is None:
-        facts = config.data_config.facts()
-    if facts.in_memory:  # tensors the memory check counts by their size
-        return facts
+        return config.data_config.facts()  # the kind measures what opening it costs
     return replace(facts, open_bytes=max(0, resident_bytes() - before))
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (``/proc/self/statm``), 0 where it cannot be read."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def check_batch(config: TrainConfig, facts: DataFacts, workers: int) -> None:

@@ -10,10 +10,10 @@ whether its workers need torchvision, and how its ``Config`` opens the data
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from shmtrain.runtime.data.sources import DataFacts, DataSource
+from shmtrain.runtime.data.sources import DataFacts, DataSource, resident_bytes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,8 +28,15 @@ class DataConfig:
         raise NotImplementedError
 
     def facts(self) -> DataFacts:
-        """The data's size, input shape and classes, checked before any worker starts."""
-        return self.build().facts()
+        """The data's size, input shape and classes, checked before any worker starts: the
+        data is opened as a worker opens it, and what that cost this process (its resident
+        memory while the data is open) is ``open_bytes``, which every worker pays too."""
+        before = resident_bytes()
+        source = self.build()
+        facts = source.facts()
+        if facts.in_memory:  # tensors: the memory check counts them by their size
+            return facts
+        return replace(facts, open_bytes=max(0, resident_bytes() - before))
 
 
 class DataKind:

@@ -43,12 +43,14 @@ class Folder(DataKind):
                               classes, skipped)
 
         def facts(self) -> DataFacts:
+            import torchvision  # noqa: F401 - every worker imports it anyway: not the data's cost
+
             from shmtrain.runtime.data.image_folder import check_folder
 
             for flag, folder in (("--data", self.data), ("--val-data", self.val_data)):
                 if folder is not None:
                     check_folder(Path(folder), self.skip_bad_files, flag)
-            return self.build().facts()
+            return DataConfig.facts(self)
 
     @classmethod
     def matches(cls, data: str) -> bool:
