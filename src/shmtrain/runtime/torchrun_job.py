@@ -60,10 +60,12 @@ def run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
             dist.all_gather_object(results, result)
             ctx.shutdown()  # every peer done before any gloo pair is torn down (no exit abort)
     except BaseException as exc:
+        # the roll call first: this host's other workers end as soon as this rank's failure is
+        # posted, and torchrun then stops this rank before it could name the lost host
+        lost = lost_peers(ctx, exc)
         ctx.fail()
         if stretch is not None:
             end_stretch(stretch, "failed")
-        lost = lost_peers(ctx, exc)
         if lost is not None:
             raise lost from exc
         raise
