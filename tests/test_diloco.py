@@ -179,7 +179,8 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 def _data(steps: int, peers: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(steps, peers, BATCH, IN, generator=gen), torch.randint(0, OUT, (steps, peers, BATCH), generator=gen)
+    return (torch.randn(steps, peers, BATCH, IN, generator=gen),
+            torch.randint(0, OUT, (steps, peers, BATCH), generator=gen))
 
 
 def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, hosts: int = 1, *,

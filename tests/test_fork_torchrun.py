@@ -20,7 +20,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PROBE = """\
 import json, os, signal, sys
 import probe_helper  # a sibling module, found as `python probe.py` finds it
-loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.launch.worker", "shmtrain.strategies")}
+loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.launch.worker",
+"shmtrain.strategies")}
 signals = [signal.getsignal(signal.SIGINT) is signal.default_int_handler,
            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGHUP) == signal.SIG_DFL]
 import pytest
