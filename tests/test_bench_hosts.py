@@ -28,7 +28,7 @@ def _namespaces() -> set[str]:
 
 
 @pytest.mark.parametrize("methods", [
-    ["ssgd"],  # the memory server across namespaced hosts: tests/test_netns.py
+    pytest.param(["ssgd"], marks=pytest.mark.slow),  # ~30 s of CPU; the rows' sums by default below
     pytest.param(None, marks=pytest.mark.slow),  # every default method, ddp included (~50 s)
 ])
 def test_quick_bench_gives_every_method_a_time_to_accuracy(tmp_path: Path, methods: list[str] | None) -> None:

@@ -485,6 +485,7 @@ def test_the_options_are_flags_and_toml_keys(tmp_path) -> None:
 
 
 # -- two hosts (two torchrun launches on this machine) -----------------------------------
+@pytest.mark.slow  # ~95 s of CPU; the two-host hierarchical path runs by default in test_backend
 @pytest.mark.timeout(420)
 def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
     """Real processes: streaming diloco with overlap on 2 hosts x 2 (the pseudo-gradients

@@ -164,6 +164,7 @@ def straight(tmp_path_factory, shapes: list[str]) -> Path:
     return ckpt
 
 
+@pytest.mark.slow  # ~100 s of CPU; test_checkpoint's Ctrl-C resume runs by default
 def test_ctrl_c_saves_and_the_same_command_resumes_to_the_straight_runs_weights(straight: Path, shapes: list[str],
                                                                                  tmp_path: Path) -> None:
     ckpt = tmp_path / "ddp.pt"
