@@ -172,9 +172,10 @@ def test_every_grid_point_of_the_diloco_methods_is_a_valid_train_command() -> No
     assert hosts.SETTINGS["mlp-100mbit"]["rate"] == "100mbit" and hosts.SETTINGS["resnet18-1gbit"]["rate"] == "1gbit"
 
 
-@pytest.mark.parametrize("strategy", [["seasgd"], ["hsgd", "--groups", "2", "--group-size", "1"],
-                                      ["diloco", "--sync-every", "4"],
-                                      ["diloco", "--inner", "host-sync", "--sync-every", "4"]])
+@pytest.mark.parametrize("strategy", [  # ~12-18 s each: W_g (seasgd) and θ (the hybrid) by default
+    ["seasgd"], pytest.param(["hsgd", "--groups", "2", "--group-size", "1"], marks=pytest.mark.slow),
+    pytest.param(["diloco", "--sync-every", "4"], marks=pytest.mark.slow),
+    ["diloco", "--inner", "host-sync", "--sync-every", "4"]])
 def test_rank_0_evaluates_the_job_model_of_every_asynchronous_or_hybrid_method(tmp_path: Path,
                                                                              strategy: list[str]) -> None:
     """The curve of bench hosts is the job's model (W_g, DiLoCo's θ^(t)), not rank 0's
