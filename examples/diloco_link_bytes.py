@@ -4,7 +4,8 @@ Two network namespaces joined by a veth pair (``shmtrain.bench.hosts.two_hosts``
 torchrun launch of 2 workers in each; the veth pair's byte counters (``ip -s link``,
 both directions) are read before and after every run. ``floor`` (diloco with no outer
 step in the run: the rendezvous, rank 0's weights broadcast to every worker, the
-end-of-run gathers, which every method pays once) is subtracted from the others. Needs root and iproute2. Run from the checkout::
+end-of-run gathers, which every method pays once) is subtracted from the others. Needs root and iproute2. Run from the
+checkout::
 
     sudo python examples/diloco_link_bytes.py --iterations 60 --json link_bytes.json
 """

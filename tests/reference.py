@@ -30,7 +30,9 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def single_process_sgd(steps: int, batch: int, world: int, lr=0.1, momentum=0.9, weight_decay=1e-3) -> list[torch.Tensor]:
+def single_process_sgd(
+    steps: int, batch: int, world: int, lr=0.1, momentum=0.9, weight_decay=1e-3
+) -> list[torch.Tensor]:
     """Weights after every step of plain SGD on the union of the workers' batches."""
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -38,7 +40,10 @@ def single_process_sgd(steps: int, batch: int, world: int, lr=0.1, momentum=0.9,
     loss_fn = nn.CrossEntropyLoss()
     history = []
     for step in range(steps):
-        xs, ys = x[step * batch * world : (step + 1) * batch * world], y[step * batch * world : (step + 1) * batch * world]
+        xs, ys = (
+            x[step * batch * world : (step + 1) * batch * world],
+            y[step * batch * world : (step + 1) * batch * world],
+        )
         opt.zero_grad()
         loss_fn(model(xs), ys).backward()
         opt.step()
@@ -50,8 +55,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def ddp_step(model: nn.Module, opt: torch.optim.Optimizer, xs: torch.Tensor, ys: torch.Tensor,
-             clip: float | None = None) -> bool:
+def ddp_step(
+    model: nn.Module, opt: torch.optim.Optimizer, xs: torch.Tensor, ys: torch.Tensor, clip: float | None = None
+) -> bool:
     """One step of a plain DDP loop (zero_grad, forward, backward, clip_grad_norm_, step);
     whether the clip bit (the gradient's norm was above ``clip``)."""
     opt.zero_grad()

@@ -128,6 +128,7 @@ def test_fp16_is_refused_where_the_update_cannot_take_a_scaler() -> None:
         Trainer(_Plain(nn.Linear(2, 2)), nn.CrossEntropyLoss(), PhaseTimer(), amp="fp16")
 
 
+@pytest.mark.slow  # ~60 s of CPU: 10 epochs twice; bf16's exactness runs by default
 def test_bf16_trains_to_within_one_point_of_float32(tmp_path: Path) -> None:
     accuracy = {}
     for amp in ("none", "bf16"):

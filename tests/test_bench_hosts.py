@@ -28,7 +28,7 @@ def _namespaces() -> set[str]:
 
 
 @pytest.mark.parametrize("methods", [
-    ["ssgd"],  # the memory server across namespaced hosts: tests/test_netns.py
+    pytest.param(["ssgd"], marks=pytest.mark.slow),  # ~30 s of CPU; the rows' sums by default below
     pytest.param(None, marks=pytest.mark.slow),  # every default method, ddp included (~50 s)
 ])
 def test_quick_bench_gives_every_method_a_time_to_accuracy(tmp_path: Path, methods: list[str] | None) -> None:
@@ -89,7 +89,8 @@ def test_a_row_gives_per_host_iterations_startups_link_bytes_and_the_global_curv
     from shmtrain.bench.hosts_rows import summarize
 
     start = 1000.0
-    ranks = {0: [(1003.0, 1), (1003.1, 2), (1003.2, 3), (1003.3, 4)], 1: [(1003.05, 1), (1003.2, 2), (1003.3, 3), (1003.4, 4)],
+    ranks = {0: [(1003.0, 1), (1003.1, 2), (1003.2, 3), (1003.3, 4)],
+             1: [(1003.05, 1), (1003.2, 2), (1003.3, 3), (1003.4, 4)],
              2: [(1004.0, 1), (1004.5, 2)], 3: [(1004.2, 1), (1004.6, 2)]}  # host b: later, fewer
     evals = [{"iteration": 2, "accuracy": 0.4, "t0": 1003.15, "weights": "global"},
              {"iteration": 4, "accuracy": 0.8, "t0": 1003.35, "weights": "global"}]
@@ -112,13 +113,15 @@ def test_rounds_give_medians_and_the_grid_point_that_reached_the_target_soonest(
         return {"time_to_target_s": t, "train_time_to_target_s": t, "best_accuracy": best, "final_accuracy": best,
                 "iterations": 10, "iterations_per_host": [10, 4], "startup_per_host_s": startups, "link_mb": 2.0}
 
-    row = combine("diloco", [run(9.0, 0.9, [3, 4]), run(7.0, 0.92, [2, 5]), run(8.0, 0.91, [4, 3])], {"grid_point": {"lr": 0.05}})
+    row = combine("diloco", [run(9.0, 0.9, [3, 4]), run(7.0, 0.92, [2, 5]), run(8.0, 0.91, [4, 3])],
+                  {"grid_point": {"lr": 0.05}})
     assert row["time_to_target_s"] == 8.0 and row["time_to_target_range_s"] == [7.0, 9.0] and row["reached"] == 3
     assert row["startup_per_host_s"] == [3, 4] and row["iterations_per_host"] == [10, 4]
     assert row["grid_point"] == {"lr": 0.05} and row["best_accuracy"] == 0.91
     missed = combine("hsgd", [run(9.0, 0.9, [3, 4]), run(None, 0.7, [3, 4])])
     assert missed["time_to_target_s"] is None and missed["reached"] == 1  # a median only when every round reached it
-    trials = [({"lr": 0.02}, run(None, 0.85, [])), ({"lr": 0.05}, run(12.0, 0.9, [])), ({"lr": 0.1}, run(10.0, 0.9, []))]
+    trials = [({"lr": 0.02}, run(None, 0.85, [])), ({"lr": 0.05}, run(12.0, 0.9, [])),
+              ({"lr": 0.1}, run(10.0, 0.9, []))]
     assert pick(trials) == {"lr": 0.1}
     assert pick([({"lr": 0.02}, run(None, 0.6, [])), ({"lr": 0.1}, run(None, 0.7, []))]) == {"lr": 0.1}
     assert [rotated(["a", "b", "c"], r) for r in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
@@ -169,9 +172,10 @@ def test_every_grid_point_of_the_diloco_methods_is_a_valid_train_command() -> No
     assert hosts.SETTINGS["mlp-100mbit"]["rate"] == "100mbit" and hosts.SETTINGS["resnet18-1gbit"]["rate"] == "1gbit"
 
 
-@pytest.mark.parametrize("strategy", [["seasgd"], ["hsgd", "--groups", "2", "--group-size", "1"],
-                                      ["diloco", "--sync-every", "4"],
-                                      ["diloco", "--inner", "host-sync", "--sync-every", "4"]])
+@pytest.mark.parametrize("strategy", [  # ~12-18 s each: W_g (seasgd) and θ (the hybrid) by default
+    ["seasgd"], pytest.param(["hsgd", "--groups", "2", "--group-size", "1"], marks=pytest.mark.slow),
+    pytest.param(["diloco", "--sync-every", "4"], marks=pytest.mark.slow),
+    ["diloco", "--inner", "host-sync", "--sync-every", "4"]])
 def test_rank_0_evaluates_the_job_model_of_every_asynchronous_or_hybrid_method(tmp_path: Path,
                                                                              strategy: list[str]) -> None:
     """The curve of bench hosts is the job's model (W_g, DiLoCo's θ^(t)), not rank 0's

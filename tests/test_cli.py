@@ -20,6 +20,7 @@ def shmtrain(*args: str, timeout: float = 170) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
+@pytest.mark.slow  # ~23 s of CPU; ssgd equals one process in test_ssgd by default
 def test_single_with_4b_equals_ssgd_with_4_workers_of_b(tmp_path: Path) -> None:
     common = ["--iterations", "12", "--seed", "7", "--lr", "0.05"]
     one = shmtrain("train", "--strategy", "single", "--workers", "1", "--batch-size", "32", *common,

@@ -48,6 +48,7 @@ def test_one_step_is_that_of_float32_to_bfloat16_rounding(tmp_path: Path) -> Non
     assert max(errors) > 0  # and it does differ: the bfloat16 path ran
 
 
+@pytest.mark.slow  # ~23 s of CPU: a run to accuracy; one bf16 step's rounding runs by default
 def test_bf16_averaging_trains_to_within_one_point(tmp_path: Path) -> None:
     accuracy = {}
     for dtype in ("fp32", "bf16"):

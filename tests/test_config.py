@@ -200,7 +200,8 @@ def test_device_is_checked_naming_what_was_found(capsys) -> None:
 
 
 def test_options_the_device_or_fp16_cannot_take_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"--allreduce nccl reduces GPU tensors, but --device is cpu; use --device cuda"):
+    with pytest.raises(ValueError,
+                       match=r"--allreduce nccl reduces GPU tensors, but --device is cpu; use --device cuda"):
         TrainConfig(device="cpu", strategy_config=build_config("ssgd", {"allreduce": "nccl"}))
     with pytest.raises(ValueError, match=r"--allreduce nccl with --overlap: the NCCL baseline"):
         build_config("ssgd", {"allreduce": "nccl", "overlap": True})

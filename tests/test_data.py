@@ -164,6 +164,7 @@ def _folder_args(data: Path, out: Path, iterations: int) -> list[str]:
             "--iterations", str(iterations), "--out", str(out)]
 
 
+@pytest.mark.slow  # ~60 s of CPU; Ctrl-C resume by default in test_checkpoint, folders in test_cli
 @pytest.mark.timeout(240)
 def test_an_image_folder_trains_and_resumes_after_ctrl_c_to_the_same_weights(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(ROOT)  # examples.mynet importable, as the docs run it

@@ -179,7 +179,8 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 def _data(steps: int, peers: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(steps, peers, BATCH, IN, generator=gen), torch.randint(0, OUT, (steps, peers, BATCH), generator=gen)
+    return (torch.randn(steps, peers, BATCH, IN, generator=gen),
+            torch.randint(0, OUT, (steps, peers, BATCH), generator=gen))
 
 
 def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, hosts: int = 1, *,
@@ -484,6 +485,7 @@ def test_the_options_are_flags_and_toml_keys(tmp_path) -> None:
 
 
 # -- two hosts (two torchrun launches on this machine) -----------------------------------
+@pytest.mark.slow  # ~95 s of CPU; the two-host hierarchical path runs by default in test_backend
 @pytest.mark.timeout(420)
 def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
     """Real processes: streaming diloco with overlap on 2 hosts x 2 (the pseudo-gradients

@@ -42,7 +42,8 @@ def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
 
 
 def assert_all_gone(launcher: subprocess.Popen, workers: list[int]) -> None:
-    assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not [pid for pid in workers
+                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not leftover(), leftover()
 
 

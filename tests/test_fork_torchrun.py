@@ -20,7 +20,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PROBE = """\
 import json, os, signal, sys
 import probe_helper  # a sibling module, found as `python probe.py` finds it
-loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.launch.worker", "shmtrain.strategies")}
+loaded = {m: m in sys.modules for m in ("torch", "torch._dynamo", "shmtrain.runtime.launch.worker",
+"shmtrain.strategies")}
 signals = [signal.getsignal(signal.SIGINT) is signal.default_int_handler,
            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGHUP) == signal.SIG_DFL]
 import pytest
@@ -49,6 +50,7 @@ def _hosts(launcher: list[str], head: list[str], args: list[str], out: Path) -> 
     assert all(p.returncode == 0 for p in procs), outputs
 
 
+@pytest.mark.slow  # ~55 s of CPU: two hosts twice; the fork start-up runs by default
 def test_two_forked_hosts_train_as_two_torchrun_hosts(tmp_path: Path) -> None:
     """diloco across two hosts: the same weights from ``shmtrain torchrun`` as from torchrun."""
     args = ["--strategy", "diloco", "--sync-every", "4", "--iterations", "12", "--batch-size", "8", "--seed", "5",

@@ -73,7 +73,8 @@ def _lose_host_one(tmp_path: Path, strategy: str, whole_host: bool) -> tuple[lis
     return outputs, [p.returncode for p in nodes], out
 
 
-@pytest.mark.parametrize("strategy,whole_host", [("seasgd", False), ("hsgd", True)])
+@pytest.mark.parametrize("strategy,whole_host", [pytest.param("seasgd", False, marks=pytest.mark.slow),  # ~40 s of CPU
+                                                 ("hsgd", True)])
 def test_the_other_host_trains_on_and_names_the_lost_workers(tmp_path: Path, strategy: str,
                                                              whole_host: bool) -> None:
     before = set(_smb_servers())

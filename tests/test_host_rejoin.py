@@ -100,6 +100,7 @@ def _start(node: int, port: int, out: Path, args: list[str]) -> subprocess.Popen
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow  # ~75 s: two hosts, one lost and started again; a client's rejoin by default in test_smb_rejoin
 @pytest.mark.parametrize("strategy", ["seasgd", pytest.param("hsgd", marks=pytest.mark.slow),
                                       pytest.param("easgd", marks=pytest.mark.slow),
                                       pytest.param("downpour", marks=pytest.mark.slow)])

@@ -29,6 +29,7 @@ def _per_rank(out: Path) -> dict[int, int]:
     return counts
 
 
+@pytest.mark.slow  # ~35 s of CPU per policy; the policies' decisions by default in test_termination
 @pytest.mark.parametrize("policy", [pytest.param("master", marks=pytest.mark.slow),
                                     pytest.param("first", marks=pytest.mark.slow), "average"])
 def test_termination_policies_across_hosts(tmp_path: Path, policy: str) -> None:

@@ -103,6 +103,7 @@ def test_resuming_a_finished_run_keeps_its_eval_rows_and_wall_time(finished: Pat
 
 
 # -- signals ---------------------------------------------------------------------------------
+@pytest.mark.slow  # ~60 s of CPU: Ctrl-C at many moments of a start
 @pytest.mark.timeout(120)
 def test_ctrl_c_while_starting_prints_no_traceback(tmp_path: Path) -> None:
     for delay in (0.3, 0.8, 1.5):
@@ -150,6 +151,7 @@ def test_a_killed_zygote_is_named_with_a_resume_hint(tmp_path: Path) -> None:
     assert train("--resume", str(run)) == 0
 
 
+@pytest.mark.slow  # ~26 s of CPU; the killed zygote's message runs by default
 @pytest.mark.timeout(150)
 def test_a_killed_zygote_restarts_with_max_restarts(tmp_path: Path) -> None:
     run = tmp_path / "run"

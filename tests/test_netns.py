@@ -64,6 +64,7 @@ def test_ssgd_across_two_namespaced_hosts_picks_the_routed_interface(hosts, tmp_
     assert summary["workers"] == 4 and summary["iterations"] == 8
 
 
+@pytest.mark.slow  # ~33 s of CPU; ssgd across namespaced hosts runs by default
 @pytest.mark.parametrize("hosts", ["1gbit"], indirect=True)
 def test_seasgd_across_two_hosts_on_a_shaped_link_starts_its_memory_server(hosts, tmp_path: Path) -> None:
     # no --smb-server: rank 0 starts one on 10.77.x.1 with a generated secret

@@ -151,9 +151,11 @@ def test_build_optimizer_takes_any_torch_optim_class() -> None:
     "args,words",
     [
         (["--optimizer", "nosuch"], ["--optimizer 'nosuch'", "adamw"]),
-        (["--optimizer", "adamw", "--momentum", "0.9"], ["--momentum", "AdamW takes no momentum", "leave --momentum out"]),
+        (["--optimizer", "adamw", "--momentum", "0.9"], ["--momentum", "AdamW takes no momentum",
+                                                         "leave --momentum out"]),
         (["--optimizer", "adamw", "--optimizer-args", "foo=1"], ["--optimizer-args", "takes no foo"]),
-        (["--optimizer", "adamw", "--sharded-update"], ["--optimizer adamw with --sharded-update", "use --optimizer sgd"]),
+        (["--optimizer", "adamw", "--sharded-update"], ["--optimizer adamw with --sharded-update",
+                                                        "use --optimizer sgd"]),
         (["--strategy", "gpi", "--grad-clip", "1"], ["--grad-clip 1.0 with --strategy gpi", "norm is known"]),
         (["--grad-clip", "0"], ["--grad-clip", "positive"]),
         (["--accumulate", "2", "--sub-batch", "2"], ["--accumulate 2", "--sub-batch 2", "drop one"]),

@@ -24,8 +24,12 @@ def test_every_required_reproduction_is_registered() -> None:
     assert REQUIRED <= set(NAMES), sorted(REQUIRED - set(NAMES))
 
 
+#: the reproductions over ~40 s of CPU even --quick: by hand (pytest -m slow), the rest by default
+HEAVY = {"caffegpi-scaling", "shmcaffe-table2"}
+
+
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in NAMES])
 def test_quick_reproduction_writes_its_files_and_its_claims_hold(name: str, tmp_path: Path) -> None:
     doc = core.run_reproduction(name, tmp_path, quick=True, log=lambda *_: None)
     saved = json.loads((tmp_path / f"{name}.json").read_text())

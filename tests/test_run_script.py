@@ -164,6 +164,7 @@ def straight(tmp_path_factory, shapes: list[str]) -> Path:
     return ckpt
 
 
+@pytest.mark.slow  # ~100 s of CPU; test_checkpoint's Ctrl-C resume runs by default
 def test_ctrl_c_saves_and_the_same_command_resumes_to_the_straight_runs_weights(straight: Path, shapes: list[str],
                                                                                  tmp_path: Path) -> None:
     ckpt = tmp_path / "ddp.pt"
@@ -187,6 +188,7 @@ def test_ctrl_c_saves_and_the_same_command_resumes_to_the_straight_runs_weights(
     assert (tmp_path / "logs" / "rank-0.log").read_text().count("--- shmtrain run") == 2  # both kept
 
 
+@pytest.mark.slow  # ~35 s: an unchanged DDP script under torchrun runs by default in test_ddp_hook
 def test_the_same_script_runs_under_torchrun(straight: Path, shapes: list[str], tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -213,4 +213,5 @@ def test_ssgd_on_in_process_peers_through_a_fake_transports_equals_single_proces
     for rank in range(peers):
         assert asked[rank] == ["allreduce shm mean"]
         assert torch.allclose(finals[rank], expected, rtol=1e-5, atol=1e-6), rank
-    assert finals[0] is not None and not torch.equal(finals[0], torch.cat([p.detach().flatten() for p in _net().parameters()]))
+    assert finals[0] is not None and not torch.equal(finals[0],
+                                                     torch.cat([p.detach().flatten() for p in _net().parameters()]))

@@ -419,7 +419,8 @@ def test_a_client_lost_in_the_middle_of_a_write_changes_nothing_and_blocks_no_on
 ])
 def test_bad_server_options_are_named(argv: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "shmtrain", "smb-server", "--port", "0", *argv],
-                          capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "SHMTRAIN_SECRET": ""})
+                          capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "SHMTRAIN_SECRET": ""})
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 

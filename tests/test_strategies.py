@@ -75,7 +75,10 @@ def resumed_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     worst = 0.0
     for _ in range(3):
-        x, y = torch.randn((world * batch, 3, 8, 8), generator=gen), torch.randint(0, 5, (world * batch,), generator=gen)
+        x, y = (
+            torch.randn((world * batch, 3, 8, 8), generator=gen),
+            torch.randint(0, 5, (world * batch,), generator=gen),
+        )
         mine = slice(ctx.rank * batch, (ctx.rank + 1) * batch)
         dp.zero_grad()
         loss_fn(dp(x[mine]), y[mine]).backward()

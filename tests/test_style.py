@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_ruff_is_clean() -> None:
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
-    result = subprocess.run([ruff, "check", "src", "tests", "examples"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([ruff, "check", "src", "tests", "examples"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -71,7 +71,8 @@ def test_average_policy() -> None:
     assert not Termination("average", FakeBoard(0, [0, 10, 9], [T, D, D])).decide(10, 10)
     # a dead worker's frozen count stays in the mean (nothing in flight): the survivors make up for it
     assert not Termination("average", FakeBoard(0, [0, 9, 2], [T, T, T], [True, True, False])).decide(17, 10)
-    assert Termination("average", FakeBoard(0, [0, 9, 2], [T, T, T], [True, True, False])).decide(18, 10)  # 18 + (9 + 1) + 2
+    board = FakeBoard(0, [0, 9, 2], [T, T, T], [True, True, False])
+    assert Termination("average", board).decide(18, 10)  # 18 + (9 + 1) + 2
     # a peer past its own target may stop on its own count: its iteration in flight is not
     # counted (two such peers counting each other's would both stop short of the total)
     assert not Termination("average", FakeBoard(0, [0, 12, 2], [T, T, T], [True, True, False])).decide(15, 10)

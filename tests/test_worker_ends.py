@@ -111,7 +111,9 @@ def test_a_data_sets_error_names_its_line_and_keeps_its_traceback(tmp_path: Path
     line = err.strip().splitlines()[-1]
     assert "KeyError" in line and "label_of_" in line, line
     source = Path(__file__).with_name("data_sets.py")
-    number = next(i for i, text in enumerate(source.read_text().splitlines(), 1) if "return torch.tensor([1.0, 2.0])" in text)
+    number = next(
+        i for i, text in enumerate(source.read_text().splitlines(), 1) if "return torch.tensor([1.0, 2.0])" in text
+    )
     assert f"{source}:{number}" in line, line  # the last frame, in the user's code
     log = (tmp_path / "run" / "logs" / "rank-0.log").read_text()
     assert "Traceback" in log and f'File "{source}", line {number}' in log, log[-3000:]

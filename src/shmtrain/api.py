@@ -110,7 +110,9 @@ class DataParallel(nn.Module):
             control.steps_done = lambda: getattr(getattr(self, "strategy", None), "iteration", 0)
         try:
             impl = plan(strategy, config, self.ctx.world_size, self.ctx.num_nodes)
-            impl.check_optimizer(type(optimizer).__name__, strategies.get(strategy).chosen_by(config), grad_clip=grad_clip)
+            impl.check_optimizer(
+                type(optimizer).__name__, strategies.get(strategy).chosen_by(config), grad_clip=grad_clip
+            )
         except ValueError:
             if self._own_ctx:
                 self.ctx.close()

@@ -196,7 +196,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     from shmtrain.bench.compress import add_bench_compress_parser
     from shmtrain.bench.hosts import add_parser as add_bench_hosts_parser
 
-    p = sub.add_parser("bench", help="benchmarks (table + JSON)", description="Benchmarks: each prints a table and writes --json.")
+    p = sub.add_parser("bench", help="benchmarks (table + JSON)",
+                       description="Benchmarks: each prints a table and writes --json.")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     allreduce.add_parser(bench)
     step.add_parser(bench)
@@ -215,7 +216,8 @@ def _add_experiment(sub: argparse._SubParsersAction) -> None:
     from shmtrain.experiments import hpsearch, neuron
 
     p = sub.add_parser("experiment", help="the papers' experiments (plots + JSON)",
-                       description="Experiments of the SHM-Learn-Dist paper: each writes PNG plots and a JSON into --out.")
+                       description="Experiments of the SHM-Learn-Dist paper: each writes PNG plots and a JSON "
+                                   "into --out.")
     experiments = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     neuron.add_experiment_parsers(experiments)
     hpsearch.add_experiment_parsers(experiments)
@@ -333,7 +335,8 @@ def _main(argv: list[str] | None) -> int:
         from shmtrain.fork_torchrun import main as fork_torchrun
 
         return fork_torchrun(words[1:])
-    if words[:1] in (["train"], ["run"], ["bench"], ["reproduce"], ["experiment"]) and not {"-h", "--help"} & set(words):
+    launches = words[:1] in (["train"], ["run"], ["bench"], ["reproduce"], ["experiment"])
+    if launches and not {"-h", "--help"} & set(words):
         from shmtrain.runtime.launch import zygote
 
         zygote.prestart()  # the workers' torch imports while this process builds its parser

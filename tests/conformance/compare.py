@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--record", help="write the tests gloo passed, per world size, here "
                                          "(tests/conformance/gloo_passes.json: the default suite's reference)")
     parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per run")
-    parser.add_argument("--start", choices=["spawn", "fork"], default="spawn", help="how ranks start (upstream_spawn.py)")
+    parser.add_argument("--start", choices=["spawn", "fork"], default="spawn",
+                        help="how ranks start (upstream_spawn.py)")
     args = parser.parse_args()
     report, record = [], {}
     for world_size in args.world_sizes:

@@ -260,7 +260,8 @@ class HostReducer:
             if (numel, dtype, op, count) == _DISAGREE:
                 return "its own ranks passed different tensors"
             kind = str(FLOATS[dtype]).replace("torch.", "") if 0 <= dtype < len(FLOATS) else f"dtype #{dtype}"
-            return f"{numel} x {kind} {'AVG' if op else 'SUM'}" + (f" in a call of {count} tensors" if count > 1 else "")
+            call = f" in a call of {count} tensors" if count > 1 else ""
+            return f"{numel} x {kind} {'AVG' if op else 'SUM'}" + call
 
         said = ", ".join(f"{name(r)}: {one(*row)}" for r, row in enumerate(rows))
         return (f"{self.who}: all_reduce #{n}: the ranks passed different tensors ({said}); "
@@ -285,7 +286,8 @@ class HostReducer:
         elif isinstance(exc, PeerFailure) and aborted is not None:
             who, code = aborted
             if code == DIED:
-                cause = f"{self._local(who)} died (it exited or was killed) while this rank waited for it to {self._phase}"
+                cause = (f"{self._local(who)} died (it exited or was killed) while this rank waited for it "
+                         f"to {self._phase}")
             elif who == me:
                 cause = f"a peer gave up on this rank ({self._reasons_of_peers() or 'no reason recorded'})"
             elif code == TIMED_OUT:
@@ -318,7 +320,9 @@ class HostReducer:
         for r in self.host.ranks:
             raw = bytes(self._reasons[r]).split(b"\0", 1)[0]
             if r != self.host.local_rank and raw:
-                texts.append(f"{self._rank_name(self.node * self.local_world + r)} said: {raw.decode(errors='replace')}")
+                texts.append(
+                    f"{self._rank_name(self.node * self.local_world + r)} said: {raw.decode(errors='replace')}"
+                )
         return "; ".join(texts)
 
     def close(self) -> None:
@@ -336,8 +340,10 @@ class HostReducer:
             self._queue.put(None)
             self._thread.join(timeout=_STOP_S)
             if self._thread.is_alive():  # it would take the GIL during finalization: an abort
-                raise ShmBackendError(f"{self.who}: the reduction thread did not stop within {_STOP_S:g} s "
-                                      "of the group's shutdown (blocked outside the host's waits)")
+                raise ShmBackendError(
+                    f"{self.who}: the reduction thread did not stop within {_STOP_S:g} s "
+                    "of the group's shutdown (blocked outside the host's waits)"
+                )
         if self.leaders is not None:  # joined now, not at the interpreter's finalization
             leaders, self.leaders = self.leaders, None
             leaders.shutdown()

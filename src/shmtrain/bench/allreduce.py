@@ -119,7 +119,8 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
         result_floor = median(timed_collective(lambda r=rows_in: _sum_rows(r), reps, 1, barrier=lambda: gate(token)))
         del rows_in
         for impl, samples, cpu, correct, alg in (
-                ("shm", shm, shm_cpu, ok, "zero-copy split"), ("shm-private", private, private_cpu, ok_private, algorithm),
+                ("shm", shm, shm_cpu, ok, "zero-copy split"), ("shm-private", private, private_cpu, ok_private,
+                                                               algorithm),
                 *((("gloo", gloo, gloo_cpu, ok_gloo, "-"),) if gloo else ())):
             rows.append({
                 "impl": impl, "procs": ctx.world_size, "bytes": nbytes, **summarize(samples),

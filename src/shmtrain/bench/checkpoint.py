@@ -55,7 +55,8 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     timer = PhaseTimer()
     dp = DataParallel(model, optimizer, payload["strategy"], ctx=ctx, timer=timer)
     trainer = Trainer(dp, nn.CrossEntropyLoss(), timer)
-    config = resolve({"device": "cpu", "strategy": payload["strategy"], "workers": ctx.world_size, "model": payload["model"],
+    config = resolve({"device": "cpu", "strategy": payload["strategy"], "workers": ctx.world_size,
+                      "model": payload["model"],
                       "data": "synthetic", "input_shape": payload["input_shape"],
                       "batch_size": payload["batch_size"], "checkpoint_every": 0, "keep_checkpoints": 1})
     out = Path(payload["dir"])

@@ -118,7 +118,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ctx = from_env(args.timeout)
     out = Path(args.out)
     try:
-        config = resolve({"device": "cpu", "model": args.model, "data": args.data, "batch_size": args.batch_size, "lr": args.lr,
+        config = resolve({"device": "cpu", "model": args.model, "data": args.data, "batch_size": args.batch_size,
+                          "lr": args.lr,
                           "momentum": args.momentum, "weight_decay": args.weight_decay,
                           "iterations": args.iterations, "seed": args.seed, "eval_every": args.eval_every,
                           "class_split": args.class_split,
@@ -139,7 +140,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         engine.net.register_comm_hook(None, comm.hook)
         mark("strategy")
         total = planned_iterations(config, data, ctx.world_size)
-        trainer = Trainer(engine, nn.CrossEntropyLoss(), timer, scheduler=schedule.from_config(optimizer, config, total))
+        scheduler = schedule.from_config(optimizer, config, total)
+        trainer = Trainer(engine, nn.CrossEntropyLoss(), timer, scheduler=scheduler)
         sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)
         prefetch = Prefetcher(data.train_x, data.train_y, sampler, config.prefetch)
         (out / "metrics").mkdir(parents=True, exist_ok=True)

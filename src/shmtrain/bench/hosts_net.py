@@ -129,7 +129,8 @@ def launch(hosts: tuple[str, str, str], port: int, worker: list[str], logs: Path
                    "--master-port", str(port), "--rdzv-conf", "timeout=60", *worker]
             sink = open(logs / f"{name}-node{node}.log", "w")  # noqa: SIM115 - closed below
             files.append(sink)
-            procs.append(subprocess.Popen(cmd, env=dict(host_env(), **(env or {})), stdout=sink, stderr=subprocess.STDOUT,
+            procs.append(subprocess.Popen(cmd, env=dict(host_env(), **(env or {})), stdout=sink,
+                                          stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = time.monotonic() + limit
         for p in procs:

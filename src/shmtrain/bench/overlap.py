@@ -19,7 +19,8 @@ events, and the rows add the staged copies (TRL Table 4): ``copy_to_host`` and
 (what the training thread still waited for the copies to host after backward) and
 ``hidden`` = 1 - d2h_wait / copy_to_host, the share of the copies to host that backward
 hid (for ``cpu_acc``, whose copies are waited for by its accumulator thread, all of
-``collect_remaining`` counts as left after backward: an upper bound). A mode named ``MODE@copy`` (e.g. ``ssgd@copy``) runs that mode's staged
+``collect_remaining`` counts as left after backward: an upper bound). A mode named ``MODE@copy`` (e.g. ``ssgd@copy``)
+runs that mode's staged
 path on the CPU (``SHMTRAIN_STAGING=copy``): beside ``MODE``, what the copies cost against
 zero copy. The DDP modes need NCCL (one GPU per worker) there: use ``ssgd_nccl``, or
 ``ddp_gloo``: DDP over gloo with the model on the chosen device (CUDA tensors, the workers

@@ -1,7 +1,8 @@
 """``shmtrain bench step``: time per training iteration, strategies side by side with DDP.
 
 Same model, same synthetic batch, same threads for every mode: ``nocomm`` (each worker
-trains alone; the floor), ``ddp`` (torch DistributedDataParallel over gloo), ``ddp-backend`` (DDP on the ``shm`` backend), ``ddp-shm``
+trains alone; the floor), ``ddp`` (torch DistributedDataParallel over gloo), ``ddp-backend`` (DDP on the ``shm``
+backend), ``ddp-shm``
 (DDP with ``shmtrain.ddp_comm_hook``: its buckets averaged through shared memory), and the
 shmtrain strategies in :data:`MODES`. Each mode is one launch of N workers; a sample is
 one iteration's wall time on a worker, and the row reports the median over workers
@@ -69,7 +70,8 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     engine.close()
     names = {k for p in phases for k in p}
     return {"samples": samples, "phases": {k: statistics.fmean(p.get(k, 0.0) for p in phases) for k in names},
-            "remaining": statistics.median(p["collect_remaining"] for p in phases) if "collect_remaining" in names else None}
+            "remaining": (statistics.median(p["collect_remaining"] for p in phases)
+                          if "collect_remaining" in names else None)}
 
 
 def run(modes: list[str], workers: list[int], payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -85,7 +87,8 @@ def run(modes: list[str], workers: list[int], payload: dict[str, Any]) -> list[d
                 "device": payload.get("device", "cpu"),
                 "threads": payload["threads"], "median_s": statistics.median(samples), "min_s": min(samples),
                 "samples": len(samples),
-                "phases_s": {k: statistics.fmean(r["phases"].get(k, 0.0) for r in results) for k in sorted(phase_names)},
+                "phases_s": {k: statistics.fmean(r["phases"].get(k,
+                                                                 0.0) for r in results) for k in sorted(phase_names)},
                 # median per worker: one stalled iteration must not stand for the typical one
                 "collect_remaining_s": statistics.fmean(r["remaining"] for r in results)
                 if results[0].get("remaining") is not None else None,

@@ -388,16 +388,22 @@ def add_experiment_parsers(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--out", required=True, type=Path, help="folder for hpsearch.json and the PNG plots")
-    p.add_argument("--workers", type=_list(int), nargs="+", help=f"worker counts, e.g. 1,2,4 or 1 2 4 (default {','.join(map(str, d.workers))})")
-    p.add_argument("--batch-sizes", type=_list(int), nargs="+", help=f"per worker (default {','.join(map(str, d.batch_sizes))})")
+    p.add_argument("--workers", type=_list(int), nargs="+",
+                   help=f"worker counts, e.g. 1,2,4 or 1 2 4 (default {','.join(map(str, d.workers))})")
+    p.add_argument(
+        "--batch-sizes", type=_list(int), nargs="+", help=f"per worker (default {','.join(map(str, d.batch_sizes))})"
+    )
     p.add_argument("--lrs", type=_list(float), nargs="+", help=f"learning rates (default {','.join(map(str, d.lrs))})")
     p.add_argument("--samples", type=int, help=f"training samples seen per run (default {d.samples})")
     p.add_argument("--threshold", type=float, help=f"keep runs whose minimum loss is <= this (default {d.threshold})")
     p.add_argument("--model", help=f"a registry model (default {d.model}; folded_mlp uses FoldedLinear)")
     p.add_argument("--area-over", choices=AREA_OVER, help="x axis of the area: wall time (the paper's) or samples seen")
     p.add_argument("--seed", type=int)
-    p.add_argument("--full", action="store_true",
-                   help="the paper's grid: workers 1,2,4,8; batch 16-512; lr 0.1-0.9; 307,200 samples (hours here)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the paper's grid: workers 1,2,4,8; batch 16-512; lr 0.1-0.9; 307,200 samples (hours here)",
+    )
     p.set_defaults(handler=main)
 
 

@@ -268,7 +268,8 @@ def _first_below(evals: list[float], level: float, every: int) -> int | None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'mode':>6} {'workers':>7} {'engine':>10} {'train(last20%)':>14} {'std':>8} {'eval':>8} {'steps->0.05':>11} {'s':>6}"
+    head = (f"{'mode':>6} {'workers':>7} {'engine':>10} {'train(last20%)':>14} {'std':>8} {'eval':>8} "
+            f"{'steps->0.05':>11} {'s':>6}")
     lines = [head]
     for r in rows:
         reach = "-" if r["steps_to_eval_0.05"] is None else str(r["steps_to_eval_0.05"])
@@ -355,7 +356,8 @@ def add_experiment_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = NeuronConfig(workers=tuple(n for part in args.workers for n in part), steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+    cfg = NeuronConfig(workers=tuple(n for part in args.workers for n in part), steps=args.steps, lr=args.lr,
+                       batch_size=args.batch_size,
                        average_interval=args.average_interval, seed=args.seed, engine=args.engine,
                        check_workers=args.check_workers, check_steps=args.check_steps)
     run_neuron(args.out, cfg)

@@ -366,9 +366,11 @@ class ControlBlock:
         failed = self.aborted()
         if failed is not None:
             who, code = failed
-            how = "died" if code == DIED else (f"was killed by signal {code - 128}" if code > 128 else f"failed (exit status {code})")
-            raise PeerFailure(f"local rank {who} (pid {self.pid(who)}) {how} while this worker waited for {what}",
-                              peer=who)
+            ended = f"was killed by signal {code - 128}" if code > 128 else f"failed (exit status {code})"
+            how = "died" if code == DIED else ended
+            raise PeerFailure(
+                f"local rank {who} (pid {self.pid(who)}) {how} while this worker waited for {what}", peer=who
+            )
         finished = self.finished_failure(rank, what)
         if finished is not None:
             raise finished

@@ -99,7 +99,9 @@ class HostGroup:
         delay = 0.001
         while self.store.add(key, 0) < count:
             if time.monotonic() > deadline:
-                raise PeerTimeout(f"{what}: only {self.store.add(key, 0)} of {count} peers answered within {self.timeout:.0f} s")
+                raise PeerTimeout(
+                    f"{what}: only {self.store.add(key, 0)} of {count} peers answered within {self.timeout:.0f} s"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -107,9 +109,7 @@ class HostGroup:
         """Sleep until every local rank has reached this barrier (futex, no spinning)."""
         self._barrier_count += 1
         self.control.post(self._barrier_channel, self.local_rank, self._barrier_count)
-        self.control.wait(
-            self._barrier_channel, self.ranks, self._barrier_count, timeout=self.timeout, what=what
-        )
+        self.control.wait(self._barrier_channel, self.ranks, self._barrier_count, timeout=self.timeout, what=what)
 
 
 def _init_control(local_world: int) -> Callable[[SharedSegment], None]:

@@ -7,7 +7,8 @@ affinity before ``--bind core`` narrowed it), the shared
 cache (``/sys/devices/system/cpu/cpu*/cache``), one core's and all cores' copy bandwidth
 (a cache-sized copy timed with one torch thread and with one per core) and the hand-off
 latency (two threads passing a word back and forth, spinning and sleeping on a futex). The measurement
-takes ~0.1-0.3 s on a quiet machine (seconds on a loaded one); the result is written as JSON beside the compiled path's library
+takes ~0.1-0.3 s on a quiet machine (seconds on a loaded one); the result is written as JSON beside the compiled path's
+library
 (:func:`shmtrain.fabric.native.cache_dir`), keyed by the CPU's feature list and the
 cores and nodes this process may use, so every later process on the machine only reads
 it. ``shmtrain bench allreduce --remeasure`` (or deleting ``machine-*.json`` there)

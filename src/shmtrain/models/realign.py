@@ -143,7 +143,8 @@ def _arrays(buffer: torch.Tensor) -> Any:
 def _helper_array(buffer: torch.Tensor, helper: torch.Tensor | None, need: int) -> tuple[Any, int]:
     if helper is None:
         cap = need
-        array = np.empty(need, dtype=_arrays(buffer[:1]).dtype) if buffer.device.type == "cpu" else buffer.new_empty(need)
+        array = np.empty(need,
+                         dtype=_arrays(buffer[:1]).dtype) if buffer.device.type == "cpu" else buffer.new_empty(need)
         return array, cap
     if helper.dim() != 1 or not helper.is_contiguous() or helper.dtype != buffer.dtype:
         raise ValueError("helper must be a contiguous 1-D tensor of the buffer's dtype")

@@ -212,7 +212,8 @@ def table3(ctx: Context) -> Report:
             f"Ours, {label}, ms: broadcast {data['broadcast_ms']:.1f} (once), forward {phases['forward']:.1f}, "
             f"backward {phases['backward']:.1f}, {'collect-remaining' if name == 'cpu_acc' else 'collect'} "
             f"{critical_collect(row, name):.2f} (critical path; every worker {_collect(name, phases):.2f}), "
-            f"accumulation {phases.get('accumulate', 0.0):.1f}{' (background)' if name == 'cpu_acc' else ' (in collect)'}, "
+            f"accumulation {phases.get('accumulate', 0.0):.1f}"
+            f"{' (background)' if name == 'cpu_acc' else ' (in collect)'}, "
             f"update {phases['update']:.1f}, iteration {row['iteration_ms']:.1f}.")
     return Report(claims, verdict, _WHY, data, lambda path: _plot_table3(data, path), notes)
 

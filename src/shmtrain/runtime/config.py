@@ -5,7 +5,8 @@ are the flags' names (``batch-size`` or ``batch_size``); the chosen strategy's o
 options (its ``Config`` fields, e.g. ``moving-rate``) are accepted the same way.
 
 :class:`TrainConfig` is declared in sections (:class:`JobOptions`, ``DataOptions``
-in ``runtime/data/options.py``, ``OptimOptions`` in ``runtime/train/optim_options.py``); every field carries ``metadata`` with its ``help`` and its
+in ``runtime/data/options.py``, ``OptimOptions`` in ``runtime/train/optim_options.py``); every field carries
+``metadata`` with its ``help`` and its
 ``section``, and ``shmtrain train``'s flags are generated from those fields (one
 argument group per section, the type and the choices from the annotation). The chosen
 strategy's options are held typed, built once: ``TrainConfig.strategy_config`` is an

@@ -129,7 +129,8 @@ class StoreAudit:
     before, and puts back what such a party replaced: the server's own entries, and each
     board entry's last sealed value (a forged entry with none is removed). Gloo's
     rendezvous (``smb/pg/``), connection announcements (``smb/join/``: a link starts
-    untrusted), the counters and peer addresses are the store's own business; any other key means nothing to the server and is only reported. The store
+    untrusted), the counters and peer addresses are the store's own business; any other key means nothing to the server
+    and is only reported. The store
     does not say who wrote an entry, so the lines cannot name the writer's address.
 
     Args:

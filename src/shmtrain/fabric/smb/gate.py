@@ -112,7 +112,9 @@ class Gate:
         if not 0 < length <= NAME_BYTES:
             return None
         data = torch.zeros(length, dtype=torch.uint8)
-        self._links[client].recv([data], 1, _tag(seq, _PAYLOAD_IN)).wait(min(self._bound, datetime.timedelta(seconds=10)))
+        self._links[client].recv([data], 1, _tag(seq, _PAYLOAD_IN)).wait(
+            min(self._bound, datetime.timedelta(seconds=10))
+        )
         return bytes(data.tolist()).decode(errors="replace")
 
     def _named(self, client: int, op: int, seq: int, name: str, numel: int, code: int) -> None:

@@ -4,7 +4,8 @@
 behind the same :class:`~shmtrain.fabric.smb.api.BufferService` interface as the local
 shared-memory service, so no strategy changes to use it; its board is a
 :class:`~shmtrain.fabric.smb.board.StoreProgressBoard` in the server's store (sealed with
-the shared secret); buffer names go over the authenticated link (``create``, ``lookup``). :func:`read_secret` finds the shared
+the shared secret); buffer names go over the authenticated link (``create``, ``lookup``). :func:`read_secret` finds the
+shared
 secret a client proves (and a server asks for); :func:`start_memory_server` starts a
 job's memory server next to its global rank 0 when the job was given none.
 """
@@ -251,7 +252,8 @@ class RemoteBufferService(BufferService):
         delay = 0.001
         while int((reply := self._by_name(OP_LOOKUP, name))[0]) == NOT_FOUND:
             if time.monotonic() > deadline:
-                raise PeerTimeout(f"no worker created SMB buffer {name!r} on {self.address} within {self.timeout:.0f} s")
+                raise PeerTimeout(f"no worker created SMB buffer {name!r} on {self.address} "
+                                  f"within {self.timeout:.0f} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         buffer_id = int(reply[2])

@@ -157,7 +157,8 @@ def _resnet_batch_claim(rows: list[dict[str, Any]]) -> Claim:
     """The paper's ResNet-50 order (64 below 32), which no batch-independent allreduce gives."""
     resnet64, resnet32 = (_at(rows, "ResNet-50", b)["speedup"] for b in (64, 32))
     return Claim(
-        "ResNet-50 sub-mini-batch 64 vs 32 at 1024 nodes", "828.32x (64) < 928.15x (32); 19.11% vs 10.65% communication",
+        "ResNet-50 sub-mini-batch 64 vs 32 at 1024 nodes",
+        "828.32x (64) < 928.15x (32); 19.11% vs 10.65% communication",
         f"{resnet64:.0f}x (64) > {resnet32:.0f}x (32)", "the paper's order is the reverse of AlexNet's (see notes)",
         resnet64 < resnet32)
 

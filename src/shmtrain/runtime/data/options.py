@@ -88,7 +88,8 @@ class DataOptions:
     def _check_data(self) -> None:
         _need(self.class_split >= 0, "class-split", self.class_split, "a number of class groups",
               "use e.g. --class-split 2, or 0 for no split")
-        _need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched", "use e.g. --prefetch 10")
+        _need(self.prefetch >= 1, "prefetch", self.prefetch, "at least 1 batch must be prefetched",
+              "use e.g. --prefetch 10")
         _need(self.samples is None or self.samples >= 2, "samples", self.samples,
               "synthetic data needs at least 2 samples", "use e.g. --samples 1024")
         _need(self.image_size is None or self.image_size >= 1, "image-size", self.image_size, "must be positive",

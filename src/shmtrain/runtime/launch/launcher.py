@@ -3,7 +3,8 @@
 Each worker runs ``shmtrain.runtime.launch.worker`` with torchrun's environment variables, so
 the worker code path is the same whether shmtrain or torchrun started it; it is forked
 by the launcher's zygote, which imported torch once (``runtime/launch/zygote.py``), or, with
-``SHMTRAIN_ZYGOTE=0``, started as a fresh ``python -m shmtrain.runtime.launch.worker``. The launcher hosts the TCPStore on loopback (port chosen by the
+``SHMTRAIN_ZYGOTE=0``, started as a fresh ``python -m shmtrain.runtime.launch.worker``. The launcher hosts the TCPStore
+on loopback (port chosen by the
 kernel: no port races) and creates the host's control block; when a worker dies it
 marks the failure there (waking every waiter), gives the others a moment to fail
 with an error naming it, then terminates them. Ctrl-C and errors end every child, and
@@ -190,7 +191,8 @@ class _JobSetup:
 
 class _Supervisor:
     """The supervision policy of a local launch: poll the workers until every one has
-    returned; the first to fail ends the others (its root cause named, :func:`~shmtrain.runtime.launch.failures.root_cause`);
+    returned; the first to fail ends the others (its root cause named,
+    :func:`~shmtrain.runtime.launch.failures.root_cause`);
     under ``tolerate_worker_loss`` a worker that dies after it started training is
     recorded and the others train on; under a graceful stop a worker ended by the signal
     before its loop ends the launch as a KeyboardInterrupt."""

@@ -136,7 +136,8 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int,
     Per worker: weights, gradients, momentum (3 copies of the parameters), the data set
     when it is held in memory (digits, synthetic), what opening the data cost the launcher
     (:attr:`DataFacts.open_bytes`, once more for the launcher itself), the sharding
-    permutation (at most ``EAGER_LIMIT`` x 8 bytes), and the activations of one batch, measured by one forward pass at batch
+    permutation (at most ``EAGER_LIMIT`` x 8 bytes), and the activations of one batch, measured by one forward pass at
+    batch
     2 and scaled to the batch (x2: what autograd saves, plus the gradients of the
     activations while backward runs). Shared memory:
     two gradient slot sets per worker (the allreduce's, the largest any strategy uses)."""

@@ -8,7 +8,8 @@ store, the control block, the supervision). Each worker gets torchrun's environm
 as torchrun's agent serves its own, ``TORCHELASTIC_USE_AGENT_STORE=True``), so
 ``init_process_group("gloo")`` with ``env://`` and :class:`shmtrain.DataParallel` join
 the job as under torchrun, and the same script runs under either unchanged. The script
-runs as ``__main__`` (``runtime/launch/script_worker.py``: ``runpy``; ``sys.argv = [script, *ARGS]``, ``sys.path[0]`` its
+runs as ``__main__`` (``runtime/launch/script_worker.py``: ``runpy``; ``sys.argv = [script, *ARGS]``, ``sys.path[0]``
+its
 folder, as ``python script.py`` does) in its own session, as torchrun's workers are:
 a terminal's Ctrl-C reaches the launcher, which passes it on to every worker once
 (``launch(relay_signals=True)``), waits for them to end (30 s, then kills them) and

@@ -5,7 +5,8 @@ iteration's metrics row is written, outside the iteration's timing:
 
 - every ``--eval-every`` iterations (default: each epoch) rank 0 computes the task's
   held-out metrics (``runtime/tasks/``: loss and accuracy for classification, loss and
-  rmse for regression, loss and perplexity for a language model), in batches under ``no_grad`` with the model in ``eval()`` mode, and
+  rmse for regression, loss and perplexity for a language model), in batches under ``no_grad`` with the model in
+  ``eval()`` mode, and
   writes ``{"eval": {"iteration", "loss", <metric>, "t0", "time"}}`` to its metrics
   file (``time``: seconds the evaluation took; the other ranks wait for rank 0 at their
   next exchange meanwhile, which their ``comm`` shows); for a strategy whose job model

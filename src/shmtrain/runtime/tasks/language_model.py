@@ -106,7 +106,13 @@ class LanguageModel(Task):
         largest = 0
         for i in range(len(train)):
             item = train[i]
-            ids = item[self.target_key] if isinstance(item, dict) else item[-1] if isinstance(item, tuple | list) else item
+            ids = (
+                item[self.target_key]
+                if isinstance(item, dict)
+                else item[-1]
+                if isinstance(item, tuple | list)
+                else item
+            )
             largest = max(largest, int(torch.as_tensor(ids).max()))
         return largest + 1
 

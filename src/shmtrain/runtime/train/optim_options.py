@@ -73,7 +73,8 @@ class OptimOptions:
     def _check_optim(self) -> None:
         _need(self.amp != "fp16" or self.sub_batch == 1, "amp", self.amp, "the --sub-batch threads run "
               "bf16 or float32 only (no GradScaler)", "use --amp bf16 with --sub-batch, or --sub-batch 1")
-        _need(self.batch_size >= 1, "batch-size", self.batch_size, "the batch size per worker must be positive", "use e.g. --batch-size 32")
+        _need(self.batch_size >= 1, "batch-size", self.batch_size, "the batch size per worker must be positive",
+              "use e.g. --batch-size 32")
         _need(self.sub_batch >= 1, "sub-batch", self.sub_batch, "the batch is split over K threads, "
               "so K must be at least 1", "use --sub-batch 1 for one thread")
         _need(self.sub_batch <= self.batch_size, "sub-batch", self.sub_batch,
@@ -92,17 +93,24 @@ class OptimOptions:
         _need(self.accumulate == 1 or self.sub_batch == 1, "accumulate", self.accumulate,
               f"micro-batches one after the other and --sub-batch {self.sub_batch} threads do not combine",
               "drop one of them")
-        _need(self.weight_decay >= 0, "weight-decay", self.weight_decay, "weight decay must not be negative", "use 0 to turn it off")
-        _need(self.iterations is None or self.iterations >= 1, "iterations", self.iterations, "must be at least 1", "use e.g. --iterations 100")
+        _need(self.weight_decay >= 0, "weight-decay", self.weight_decay, "weight decay must not be negative",
+              "use 0 to turn it off")
+        _need(self.iterations is None or self.iterations >= 1, "iterations", self.iterations, "must be at least 1",
+              "use e.g. --iterations 100")
         _need(self.epochs is None or self.epochs > 0, "epochs", self.epochs, "must be positive", "use e.g. --epochs 5")
-        _need(self.warmup_iterations >= 0, "warmup-iterations", self.warmup_iterations, "must not be negative", "use 0 for no warm-up")
+        _need(self.warmup_iterations >= 0, "warmup-iterations", self.warmup_iterations, "must not be negative",
+              "use 0 for no warm-up")
         _need(self.iterations is None or self.warmup_iterations < self.iterations, "warmup-iterations",
               self.warmup_iterations, f"the warm-up must end before the last of --iterations {self.iterations}",
               "give fewer warm-up iterations than --iterations")
-        _need(self.lr_step_every is None or self.lr_step_every >= 1, "lr-step-every", self.lr_step_every, "must be at least 1", "use e.g. --lr-step-every 100")
-        _need(0 < self.lr_gamma <= 1, "lr-gamma", self.lr_gamma, "the decay factor must be in (0, 1]", "use e.g. --lr-gamma 0.1")
-        _need(0 <= self.lr_min <= self.lr, "lr-min", self.lr_min, f"must be in [0, --lr {self.lr}]", "use e.g. --lr-min 0")
-        for flag, value, given, schedule in (("lr-step-every", self.lr_step_every, self.lr_step_every is not None, "step"),
+        _need(self.lr_step_every is None or self.lr_step_every >= 1, "lr-step-every", self.lr_step_every,
+              "must be at least 1", "use e.g. --lr-step-every 100")
+        _need(0 < self.lr_gamma <= 1, "lr-gamma", self.lr_gamma, "the decay factor must be in (0, 1]",
+              "use e.g. --lr-gamma 0.1")
+        _need(0 <= self.lr_min <= self.lr, "lr-min", self.lr_min, f"must be in [0, --lr {self.lr}]",
+              "use e.g. --lr-min 0")
+        for flag, value, given, schedule in (("lr-step-every", self.lr_step_every, self.lr_step_every is not None,
+                                              "step"),
                                              ("lr-gamma", self.lr_gamma, self.lr_gamma != 0.1, "step"),
                                              ("lr-min", self.lr_min, self.lr_min != 0.0, "cosine")):
             _need(not given or self.lr_schedule == schedule, flag, value,

@@ -52,7 +52,8 @@ class ShardedSSGD(SlotGradients, Strategy):
 
     name = "ssgd"
     synchronous = True
-    fp16_reason = "the sharded update runs SGD's formulas on chunks of host memory, not the optimizer a GradScaler steps"
+    fp16_reason = ("the sharded update runs SGD's formulas on chunks of host memory, not the optimizer a "
+                   "GradScaler steps")
     devices = frozenset({"cpu"})
     optimizers = frozenset({"sgd"})
     grad_clip_reason = ("each rank updates its chunk of the weights from its chunk of the shared mean, "
