@@ -24,7 +24,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from shmtrain import strategies
 from shmtrain.fabric.accumulator import SharedAccumulator
 from shmtrain.strategies.base import build_config
-from test_seams import FakeTransports, _net
+from test_seams import FakeTransports, _net, on_threads
 
 PEERS, STEPS, BATCH, LR, MOMENTUM = 3, 5, 4, 0.1, 0.9
 
@@ -302,35 +302,25 @@ def run_peers(name: str, options: dict[str, Any], peers: int, data) -> tuple[lis
     models = [_net() for _ in range(peers)]
     finals: list[torch.Tensor] = [torch.empty(0)] * peers
     asked: list[list[str]] = [[] for _ in range(peers)]
-    errors: list[BaseException] = []
 
     def peer(rank: int) -> None:
-        try:
-            model = models[rank]
-            ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1, node_rank=0, local_rank=rank,
-                                  local_world=peers, timeout=30.0)
-            transports = Fake(world, rank)
-            strategy = cls(config, ctx, model, _sgd(model), transports=transports)
-            for step in range(xs.shape[0]):
-                strategy.zero_grad()
-                strategy.before_forward()
-                _loss(model, xs[step, rank], ys[step, rank]).backward()
-                strategy.after_backward()
-                strategy.apply_update()
-                strategy.after_update()
-            strategy.finish()
-            finals[rank] = parameters_to_vector(model.parameters()).detach().clone()
-            asked[rank] = transports.asked
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            world.barrier.abort()
+        model = models[rank]
+        ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1, node_rank=0, local_rank=rank,
+                              local_world=peers, timeout=30.0)
+        transports = Fake(world, rank)
+        strategy = cls(config, ctx, model, _sgd(model), transports=transports)
+        for step in range(xs.shape[0]):
+            strategy.zero_grad()
+            strategy.before_forward()
+            _loss(model, xs[step, rank], ys[step, rank]).backward()
+            strategy.after_backward()
+            strategy.apply_update()
+            strategy.after_update()
+        strategy.finish()
+        finals[rank] = parameters_to_vector(model.parameters()).detach().clone()
+        asked[rank] = transports.asked
 
-    threads = [threading.Thread(target=peer, args=(r,)) for r in range(peers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    on_threads(peers, peer, world.barrier)
     return finals, asked
 
 

@@ -157,6 +157,26 @@ class FakeTransports:
         raise AssertionError(f"the strategy asked the fake transports for {name}")
 
 
+def on_threads(peers: int, work, barrier: threading.Barrier) -> None:
+    """Run ``work(rank)`` on ``peers`` threads (in-process peers); the first error aborts
+    ``barrier`` so no peer waits for it, and every error fails the test."""
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            work(rank)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(peers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -171,38 +191,28 @@ def test_ssgd_on_in_process_peers_through_a_fake_transports_equals_single_proces
     config = build_config("ssgd", {})
     finals: list[torch.Tensor | None] = [None] * peers
     asked: list[list[str]] = [[] for _ in range(peers)]
-    errors: list[BaseException] = []
 
     # built here, one after another: torch's RNG is global, and threads seeding it at once
     # would draw each other's numbers (the peers would start from different weights)
     models = [_net() for _ in range(peers)]
 
     def peer(rank: int) -> None:
-        try:
-            model = models[rank]
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1)
-            transports = FakeTransports(world, rank)
-            strategy = SSGD(config, ctx, model, opt, transports=transports)
-            for step in range(steps):
-                strategy.zero_grad()
-                nn.functional.cross_entropy(model(xs[step, rank]), ys[step, rank]).backward()
-                strategy.after_backward()
-                strategy.apply_update()
-                strategy.after_update()
-            finals[rank] = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
-            asked[rank] = transports.asked
-            strategy.finish()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            world.barrier.abort()
+        model = models[rank]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1)
+        transports = FakeTransports(world, rank)
+        strategy = SSGD(config, ctx, model, opt, transports=transports)
+        for step in range(steps):
+            strategy.zero_grad()
+            nn.functional.cross_entropy(model(xs[step, rank]), ys[step, rank]).backward()
+            strategy.after_backward()
+            strategy.apply_update()
+            strategy.after_update()
+        finals[rank] = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+        asked[rank] = transports.asked
+        strategy.finish()
 
-    threads = [threading.Thread(target=peer, args=(r,)) for r in range(peers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    on_threads(peers, peer, world.barrier)
     reference = _net()
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):  # the union batch: the mean of the peers' equal-sized losses

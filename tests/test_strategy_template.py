@@ -5,7 +5,6 @@ the same local SGD computed by hand."""
 from __future__ import annotations
 
 import re
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from test_seams import FakeTransports, _World
+from test_seams import FakeTransports, _World, on_threads
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "strategies.md"
 
@@ -38,33 +37,23 @@ def test_the_documented_strategy_averages_every_period() -> None:
     world = _World(peers, sum(p.numel() for p in _net().parameters()))
     models = [_net() for _ in range(peers)]
     finals: list[list[torch.Tensor]] = [[] for _ in range(peers)]
-    errors: list[BaseException] = []
 
     def peer(rank: int) -> None:
-        try:
-            model = models[rank]
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1)
-            strategy = example["ModelAverage"](example["AverageConfig"](period=period), ctx, model, opt,
-                                               transports=FakeTransports(world, rank))
-            for step in range(steps):
-                strategy.zero_grad()
-                nn.functional.cross_entropy(model(xs[step, rank]), ys[step, rank]).backward()
-                strategy.after_backward()
-                strategy.apply_update()
-                strategy.after_update()
-            finals[rank] = [p.detach().clone() for p in model.parameters()]
-            strategy.finish()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            world.barrier.abort()
+        model = models[rank]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1)
+        strategy = example["ModelAverage"](example["AverageConfig"](period=period), ctx, model, opt,
+                                           transports=FakeTransports(world, rank))
+        for step in range(steps):
+            strategy.zero_grad()
+            nn.functional.cross_entropy(model(xs[step, rank]), ys[step, rank]).backward()
+            strategy.after_backward()
+            strategy.apply_update()
+            strategy.after_update()
+        finals[rank] = [p.detach().clone() for p in model.parameters()]
+        strategy.finish()
 
-    threads = [threading.Thread(target=peer, args=(r,)) for r in range(peers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    on_threads(peers, peer, world.barrier)
     # by hand: each replica steps alone; every `period` steps all take the mean
     replicas = [_net() for _ in range(peers)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in replicas]
