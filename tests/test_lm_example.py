@@ -114,3 +114,28 @@ def test_the_lm_example_at_its_own_size_equals_a_plain_loop(tmp_path: Path, at_r
     assert relative_error(weights, ref_weights) < 1e-4
     assert perplexity == pytest.approx(ref_perplexity, rel=1e-5)
     assert perplexity < 20
+
+
+@pytest.mark.slow  # two torchrun hosts of 2 workers each (~30 s on 2 cores)
+@pytest.mark.timeout(300)
+def test_the_lm_example_trains_with_the_hybrid_across_two_hosts(tmp_path: Path, at_root: None) -> None:
+    import subprocess
+    import sys
+
+    from test_torchrun import env, free_port
+
+    port, out = str(free_port()), tmp_path / "lm-hybrid"
+    args = ["train", "--task", "language-model", "--data", "examples.lm_text:stdlib_text", "--data-args",
+            "files=12; length=32", "--model", "examples.lm_text:Net", "--model-args", "width=32; layers=1; heads=2",
+            "--optimizer", "adamw", "--lr", str(LR), "--batch-size", "8", "--iterations", "12", "--strategy", "diloco",
+            "--inner", "host-sync", "--sync-every", "4", "--loader-workers", "0", "--seed", str(SEED),
+            "--out", str(out), "--no-progress"]
+    hosts = [subprocess.Popen([sys.executable, "-m", "shmtrain", "torchrun", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, *args],
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    outputs = [h.communicate(timeout=240)[0].decode() for h in hosts]
+    assert [h.returncode for h in hosts] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "language-model" and summary["workers"] == 4 and summary["iterations"] == 12
+    assert summary["perplexity"] < 200  # it learned (256: knows nothing)
+
