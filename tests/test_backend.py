@@ -45,6 +45,7 @@ def test_ddp_on_the_shm_backend_equals_ddp_on_gloo(tmp_path: Path, per_node: int
     assert _close(tmp_path / "gloo.pt", tmp_path / "inline.pt") < 1e-5
 
 
+@pytest.mark.slow  # ~36 s: two torchrun hosts; DDP on the backend equals gloo by default above
 def test_two_hosts_reduce_hierarchically(tmp_path: Path) -> None:
     _run("gloo", tmp_path / "gloo.pt", per_node=4)
     _run("shm", tmp_path / "shm.pt", nodes=2, per_node=2)  # host sums, then gloo among leaders

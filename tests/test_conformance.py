@@ -34,6 +34,7 @@ def _passed(result: dict) -> set[str]:
     return {t for t, o in result["outcomes"].items() if o["outcome"] == "pass"}
 
 
+@pytest.mark.slow  # ~65 s: PyTorch's own distributed families on shm and gloo (pytest -m slow, and before a release)
 @pytest.mark.timeout(170)
 def test_families_pass_on_shm_where_gloo_passes(tmp_path: Path) -> None:
     recorded = json.loads(RECORDED.read_text())

@@ -287,8 +287,8 @@ assert dist.is_initialized(), "close() destroyed the script's process group"
 t = torch.ones(1)
 dist.all_reduce(t)
 dist.destroy_process_group()
-sys.stdout.write("rank %s %d %d\\n" % (dist.is_initialized(), int(t.item()), model.iteration))  # one write: no
-interleaving
+# one write: no interleaving
+sys.stdout.write("rank %s %d %d\\n" % (dist.is_initialized(), int(t.item()), model.iteration))
 sys.stdout.flush()
 os._exit(0)  # torch's gloo may abort at interpreter exit ("terminate called without an active exception")
 """

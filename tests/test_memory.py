@@ -41,6 +41,7 @@ def _faults_per_cycle(keep: str) -> tuple[bool, int]:
     return out[0] == "True", int(out[1])
 
 
+@pytest.mark.slow  # ~20 s of page-fault counting
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
 def test_freed_memory_is_reused_without_page_faults() -> None:
     applied, kept = _faults_per_cycle("1")

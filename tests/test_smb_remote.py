@@ -442,6 +442,7 @@ def _smb_servers() -> list[int]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # ~21 s per strategy: the server across hosts also carries test_host_loss's seasgd and hsgd runs
 @pytest.mark.parametrize("strategy,standalone", [("seasgd", True), pytest.param("hsgd", False, marks=pytest.mark.slow)])
 def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Path, strategy: str,
                                                                    standalone: bool) -> None:

@@ -99,6 +99,7 @@ def _same_weights(one: Path, other: Path) -> None:
         assert float((b[key] - a[key]).norm() / a[key].norm()) < 1e-5, (other.name, key)
 
 
+@pytest.mark.slow  # ~48 s: two torchrun hosts twice; two hosts equal one host of four by default above
 def test_gpi_and_cpu_acc_across_hosts_equal_one_host(tmp_path: Path) -> None:
     """gpi's tree and cpu_acc's accumulation inside each host, the layers summed between the
     hosts' leaders (HostCombiner): two hosts of two against one host of four."""
@@ -115,6 +116,7 @@ def test_gpi_and_cpu_acc_across_hosts_equal_one_host(tmp_path: Path) -> None:
     assert not leftover()
 
 
+@pytest.mark.slow  # ~50 s: every staged strategy across hosts; staged equals unstaged on one host in test_staged
 def test_staged_strategies_across_hosts_equal_one_host_unstaged(tmp_path: Path, monkeypatch) -> None:
     """The GPU data flow (SHMTRAIN_STAGING=copy: private parameters, copies to and from the
     host buffers) across two hosts: ssgd's staged slots under the hierarchical allreduce,

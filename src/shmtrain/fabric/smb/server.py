@@ -217,9 +217,8 @@ class MemoryServer(Gate):
         if back:
             self.log(f"shmtrain smb-server: {self._who(client)} connected again (connection {generation}); "
                      "it reads the buffers as they are now")
-        self._receivers[client] = thread = threading.Thread(
-            target=receive_requests, args=(link, client, generation, self._inbox), name=f"smb-recv-{client}",
-            daemon=True)
+        self._receivers[client] = thread = threading.Thread(target=receive_requests, name=f"smb-recv-{client}",
+                                                            args=(link, client, generation, self._inbox), daemon=True)
         thread.start()
 
     def _closed(self, client: int, exc: BaseException) -> None:
