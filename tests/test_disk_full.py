@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from shmtrain.runtime.files import OutputError, write_output
 from shmtrain.runtime.outputs import report
-from shmtrain.runtime.outputs.files import OutputError, write_output
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_a_run_that_fills_the_disk_ends_with_one_line_naming_the_file(disk: Path
 
 
 def test_a_full_disk_mid_row_leaves_only_whole_rows(disk: Path) -> None:
-    from shmtrain.runtime.outputs.files import LineLog
+    from shmtrain.runtime.files import LineLog
 
     path = disk / "rank-0.jsonl"
     log = LineLog(path, truncate=True)
@@ -109,7 +109,7 @@ def test_a_full_disk_mid_row_leaves_only_whole_rows(disk: Path) -> None:
 def test_more_free_than_needed_does_not_read_as_room(tmp_path: Path, monkeypatch) -> None:
     import shutil
 
-    from shmtrain.runtime.outputs import files
+    from shmtrain.runtime import files
 
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**7, 8 * 10**6, 2 * 10**6))
     note = files.space_note(tmp_path / "rank-0.pt", 1_800_000)

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import descendants
 from shmtrain.runtime.checkpoint import files as checkpoint_files
+from shmtrain.runtime.files import LineLog
 from shmtrain.runtime.launch import runlock
-from shmtrain.runtime.outputs.files import LineLog
 from test_checkpoint import LONG, SMALL, iterations_logged, rows_written, start, train, wait_for
 
 

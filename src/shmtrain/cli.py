@@ -344,8 +344,8 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     from shmtrain.fabric.control import PeerFailure, PeerTimeout
     from shmtrain.runtime.checkpoint.files import CheckpointError
+    from shmtrain.runtime.files import OutputError
     from shmtrain.runtime.launch.launcher import WorkerFailed
-    from shmtrain.runtime.outputs.files import OutputError
     from shmtrain.runtime.run import RunStopped
     from shmtrain.runtime.train.finite import TrainingDiverged
 

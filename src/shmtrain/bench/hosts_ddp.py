@@ -15,7 +15,7 @@ project's own pieces: the model (:func:`shmtrain.models.build_model`, seeded by
 ``--seed``), the data and its sharding (:mod:`shmtrain.runtime.data.tensors`: the same
 ``ShardSampler`` and ``Prefetcher``), SGD with the same momentum and weight decay, the
 learning-rate schedule, one loop body (:class:`shmtrain.runtime.train.trainer.Trainer`) and
-the held-out evaluation on rank 0 (:class:`shmtrain.runtime.outputs.monitor.Monitor`). Only
+the held-out evaluation on rank 0 (:class:`shmtrain.runtime.monitor.Monitor`). Only
 the engine differs: :class:`shmtrain.bench.common.DDPEngine` with torch's own
 DistributedDataParallel over the default gloo group of all the job's workers (flat:
 every bucket is a gloo allreduce among all ranks, no shared memory), the group set up
@@ -106,7 +106,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from shmtrain.runtime.data.class_split import shard_sampler
     from shmtrain.runtime.data.tensors import Prefetcher
     from shmtrain.runtime.loop import planned_iterations
-    from shmtrain.runtime.outputs.monitor import Monitor
+    from shmtrain.runtime.monitor import Monitor
     from shmtrain.runtime.outputs.report import phase_means, read_metrics
     from shmtrain.runtime.train import schedule
     from shmtrain.runtime.train.trainer import Trainer

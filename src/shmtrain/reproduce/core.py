@@ -142,7 +142,7 @@ def write_report(repro: Reproduction, report: Report, out: Path, quick: bool,
     """Write NAME.json, NAME.png and NAME.md (in that order: the numbers first)."""
     import os
 
-    from shmtrain.runtime.outputs.files import write_atomic
+    from shmtrain.runtime.files import write_atomic
 
     elapsed = (datetime.datetime.now() - started).total_seconds()
     doc = {
@@ -167,7 +167,7 @@ def write_report(repro: Reproduction, report: Report, out: Path, quick: bool,
 def write_index(out: Path) -> Path:
     """``out/README.md``: one row per ``NAME.json`` in ``out``: the paper's claim, our
     command, our figure, the verdict (rewritten after every reproduction)."""
-    from shmtrain.runtime.outputs.files import write_atomic
+    from shmtrain.runtime.files import write_atomic
 
     lines = [
         "# The papers' headline results, re-measured here", "",

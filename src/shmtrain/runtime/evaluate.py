@@ -126,7 +126,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     overrides = {"data": args.data, "data_args": args.data_args, "val_fraction": args.val_fraction}
     result = evaluate(args.target, overrides, args.split)
     out = Path(args.out) if args.out else Path(result["run"]) / "evaluation.json"
-    from shmtrain.runtime.outputs.files import write_output
+    from shmtrain.runtime.files import write_output
 
     write_output(out, (json.dumps(result, indent=2) + "\n").encode())
     metric = result["metric"]

@@ -31,8 +31,8 @@ from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data.class_split import shard_sampler
 from shmtrain.runtime.data.loader import HeldOut, open_batches
 from shmtrain.runtime.data.sources import write_run_facts
-from shmtrain.runtime.outputs.files import save_output
-from shmtrain.runtime.outputs.monitor import Monitor, evaluate_batches
+from shmtrain.runtime.files import save_output
+from shmtrain.runtime.monitor import Monitor, evaluate_batches
 from shmtrain.runtime.outputs.progress import Progress
 from shmtrain.runtime.outputs.selection import Selection
 from shmtrain.runtime.tasks.base import task_of

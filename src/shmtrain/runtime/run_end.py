@@ -12,8 +12,8 @@ from typing import Any
 from shmtrain import strategies
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
+from shmtrain.runtime.files import OutputError
 from shmtrain.runtime.outputs import report
-from shmtrain.runtime.outputs.files import OutputError
 from shmtrain.runtime.outputs.stretches import Stretch
 
 

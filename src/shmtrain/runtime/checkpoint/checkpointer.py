@@ -61,7 +61,7 @@ from shmtrain.runtime.checkpoint.files import (
     tensor_bytes,
 )
 from shmtrain.runtime.config import TrainConfig, to_toml
-from shmtrain.runtime.outputs.files import LineLog, cannot_write, fsync_dir, write_atomic
+from shmtrain.runtime.files import LineLog, cannot_write, fsync_dir, write_atomic
 
 
 # -- the worker side ----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from shmtrain.runtime.config import COMMON_KEYS, TrainConfig, read_toml, resolve, to_toml
-from shmtrain.runtime.outputs.files import replace_atomically, write_atomic
+from shmtrain.runtime.files import replace_atomically, write_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

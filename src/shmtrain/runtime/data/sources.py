@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain.runtime.data.tensors import Dataset
-from shmtrain.runtime.outputs.files import write_atomic
+from shmtrain.runtime.files import write_atomic
 
 #: the first words of the data's facts in ``config.toml`` (comments: not options)
 FACTS_MARK = "# data (read from --data, not options):"

@@ -46,7 +46,7 @@ def _plain_errors() -> tuple[type[BaseException], ...]:
 
 def _says_it_all(exc: BaseException) -> bool:
     """An error whose message alone names the cause (no type name needed)."""
-    from shmtrain.runtime.outputs.files import OutputError
+    from shmtrain.runtime.files import OutputError
 
     return isinstance(exc, (*_plain_errors(), OutputError, ValueError)) and bool(str(exc))
 

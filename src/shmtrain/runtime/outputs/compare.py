@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.outputs.files import figure_output
+from shmtrain.runtime.files import figure_output
 from shmtrain.runtime.outputs.report import metric_axis, read_evals, read_metrics
 
 #: the phases the table shows (mean ms per iteration), in the loop's order

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shmtrain.runtime.files import figure_output, write_output
 from shmtrain.runtime.outputs import stretches
-from shmtrain.runtime.outputs.files import figure_output, write_output
 from shmtrain.runtime.train.finite import json_text
 
 ORDER = ["data", "forward", "backward", "update", "compute", "comm"]
@@ -124,7 +124,7 @@ def plot(out: Path, rows: dict[int, list[dict[str, Any]]], title: str,
 
 def summarize(out: Path, config: dict[str, Any], results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """Write ``summary.json``, then ``plot.png`` (and ``trace.json`` when ``config["trace"]``),
-    each atomically (``runtime/outputs/files.py``): the numbers of a finished run are on disk before
+    each atomically (``runtime/files.py``): the numbers of a finished run are on disk before
     anything optional; return the summary."""
     previous = out / "summary.json"
     if previous.is_file() and results and not any(r.get("trained", 1) for r in results):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.outputs.files import write_output
+from shmtrain.runtime.files import write_output
 from shmtrain.runtime.outputs.worker_logs import mark
 
 FILE = "stretches.json"

@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.outputs.files import write_output
+from shmtrain.runtime.files import write_output
 
 #: the loop's phases that do not overlap, in the order one iteration runs them
 LEAVES = ("data", "forward", "backward", "update")

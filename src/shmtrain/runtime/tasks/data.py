@@ -23,7 +23,7 @@ from torch.utils.data import default_collate
 from shmtrain.models.user import is_user_spec
 from shmtrain.runtime.data import user_data
 from shmtrain.runtime.data.sources import FACTS_MARK, DataSource, open_data
-from shmtrain.runtime.outputs.files import write_atomic
+from shmtrain.runtime.files import write_atomic
 from shmtrain.runtime.tasks.base import Task, task_of
 
 

@@ -110,7 +110,7 @@ class StopSignal(Protocol):
 
 
 class RunMonitor(Protocol):
-    """Rank 0's held-out evaluation and TensorBoard (``runtime/outputs/monitor.py``)."""
+    """Rank 0's held-out evaluation and TensorBoard (``runtime/monitor.py``)."""
 
     def stamp(self, perf: float) -> float: ...
 

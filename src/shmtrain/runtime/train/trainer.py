@@ -104,7 +104,7 @@ class RunServices:
     """What a run of ``shmtrain train`` keeps around its iterations, handed to
     :meth:`Trainer.train`: the checkpointer (``runtime/checkpoint/checkpointer.py``), the stop request
     (Ctrl-C / SIGTERM, ``runtime/train/stop.py``), the monitor (rank 0's evaluation and
-    TensorBoard, ``runtime/outputs/monitor.py``), this rank's metrics file and the progress line.
+    TensorBoard, ``runtime/monitor.py``), this rank's metrics file and the progress line.
     Their owner (``runtime/loop.py``) opens and closes them."""
 
     checkpoints: CheckpointSink
