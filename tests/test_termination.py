@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -11,6 +12,8 @@ from torch import nn
 
 from reference import batches, tiny_model, worker_batch
 from shmtrain.api import DataParallel
+from shmtrain.fabric.control import ControlBlock, PeerFailure
+from shmtrain.fabric.segment import SharedSegment
 from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.termination import Termination
@@ -169,3 +172,40 @@ def test_average_policy_at_equal_speed_runs_the_target_exactly(strategy: str, op
     counts = launch("test_termination:eager_worker", 2,
                     {"strategy": strategy, "target": TARGET, "delays": [0.03, 0.03], "options": options})
     assert sum(counts) == 2 * TARGET, counts
+
+
+# -- a peer that posts and then finishes, between a waiter's read and its check ---------------
+def _racing_block(post_first: bool) -> tuple[ControlBlock, SharedSegment]:
+    """A control block of two local ranks in this process, bound to rank 1, whose first
+    liveness check finds rank 0 finished after 5 steps (having posted 7 on channel 0 just
+    before, when ``post_first``): the order of a group root that decides to stop and ends."""
+    seg = SharedSegment(f"shmtrain-test-race-{os.getpid()}", ControlBlock.nbytes(2), create=True)
+    block = ControlBlock(seg, 2, init=True)
+    block.set_pid(0, os.getpid())
+    block.set_pid(1, os.getpid())  # binds this process to rank 1, the waiter
+    block.steps_done = lambda: 5
+    check = block._check
+
+    def peer_ends_now(rank: int, what: str) -> None:
+        if post_first:
+            block.post(0, 0, 7)
+        block.set_finished(0, 5)
+        check(rank, what)
+
+    block._check = peer_ends_now  # type: ignore[method-assign]
+    return block, seg
+
+
+@pytest.mark.parametrize("post_first", [True, False])
+def test_a_post_just_before_the_peer_ends_is_no_failure(post_first: bool) -> None:
+    block, seg = _racing_block(post_first)
+    try:
+        if post_first:
+            block.wait(0, [0], 6, timeout=5.0, what="the decision", spin=False)
+            assert block.get(0, 0) == 7
+        else:  # the peer ended without posting: that is the failure it names
+            with pytest.raises(PeerFailure, match="finished after 5 steps while this worker waited for the decision"):
+                block.wait(0, [0], 6, timeout=5.0, what="the decision", spin=False)
+    finally:
+        seg.unlink()
+        seg.close()
