@@ -33,6 +33,10 @@ from shmtrain.strategies.base import StrategyConfig, plan
 from shmtrain.strategies.base import build_config as make_config
 from shmtrain.timing import PhaseTimer
 
+#: why the DDP-style loop steps the optimizer once, after backward (strategies/partial_step.py)
+DDP_STYLE_STEP = ("the DDP-style loop: the user's code may read or edit the gradients between backward and "
+                  "optimizer.step()")
+
 
 class DataParallel(nn.Module):
     """Wrap ``module`` and ``optimizer`` so a plain PyTorch (DDP) loop trains data-parallel.
@@ -137,6 +141,8 @@ class DataParallel(nn.Module):
         elif not value and self._ddp is not None:
             self._ddp.close()
             self._ddp = None
+        # the user's code may read or edit the gradients between backward and optimizer.step()
+        self.strategy.whole_step_reason = DDP_STYLE_STEP if value else None
 
     def _control(self) -> Any:
         return getattr(getattr(self.ctx, "host", None), "control", None)

@@ -82,6 +82,7 @@ class DDPStyle:
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
         step = _wrapped_step(self)
+        step._shmtrain = True  # type: ignore[attr-defined]  # shmtrain's own (strategies/partial_step.py)
         if hasattr(self._original_step, "_wrapped_by_lr_sched"):  # a scheduler made before: it
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # counts through the original
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

@@ -360,11 +360,12 @@ class HostStaging:
         self.join()
         return self.take_copies()
 
-    def join(self) -> None:
-        """Make the current stream wait for every copy started towards the device (a
-        stream wait, never a device-wide synchronization). No-op off a GPU."""
+    def join(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make the current stream (or ``stream``: another thread's) wait for every copy
+        started towards the device so far (a stream wait, never a device-wide
+        synchronization). No-op off a GPU."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+            (stream or torch.cuda.current_stream(self.device)).wait_stream(self._h2d)
 
     def take_copies(self) -> list[Copy]:
         """The :meth:`to_device` copies since the last call, not waited for (for

@@ -211,6 +211,10 @@ class Strategy:
         #: worker that holds them, for strategies whose workers' own weights are not the
         #: job's model (SEASGD, EASGD, Downpour, HSGD: W_g; DiLoCo: θ^(t)); None otherwise
         self.final_global_weights: torch.Tensor | None = None
+        #: why the optimizer must step once, after backward, by the terms of the loop that
+        #: drives the strategy (the DDP-style loop, ``--sub-batch``); None: a strategy may
+        #: step parts of the model earlier (``ssgd --overlap`` staged, ``strategies/partial_step.py``)
+        self.whole_step_reason: str | None = None
         #: >0 while a gradient hook of the strategy runs (an optimizer step from there is
         #: the strategy's own, e.g. gpi's layer-wise update, not the user's)
         self.busy = 0

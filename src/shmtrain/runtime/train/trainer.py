@@ -214,6 +214,10 @@ class Trainer:
         self.sub_engine: SubBatched | None = None
         if sub_batch != 1:
             self.sub_batch, self.sub_engine = self._sub_batch(engine, sub_batch)
+            strategy = getattr(engine, "strategy", None)
+            if strategy is not None:  # the parts' threads run copies of the model (not checked per bucket)
+                strategy.whole_step_reason = (f"--sub-batch {sub_batch}: the parts' threads run copies of the "
+                                              "model while backward goes on")
         self.state = TrainState()
         #: the learning rate the last :meth:`step` used (None before the first step, or
         #: when the engine has no ``optimizer`` and there is no scheduler)

@@ -26,9 +26,19 @@ back of every bucket whose mean is final (every local rank reduced it: one host,
 memory) into ``param.grad`` on the host-to-device stream, so a bucket's D2H copy, its host
 reduction and its H2D copy overlap the rest of backward. After backward the training
 thread waits for the courier (``d2h_wait``) and the allreduce, copies back the buckets
-still missing, and the optimizer's stream waits for the copies (a stream wait). The
-optimizer still steps once, after backward (a per-bucket step would pass under a user's
-``--grad-clip`` or GradScaler, which need every gradient first).
+still missing, and the optimizer's stream waits for the copies (a stream wait).
+
+Per-bucket step (staged): right after the courier starts a bucket's mean back, it steps
+that bucket's parameters (``strategies/partial_step.py``: the one optimizer, restricted
+to the bucket), on the training thread's stream after a stream wait for the copies back
+started so far, the bucket's among them (never a host wait, nothing in a hook); the
+buckets whose means land after backward are stepped in ``apply_update``. The parameters
+a bucket holds are those whose gradients are complete, so backward reads them no more
+(an in-place change of a weight autograd still needed would raise, not pass). For the
+optimizers and settings where that equals one step after backward; otherwise
+(``--grad-clip``, ``--amp fp16``, an optimizer not known to be per-parameter, the
+DDP-style loop, ...) the optimizer steps once, after backward, and ``bucket_step_reason``
+says why (the first iteration's ``optimizer_step`` detail in the run's metrics).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import torch
 from shmtrain.fabric.bucket_allreduce import assign_buckets
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.strategies.base import Strategy
+from shmtrain.strategies.partial_step import split_groups, step_part, whole_step_reason
 
 MIB = 1 << 20
 
@@ -91,6 +102,15 @@ class OverlapSSGD(Strategy):
             #: staged: buckets whose means were started back to the device this step
             self._returned = np.zeros(len(self._sizes), dtype=bool)
             self.courier = self.staging.courier("shmtrain-buckets")
+            #: staged: buckets whose parameters the optimizer stepped this iteration
+            self._stepped = np.zeros(len(self._sizes), dtype=bool)
+        self._part_of = {id(p): int(self._bucket_of[i]) for i, p in enumerate(order)}
+        #: per bucket, the optimizer's groups narrowed to it (built once per iteration)
+        self._parts: list[list[dict]] | None = None
+        #: why this iteration's optimizer steps once, after backward; None: per bucket
+        self.bucket_step_reason: str | None = "not staged: the gradients are bound to the means after backward"
+        self._reported: str | None = ""  # the reason last put in the metrics ("": none yet)
+        self._stream = None  # a GPU: the training thread's stream (the per-bucket steps run there)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -105,6 +125,11 @@ class OverlapSSGD(Strategy):
             if self.staging is not None:  # the courier was drained after the last backward
                 self._arrived[:] = False
                 self._returned[:] = False
+                self._stepped[:] = False
+                self._parts = None
+                self.bucket_step_reason = whole_step_reason(self)
+                if self.staging.cuda:
+                    self._stream = torch.cuda.current_stream(self.device)
 
     def on_gradient_ready(self, param: torch.Tensor) -> None:
         self._begin()
@@ -140,12 +165,27 @@ class OverlapSSGD(Strategy):
         for b in np.flatnonzero(~self._returned[: self._next]):
             if self.reducer.reduced(int(b), self._step):
                 self._copy_back(int(b))
+                if self.bucket_step_reason is None:
+                    self._step_bucket(int(b))
 
     def _copy_back(self, bucket: int) -> None:
         """Staged: start the copies of the bucket's means into its parameters' ``param.grad``."""
         for i in self._groups[bucket]:
             self.staging.to_device(i, self.order[i], self._results[i])
         self._returned[bucket] = True
+
+    def _step_bucket(self, bucket: int) -> None:
+        """Staged: step the bucket's parameters (their means started back already), on the
+        training thread's stream after the copies back started so far."""
+        if self._parts is None:
+            self._parts = split_groups(self.optimizer, self._part_of, len(self._sizes))
+        if self._stream is not None:
+            self.staging.join(self._stream)  # a stream wait: the bucket's copies back come first
+            with torch.cuda.stream(self._stream):
+                step_part(self.optimizer, self._parts[bucket])
+        else:
+            step_part(self.optimizer, self._parts[bucket])
+        self._stepped[bucket] = True
 
     def _launch_ready(self) -> bool:
         """Launch complete buckets in order (every rank issues the same sequence); True if
@@ -188,6 +228,19 @@ class OverlapSSGD(Strategy):
         elapsed = time.perf_counter() - start
         self.timer.add("collect_remaining", elapsed)
         self.timer.add("comm", elapsed)
+
+    def apply_update(self) -> None:
+        """The one step after backward, or (per-bucket steps) the steps of the buckets whose
+        means landed after backward, in bucket order."""
+        reason = self.bucket_step_reason
+        if reason != self._reported:  # the first iteration, and when the reason changes
+            self.timer.detail("optimizer_step", "per bucket" if reason is None else f"after backward ({reason})")
+            self._reported = reason
+        if self.staging is None or reason is not None:
+            self.step_optimizer()
+            return
+        for b in np.flatnonzero(~self._stepped):
+            self._step_bucket(int(b))
 
     def after_update(self) -> None:
         # The gradients are views of a buffer the peers read too: never let a next
