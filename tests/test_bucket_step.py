@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,7 +21,13 @@ from torch import nn
 from shmtrain.fabric.staging import STAGING_ENV
 from shmtrain.fabric.transports import Transports
 from shmtrain.runtime.launch.launcher import launch
-from shmtrain.strategies.partial_step import PER_PARAMETER, optimizer_reason, split_groups, step_part
+from shmtrain.strategies.partial_step import (
+    PER_PARAMETER,
+    optimizer_reason,
+    split_groups,
+    step_part,
+    whole_step_reason,
+)
 
 #: one setting per listed class, the state each keeps per parameter exercised
 SETTINGS: dict[type[torch.optim.Optimizer], dict[str, Any]] = {
@@ -120,6 +127,21 @@ class Tagged(Transports):
 
     def bucket_reducer(self, *args: Any, tag: str = "buckets", **kwargs: Any) -> Any:
         return super().bucket_reducer(*args, tag=f"{tag}-{self.tag}", **kwargs)
+
+
+def test_the_loop_clipping_and_loss_scaling_keep_the_one_step() -> None:
+    """:func:`whole_step_reason`: the loop's own reason first, then --grad-clip, --amp fp16,
+    then the optimizer's."""
+    model = _net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = SimpleNamespace(whole_step_reason=None, grad_clip=None, scaler=None, optimizer=sgd)
+    assert whole_step_reason(strategy) is None
+    strategy.scaler = torch.amp.GradScaler("cpu")
+    assert whole_step_reason(strategy).startswith("--amp fp16: the GradScaler unscales")
+    strategy.grad_clip = 1.0
+    assert whole_step_reason(strategy).startswith("--grad-clip 1.0: the clipping coefficient")
+    strategy.whole_step_reason = "--sub-batch 2: the parts' threads"
+    assert whole_step_reason(strategy) == "--sub-batch 2: the parts' threads"
 
 
 def _train(ctx, optimizer: str, steps: int, **kw: Any) -> dict[str, Any]:
@@ -235,8 +257,19 @@ def test_per_bucket_steps_equal_one_step_and_fallbacks_take_one_step() -> None:
 
 
 def order_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    from shmtrain.api import DataParallel
+    from shmtrain.runtime.train.trainer import Trainer
+
     os.environ[STAGING_ENV] = "copy"
-    return _train(ctx, "sgd", 1)
+    result = _train(ctx, "sgd", 1)
+    model = _net()  # --sub-batch: the Trainer gives the strategy its reason
+    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), "ssgd", ctx=ctx,
+                      transports=Tagged(ctx, "sub"), **OVERLAP)
+    trainer = Trainer(dp, nn.CrossEntropyLoss(), dp.timer, sub_batch=2)
+    result["sub_batch"] = whole_step_reason(dp.strategy)
+    trainer.close()
+    dp.close()
+    return result
 
 
 def test_each_bucket_steps_as_its_mean_lands_before_the_last_lands() -> None:
@@ -251,3 +284,4 @@ def test_each_bucket_steps_as_its_mean_lands_before_the_last_lands() -> None:
         if e[0] == "_step_bucket":  # bucket k stepped: buckets 0..k moved, the later ones not yet
             assert e[1:2] and e[3] == list(range(e[1] + 1)), e
             assert e[2] != result["main"], "a per-bucket step ran on the training thread"
+    assert result["sub_batch"].startswith("--sub-batch 2: the parts' threads run copies"), result["sub_batch"]

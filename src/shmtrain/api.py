@@ -71,6 +71,9 @@ class DataParallel(nn.Module):
         ddp_style: wrap the optimizer and average in backward (default); False keeps
             ``model.step()`` as the only step, communicating there (``shmtrain train``'s
             :class:`~shmtrain.runtime.train.trainer.Trainer` sets it, see :attr:`ddp_style`).
+            Without it, ``ssgd --overlap`` on a GPU may step a bucket's parameters during
+            backward, as soon as its mean is back (``strategies/partial_step.py``): read the
+            weights before backward or after ``model.step()``, not between.
         **options: the strategy's Config fields (when ``config`` is not given).
     """
 
