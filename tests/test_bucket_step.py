@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -146,18 +147,24 @@ def test_the_loop_clipping_and_loss_scaling_keep_the_one_step() -> None:
 
 def _train(ctx, optimizer: str, steps: int, **kw: Any) -> dict[str, Any]:
     """Train the net ``steps`` iterations with ssgd --overlap staged; the weights' digest
-    per step and what the strategy did (events: landings and steps, with their thread)."""
+    per step and what the strategy did (events: landings and steps, with their thread).
+    ``trainer``: through the Trainer, with a learning-rate schedule and --accumulate 2."""
     from shmtrain.api import DataParallel
+    from shmtrain.runtime.train.trainer import Trainer
 
     model = _net()
     opt = {"sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
            "adam": lambda: torch.optim.Adam(model.parameters(), lr=0.01),
            "mysgd": lambda: type("MySGD", (torch.optim.SGD,), {})(model.parameters(), lr=0.05)}[optimizer]()
-    single = kw.pop("single", False)
+    single, through_trainer = kw.pop("single", False), kw.pop("trainer", False)
     transports = Tagged(ctx, kw.pop("tag", "0"))
     dp = DataParallel(model, opt, "ssgd", ctx=ctx, ddp_style=kw.pop("ddp_style", False), transports=transports,
                       **OVERLAP, **kw)
     strategy = dp.strategy
+    trainer = None
+    if through_trainer:
+        schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
+        trainer = Trainer(dp, nn.CrossEntropyLoss(), dp.timer, scheduler=schedule, accumulate=2)
     if single:  # the reference: the loop's own reason for the one step after backward
         strategy.whole_step_reason = "reference"
     events: list[tuple] = []
@@ -186,17 +193,20 @@ def _train(ctx, optimizer: str, steps: int, **kw: Any) -> dict[str, Any]:
         mine = slice(ctx.rank * 6, (ctx.rank + 1) * 6)
         start[:] = [[p.detach().clone() for p in ps] for ps in buckets]
         events.clear()
-        opt.zero_grad() if dp.ddp_style else dp.zero_grad()
-        nn.functional.cross_entropy(dp(x[mine]), y[mine]).backward()
-        events.append(("backward-returned", -1, threading.get_ident(), []))
-        opt.step() if dp.ddp_style else dp.step()
+        if trainer is not None:
+            trainer.step((x[mine], y[mine]))
+        else:
+            opt.zero_grad() if dp.ddp_style else dp.zero_grad()
+            nn.functional.cross_entropy(dp(x[mine]), y[mine]).backward()
+            events.append(("backward-returned", -1, threading.get_ident(), []))
+            opt.step() if dp.ddp_style else dp.step()
         iterations.append(list(events))
         details.append(dp.timer.take_details())
         digests.append(_digest(model))
     state = hashlib.sha1(repr(opt.state_dict()["param_groups"]).encode()).hexdigest()
     result = {"digests": digests, "events": iterations, "reason": strategy.bucket_step_reason,
               "details": details, "main": threading.get_ident(), "buckets": len(buckets), "groups": state,
-              "state": _state(opt)}
+              "state": _state(opt), "lr": opt.param_groups[0]["lr"]}
     dp.close()
     return result
 
@@ -213,9 +223,13 @@ def equality_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """Per optimizer: per-bucket steps and the one step; then the fallback cases."""
     os.environ[STAGING_ENV] = "copy"
     out = {}
-    for optimizer in ("sgd", "adam"):
-        out[optimizer] = {mode: _train(ctx, optimizer, payload["steps"], single=mode == "single",
-                                       tag=f"{optimizer}-{mode}") for mode in ("bucket", "single")}
+    for optimizer in ("sgd", "adam", "trainer"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[optimizer] = {mode: _train(ctx, "sgd" if optimizer == "trainer" else optimizer, payload["steps"],
+                                           single=mode == "single", trainer=optimizer == "trainer",
+                                           tag=f"{optimizer}-{mode}") for mode in ("bucket", "single")}
+        out[optimizer]["warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
     out["clip"] = _train(ctx, "sgd", 2, grad_clip=0.5, tag="clip")
     out["mysgd"] = _train(ctx, "mysgd", 2, tag="mysgd")
     out["ddp_style"] = _train(ctx, "sgd", 2, ddp_style=True, tag="ddp")
@@ -228,12 +242,15 @@ def _steps(events: list[tuple]) -> list[int]:
 
 def test_per_bucket_steps_equal_one_step_and_fallbacks_take_one_step() -> None:
     """2 workers, staged: SGD with momentum and Adam stepped per bucket hold the bits of
-    the one step after backward every iteration (and equal state); --grad-clip, an
+    the one step after backward every iteration (and equal state), and so does SGD through
+    the Trainer with a learning-rate schedule and --accumulate 2 (no scheduler warning:
+    it sees the steps); --grad-clip, an
     optimizer not on the list and the DDP-style loop step once, saying why."""
     results = launch("test_bucket_step:equality_worker", 2, {"steps": 4}, timeout=150)
     for rank, result in enumerate(results):
-        for optimizer in ("sgd", "adam"):
+        for optimizer in ("sgd", "adam", "trainer"):
             bucket, single = result[optimizer]["bucket"], result[optimizer]["single"]
+            assert not result[optimizer]["warnings"] and bucket["lr"] == single["lr"]
             assert bucket["reason"] is None and single["reason"] == "reference"
             assert bucket["buckets"] >= 4
             assert bucket["digests"] == single["digests"], f"rank {rank} {optimizer}: per-bucket weights differ"
