@@ -255,7 +255,8 @@ def test_per_bucket_steps_equal_one_step_and_fallbacks_take_one_step() -> None:
             assert bucket["buckets"] >= 4
             assert bucket["digests"] == single["digests"], f"rank {rank} {optimizer}: per-bucket weights differ"
             assert bucket["state"] == single["state"] and bucket["groups"] == single["groups"]
-            assert bucket["details"][0]["optimizer_step"] == "per bucket"
+            assert bucket["details"][0]["optimizer_step"] == f"per bucket ({bucket['buckets']} buckets)"
+            assert all(0 <= d["buckets_stepped_early"] <= bucket["buckets"] for d in bucket["details"])
             assert single["details"][0]["optimizer_step"] == "after backward (reference)"
             for events in bucket["events"]:  # every bucket stepped once, each after its landing
                 assert sorted(_steps(events)) == list(range(bucket["buckets"]))

@@ -38,7 +38,8 @@ a bucket holds are those whose gradients are complete, so backward reads them no
 optimizers and settings where that equals one step after backward; otherwise
 (``--grad-clip``, ``--amp fp16``, an optimizer not known to be per-parameter, the
 DDP-style loop, ...) the optimizer steps once, after backward, and ``bucket_step_reason``
-says why (the first iteration's ``optimizer_step`` detail in the run's metrics).
+says why (the first iteration's ``optimizer_step`` detail in the run's metrics; with
+per-bucket steps, ``buckets_stepped_early`` counts those the courier stepped).
 """
 
 from __future__ import annotations
@@ -234,11 +235,14 @@ class OverlapSSGD(Strategy):
         means landed after backward, in bucket order."""
         reason = self.bucket_step_reason
         if reason != self._reported:  # the first iteration, and when the reason changes
-            self.timer.detail("optimizer_step", "per bucket" if reason is None else f"after backward ({reason})")
+            self.timer.detail("optimizer_step", f"per bucket ({len(self._sizes)} buckets)" if reason is None
+                              else f"after backward ({reason})")
             self._reported = reason
         if self.staging is None or reason is not None:
             self.step_optimizer()
             return
+        # the buckets the courier stepped as their means landed (the others are stepped here)
+        self.timer.detail("buckets_stepped_early", int(self._stepped.sum()))
         for b in np.flatnonzero(~self._stepped):
             self._step_bucket(int(b))
 
