@@ -60,7 +60,7 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def _digest(model: nn.Module) -> str:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     return hashlib.sha1(flat.numpy().tobytes()).hexdigest()
 
 
@@ -152,7 +152,8 @@ def _train(ctx, optimizer: str, steps: int, **kw: Any) -> dict[str, Any]:
     from shmtrain.api import DataParallel
     from shmtrain.runtime.train.trainer import Trainer
 
-    model = _net()
+    device = torch.device(kw.pop("device", "cpu"))
+    model = _net().to(device)
     opt = {"sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
            "adam": lambda: torch.optim.Adam(model.parameters(), lr=0.01),
            "mysgd": lambda: type("MySGD", (torch.optim.SGD,), {})(model.parameters(), lr=0.05)}[optimizer]()
@@ -188,8 +189,8 @@ def _train(ctx, optimizer: str, steps: int, **kw: Any) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     digests, iterations, details = [], [], []
     for _ in range(steps):
-        x = torch.randn((2 * 6, 8), generator=gen)
-        y = torch.randint(0, 4, (2 * 6,), generator=gen)
+        x = torch.randn((2 * 6, 8), generator=gen).to(device)
+        y = torch.randint(0, 4, (2 * 6,), generator=gen).to(device)
         mine = slice(ctx.rank * 6, (ctx.rank + 1) * 6)
         start[:] = [[p.detach().clone() for p in ps] for ps in buckets]
         events.clear()
@@ -303,3 +304,21 @@ def test_each_bucket_steps_as_its_mean_lands_before_the_last_lands() -> None:
             assert e[1:2] and e[3] == list(range(e[1] + 1)), e
             assert e[2] != result["main"], "a per-bucket step ran on the training thread"
     assert result["sub_batch"].startswith("--sub-batch 2: the parts' threads run copies"), result["sub_batch"]
+
+
+def cuda_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    """On the GPU (every worker on GPU 0): per-bucket steps and the one step."""
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    return {optimizer: {mode: _train(ctx, optimizer, 3, single=mode == "single", device="cuda:0",
+                                     tag=f"{optimizer}-{mode}")["digests"] for mode in ("bucket", "single")}
+            for optimizer in ("sgd", "adam")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_per_bucket_steps_on_cuda_equal_one_step() -> None:
+    """The stream-ordered per-bucket step (after a stream wait for the copies back) holds
+    the one step's bits on a GPU too (foreach kernels on both paths)."""
+    for rank, result in enumerate(launch("test_bucket_step:cuda_worker", 2, {}, timeout=170)):
+        for optimizer, runs in result.items():
+            assert runs["bucket"] == runs["single"], f"rank {rank} {optimizer}: per-bucket weights differ on cuda"
