@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from shmtrain.fabric.staging import STAGING_ENV
-from shmtrain.fabric.transports import Transports
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.partial_step import (
     PER_PARAMETER,
@@ -118,18 +117,6 @@ def test_what_cannot_step_in_parts_says_why() -> None:
     assert scheduled._opt_called is True
 
 
-class Tagged(Transports):
-    """Each run its own bucket channels: a second strategy on one context would read the
-    first's sequence words (one strategy per context, ``Strategy.steps``)."""
-
-    def __init__(self, ctx, tag: str) -> None:
-        super().__init__(ctx)
-        self.tag = tag
-
-    def bucket_reducer(self, *args: Any, tag: str = "buckets", **kwargs: Any) -> Any:
-        return super().bucket_reducer(*args, tag=f"{tag}-{self.tag}", **kwargs)
-
-
 def test_the_loop_clipping_and_loss_scaling_keep_the_one_step() -> None:
     """:func:`whole_step_reason`: the loop's own reason first, then --grad-clip, --amp fp16,
     then the optimizer's."""
@@ -158,8 +145,7 @@ def _train(ctx, optimizer: str, steps: int, **kw: Any) -> dict[str, Any]:
            "adam": lambda: torch.optim.Adam(model.parameters(), lr=0.01),
            "mysgd": lambda: type("MySGD", (torch.optim.SGD,), {})(model.parameters(), lr=0.05)}[optimizer]()
     single, through_trainer = kw.pop("single", False), kw.pop("trainer", False)
-    transports = Tagged(ctx, kw.pop("tag", "0"))
-    dp = DataParallel(model, opt, "ssgd", ctx=ctx, ddp_style=kw.pop("ddp_style", False), transports=transports,
+    dp = DataParallel(model, opt, "ssgd", ctx=ctx, ddp_style=kw.pop("ddp_style", False),
                       **OVERLAP, **kw)
     strategy = dp.strategy
     trainer = None
@@ -228,12 +214,12 @@ def equality_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out[optimizer] = {mode: _train(ctx, "sgd" if optimizer == "trainer" else optimizer, payload["steps"],
-                                           single=mode == "single", trainer=optimizer == "trainer",
-                                           tag=f"{optimizer}-{mode}") for mode in ("bucket", "single")}
+                                           single=mode == "single", trainer=optimizer == "trainer")
+                              for mode in ("bucket", "single")}
         out[optimizer]["warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
-    out["clip"] = _train(ctx, "sgd", 2, grad_clip=0.5, tag="clip")
-    out["mysgd"] = _train(ctx, "mysgd", 2, tag="mysgd")
-    out["ddp_style"] = _train(ctx, "sgd", 2, ddp_style=True, tag="ddp")
+    out["clip"] = _train(ctx, "sgd", 2, grad_clip=0.5)
+    out["mysgd"] = _train(ctx, "mysgd", 2)
+    out["ddp_style"] = _train(ctx, "sgd", 2, ddp_style=True)
     return out
 
 
@@ -282,8 +268,7 @@ def order_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     os.environ[STAGING_ENV] = "copy"
     result = _train(ctx, "sgd", 1)
     model = _net()  # --sub-batch: the Trainer gives the strategy its reason
-    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), "ssgd", ctx=ctx,
-                      transports=Tagged(ctx, "sub"), **OVERLAP)
+    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), "ssgd", ctx=ctx, **OVERLAP)
     trainer = Trainer(dp, nn.CrossEntropyLoss(), dp.timer, sub_batch=2)
     result["sub_batch"] = whole_step_reason(dp.strategy)
     trainer.close()
@@ -310,9 +295,9 @@ def cuda_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """On the GPU (every worker on GPU 0): per-bucket steps and the one step."""
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    return {optimizer: {mode: _train(ctx, optimizer, 3, single=mode == "single", device="cuda:0",
-                                     tag=f"{optimizer}-{mode}")["digests"] for mode in ("bucket", "single")}
-            for optimizer in ("sgd", "adam")}
+    modes = ("bucket", "single")
+    return {optimizer: {mode: _train(ctx, optimizer, 3, single=mode == "single", device="cuda:0")["digests"]
+                        for mode in modes} for optimizer in ("sgd", "adam")}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -45,3 +46,25 @@ def test_split_covers_every_element_once() -> None:
             assert chunks[0][0] == 0 and chunks[-1][1] == numel
             assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
             assert all(lo % 16 == 0 for lo, _ in chunks if lo < numel)
+
+
+def reused_tag_worker(ctx, payload: dict[str, Any]) -> list[float]:
+    """Three calls of one allreduce, then a new one of the same tag: the late rank's input
+    must be waited for, not taken from the words the first one left at 3."""
+    first = ShmAllreduce(ctx.host, 64, op="sum", tag="again")
+    for _ in range(3):
+        first.input().fill_(1.0)
+        first()
+    first.close()
+    second = ShmAllreduce(ctx.host, 64, op="sum", tag="again")
+    if ctx.rank == 1:
+        time.sleep(0.3)
+    second.input().fill_(float(ctx.rank + 10))
+    result = second().clone()
+    second.close()
+    return result.tolist()
+
+
+def test_a_tag_used_again_starts_from_zero() -> None:
+    for result in launch("test_shm_allreduce:reused_tag_worker", 2, {}):
+        assert result == [21.0] * 64

@@ -245,6 +245,11 @@ class ControlBlock:
                 futex_wake(self._base + idx * 4)
                 return
 
+    def reset_channel(self, channel: int) -> None:
+        """Zero every rank's word of ``channel`` (only while no rank uses it)."""
+        for rank in range(self.local_world):
+            self._i32[self._index(channel, rank)] = 0
+
     def _index(self, channel: int, rank: int) -> int:
         """The int32 index of ``rank``'s word of ``channel`` (cached: posts and waits are hot)."""
         key = channel * 4096 + rank

@@ -61,10 +61,22 @@ class HostGroup:
         return range(self.local_world)
 
     def channel(self, name: str) -> int:
-        """A channel id for ``name``; every local rank must ask in the same order."""
+        """A channel id for ``name``; every local rank must ask in the same order.
+
+        A name asked for again (a second training, or a second allreduce of the same tag,
+        on the same context) gets its channel back with every word at zero, since its new
+        user counts from 1 and a word left at the old user's count would pass every wait:
+        the ranks meet (all are past the old user), local rank 0 zeroes the words, and
+        they meet again before anyone posts."""
         if name not in self._channels:
             self._channels[name] = len(self._channels)
-        return self._channels[name]
+            return self._channels[name]
+        channel = self._channels[name]
+        self.barrier(f"the reuse of channel {name!r}")
+        if self.local_rank == 0:
+            self.control.reset_channel(channel)
+        self.barrier(f"the reuse of channel {name!r}")
+        return channel
 
     def allocate(
         self, tag: str, nbytes: int, init: Callable[[SharedSegment], None] | None = None
