@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import descendants, worker_process
 from shmtrain.fabric.segment import leftover
@@ -61,6 +62,7 @@ def test_sigkill_of_a_worker_fails_the_run_naming_it(tmp_path: Path) -> None:
     assert_all_gone(launcher, workers)
 
 
+@pytest.mark.slow  # ~17 s; test_checkpoint's Ctrl-C (exit 130, every worker gone, no segment) runs by default
 def test_ctrl_c_stops_every_worker_and_cleans_up(tmp_path: Path) -> None:
     launcher = start_long_run(tmp_path / "run")
     wait_for_training(tmp_path / "run", launcher)

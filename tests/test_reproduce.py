@@ -24,8 +24,9 @@ def test_every_required_reproduction_is_registered() -> None:
     assert REQUIRED <= set(NAMES), sorted(REQUIRED - set(NAMES))
 
 
-#: the reproductions over ~40 s of CPU even --quick: by hand (pytest -m slow), the rest by default
-HEAVY = {"caffegpi-scaling", "shmcaffe-table2"}
+#: the reproductions over ~15 s even --quick: by hand (pytest -m slow); the rest, and the frame
+#: every reproduction writes through (its files, its claims), by default
+HEAVY = {"caffegpi-scaling", "shmcaffe-table2", "trl-table3", "swcaffe-fig10-11", "shmcaffe-tables5-6"}
 
 
 @pytest.mark.timeout(170)

@@ -143,13 +143,16 @@ def test_a_ctrl_c_while_the_zygote_closes_at_exit_prints_no_traceback() -> None:
             seen.append(signal.getsignal(signal.SIGINT))
             raise KeyboardInterrupt  # the third Ctrl-C, typed while the launcher exits
 
+    # a shell's background job starts with SIGINT ignored: give the test Python's own handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     real, zygote._ZYGOTE = zygote._ZYGOTE, Closing()  # type: ignore[assignment]
     try:
         zygote.shutdown()  # no KeyboardInterrupt out of an atexit handler
+        assert seen == [signal.SIG_IGN, "killed"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     finally:
         zygote._ZYGOTE = real
-    assert seen == [signal.SIG_IGN, "killed"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, before)
 
 
 def test_dataparallel_waits_for_peers_as_long_as_the_timeout_says(monkeypatch) -> None:
