@@ -83,6 +83,39 @@ def test_average_policy() -> None:
     assert not Termination("average", FakeBoard(0, [0, 5, 5], [T, T, T])).decide(10**6, None)
 
 
+def test_average_across_hosts_waits_for_a_host_that_is_behind() -> None:
+    """Workers 0, 1 on host 0, 2, 3 on host 1: the total (4 x 10) is reached by host 0
+    alone, but host 1's training workers have done less than half their share (mean 2 <
+    5), so nobody stops; once host 1's mean reaches 5 the job ends; without ``hosts`` (or
+    on one host) the total alone decides, as before."""
+    hosts = [0, 0, 1, 1]
+    behind = [38, 38, 2, 2]
+    assert Termination("average", FakeBoard(0, behind, [T] * 4)).decide(38, 10)  # one host's rule
+    assert not Termination("average", FakeBoard(0, behind, [T] * 4), hosts=hosts).decide(38, 10)
+    assert not Termination("average", FakeBoard(2, behind, [T] * 4), hosts=hosts).decide(2, 10)  # the slow host too
+    assert Termination("average", FakeBoard(0, [30, 30, 5, 5], [T] * 4), hosts=hosts).decide(30, 10)
+    assert Termination("average", FakeBoard(2, [30, 30, 5, 5], [T] * 4), hosts=hosts).decide(5, 10)
+    # the total still has to be reached: a host at its share ends nothing early
+    assert not Termination("average", FakeBoard(0, [6, 6, 6, 6], [T] * 4), hosts=hosts).decide(6, 10)
+    # on one host (every rank's host the same) nothing changes
+    assert Termination("average", FakeBoard(0, behind, [T] * 4), hosts=[0] * 4).decide(38, 10)
+
+
+def test_average_across_hosts_never_waits_for_a_dead_or_finished_host() -> None:
+    """A host whose workers died (the board's alive()) or finished is not waited for, so a
+    lost host does not hold the job; one live worker of a host keeps it counted."""
+    hosts = [0, 0, 1, 1]
+    dead = FakeBoard(0, [38, 38, 2, 2], [T] * 4, [True, True, False, False])
+    assert Termination("average", dead, hosts=hosts).decide(38, 10)
+    finished = FakeBoard(0, [38, 38, 2, 2], [T, T, D, D])
+    assert Termination("average", finished, hosts=hosts).decide(38, 10)
+    one_left = FakeBoard(0, [38, 38, 2, 2], [T] * 4, [True, True, False, True])
+    assert not Termination("average", one_left, hosts=hosts).decide(38, 10)
+    # the other policies are untouched by hosts
+    assert Termination("first", FakeBoard(0, [2, 2, 2, 2], [T] * 4), hosts=hosts).decide(10, 10)
+    assert Termination("master", FakeBoard(0, [2, 2, 2, 2], [T] * 4), hosts=hosts).decide(10, 10)
+
+
 def test_decision_is_published_and_sticky() -> None:
     board = FakeBoard(2, [10, 10, 0], [T, T, T])
     term = Termination("average", board)

@@ -157,7 +157,9 @@ class SharedWeightsStrategy(Strategy):
         self.global_weights, self.weight_increment = open_global_weights(
             self.service, self.weights, increment=self.updates_global, rejoin=rejoined
         )
-        self.termination = Termination(config.terminate, self.service.board)
+        local = getattr(ctx, "local_world", 0) or ctx.world_size
+        hosts = [r // local for r in range(ctx.world_size)] if getattr(ctx, "num_nodes", 1) > 1 else None
+        self.termination = Termination(config.terminate, self.service.board, hosts=hosts)
         if rejoined:
             self.rejoin()
         self.service.board.set_progress(self.iteration, STATE_TRAINING)

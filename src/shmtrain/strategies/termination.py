@@ -21,6 +21,16 @@ one of the paper's three criteria:
 A worker known to be dead never counts as finished (it did not finish), so the others
 train on; under ``average`` its frozen count stays in the mean and the survivors make
 up for it. Deciding never blocks: no worker waits for a peer that has stopped.
+
+A host that is behind (``average`` with workers on several hosts, ``hosts`` given): the
+total alone would let a fast host end the job while a host across a slow link has done
+almost nothing, so its data barely counts (measured: 15 iterations of 400 on the far
+host, docs/choosing_a_method.md). The rule: the job does not end while a host with a
+live training worker has done less than :data:`MIN_HOST_SHARE` of its share, the mean
+iterations of those of its workers still training (this one included) below
+``MIN_HOST_SHARE x target``; the others train on meanwhile (their iterations count in
+the total as before). A host whose workers all died or finished is not waited for, so a
+lost host never holds the job; on one host nothing changes.
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
 Policy = Literal["master", "first", "average"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 MASTER = 0
+#: the share of its target a host's training workers must have done on average before
+#: ``average`` may end a job that spans hosts (see the module's docstring)
+MIN_HOST_SHARE = 0.5
 
 
 def check_terminate(value: str) -> None:
@@ -54,14 +67,18 @@ class Termination:
         board: the progress board (progress, state and liveness of every worker; a
             buffer service's ``board``). This worker is ``board.rank``.
         voters: the ranks whose progress and state count (default: every worker).
+        hosts: the host of every rank (indexed by rank), when the workers span hosts:
+            ``average`` then waits for a host that is behind (the module's docstring).
     """
 
-    def __init__(self, policy: str, board: ProgressBoard, voters: Sequence[int] | None = None) -> None:
+    def __init__(self, policy: str, board: ProgressBoard, voters: Sequence[int] | None = None,
+                 hosts: Sequence[int] | None = None) -> None:
         check_terminate(policy)
         self.policy = policy
         self.board = board
         self.me = board.rank
         self.voters = list(range(board.world) if voters is None else voters)
+        self.hosts = list(hosts) if hosts is not None and len({hosts[r] for r in self.voters}) > 1 else None
         self.stopped = False
 
     def publish(self, iteration: int) -> None:
@@ -112,4 +129,24 @@ class Termination:
                 done = board.progress(r)
                 total += done + int(ahead and done < target and board.state(r) == STATE_TRAINING
                                     and board.alive(r))
-        return total >= target * len(self.voters)
+        return total >= target * len(self.voters) and not self.host_behind(iteration, target)
+
+    def host_behind(self, iteration: int, target: int) -> int | None:
+        """The first host whose live training workers (this one included, at ``iteration``)
+        have done less than ``MIN_HOST_SHARE x target`` on average; None when none has (or
+        the workers are on one host)."""
+        if self.hosts is None:
+            return None
+        board, counts = self.board, {}
+        for r in self.voters:
+            if r == self.me:
+                done = iteration
+            elif board.alive(r) and board.state(r) == STATE_TRAINING:
+                done = board.progress(r)
+            else:
+                continue
+            counts.setdefault(self.hosts[r], []).append(done)
+        for host, done in sorted(counts.items()):
+            if sum(done) < MIN_HOST_SHARE * target * len(done):
+                return host
+        return None
