@@ -116,6 +116,45 @@ def test_average_across_hosts_never_waits_for_a_dead_or_finished_host() -> None:
     assert Termination("master", FakeBoard(0, [2, 2, 2, 2], [T] * 4), hosts=hosts).decide(10, 10)
 
 
+class CatchingUp(FakeBoard):
+    """Ranks 2 and 3 (host 1) advance by one iteration each time rank 2's count is read."""
+
+    def progress(self, rank: int) -> int:
+        if rank == 2:
+            self._progress[2] += 1
+            self._progress[3] += 1
+        return self._progress[rank]
+
+
+def test_host_lead_paces_a_worker_ahead_until_the_host_behind_catches_up() -> None:
+    """``--host-lead 0.1``, target 100: rank 0 at 50 leads host 1 (mean 20) by 30 > 10, so
+    it sleeps in decide() until host 1's mean is within 10 (read by read, host 1 moves)."""
+    board = CatchingUp(0, [50, 50, 20, 20], [T] * 4)
+    term = Termination("average", board, hosts=[0, 0, 1, 1], lead=0.1)
+    assert not term.decide(50, 100)
+    assert 40 <= board._progress[2] <= 41 and term.paced > 0
+    # within the lead, or without hosts, or lead 0: no wait
+    for term in (Termination("average", FakeBoard(0, [50, 50, 45, 45], [T] * 4), hosts=[0, 0, 1, 1], lead=0.1),
+                 Termination("average", CatchingUp(0, [50, 50, 20, 20], [T] * 4), lead=0.1),
+                 Termination("average", CatchingUp(0, [50, 50, 20, 20], [T] * 4), hosts=[0, 0, 1, 1])):
+        assert not term.decide(50, 100) and term.paced < 0.05
+
+
+def test_host_lead_never_waits_for_a_dead_or_finished_host_nor_past_its_timeout() -> None:
+    hosts = [0, 0, 1, 1]
+    dead = Termination("average", FakeBoard(0, [50, 50, 2, 2], [T] * 4, [True, True, False, False]),
+                       hosts=hosts, lead=0.01)
+    finished = Termination("average", FakeBoard(0, [50, 50, 2, 2], [T, T, D, D]), hosts=hosts, lead=0.01)
+    for term in (dead, finished):
+        start = time.monotonic()
+        term.decide(50, 100)
+        assert time.monotonic() - start < 0.5
+    stuck = Termination("average", FakeBoard(0, [50, 50, 2, 2], [T] * 4), hosts=hosts, lead=0.01, timeout=0.3)
+    start = time.monotonic()
+    assert not stuck.decide(50, 100)  # it gave up waiting and trains on
+    assert 0.3 <= time.monotonic() - start < 2.0
+
+
 def test_decision_is_published_and_sticky() -> None:
     board = FakeBoard(2, [10, 10, 0], [T, T, T])
     term = Termination("average", board)
@@ -242,3 +281,11 @@ def test_a_post_just_before_the_peer_ends_is_no_failure(post_first: bool) -> Non
     finally:
         seg.unlink()
         seg.close()
+
+
+def test_host_lead_option_is_checked_and_named() -> None:
+    from shmtrain.strategies.base import build_config
+
+    assert build_config("seasgd", {"host_lead": 0.05}).host_lead == 0.05
+    with pytest.raises(ValueError, match=r"--host-lead 2 must lie in \[0, 1\]"):
+        build_config("hsgd", {"host_lead": 2})

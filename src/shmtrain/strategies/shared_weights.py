@@ -78,8 +78,19 @@ class AsyncConfig(StrategyConfig):
                           "lets the job span hosts); default: this host's shared memory"},
     )
 
+    #: across hosts: the share of the target a worker may lead another host's mean (0: no limit)
+    host_lead: float = field(
+        default=0.0,
+        metadata={"help": "across hosts: a worker more than this share of the target ahead of a host's mean "
+                          "waits for it (keeps the hosts' exchanges at one pace; 0: never waits, fully "
+                          "asynchronous)"},
+    )
+
     def __post_init__(self) -> None:
         check_update_interval(self.update_interval)
+        if not isinstance(self.host_lead, int | float) or not 0 <= self.host_lead <= 1:
+            raise ValueError(f"--host-lead {self.host_lead!r} must lie in [0, 1]: the share of the target a worker "
+                             "may lead another host (0: never waits); pass e.g. --host-lead 0.05")
         check_terminate(self.terminate)
         check_smb_server(self.smb_server)
 
@@ -97,7 +108,7 @@ class ElasticConfig(AsyncConfig):
     compress: str = field(default="", metadata={
         "help": "between hosts: exchange compressed differences with the memory server, topk:F,bits:B "
                 "(the kept share F of every chunk of 4096, B-bit values; error feedback on the increment, "
-                "a mirror of W_g per client; docs/parameter_servers.md); default: whole weights"})
+                "a mirror of W_g per client; docs/async.md); default: whole weights"})
 
     def __post_init__(self) -> None:
         AsyncConfig.__post_init__(self)
@@ -170,7 +181,8 @@ class SharedWeightsStrategy(Strategy):
         self.compressed = open_compressed(config, ctx, self.service, self.global_weights, self.weight_increment)
         local = getattr(ctx, "local_world", 0) or ctx.world_size
         hosts = [r // local for r in range(ctx.world_size)] if getattr(ctx, "num_nodes", 1) > 1 else None
-        self.termination = Termination(config.terminate, self.service.board, hosts=hosts)
+        self.termination = Termination(config.terminate, self.service.board, hosts=hosts,
+                                       lead=config.host_lead, timeout=ctx.timeout)
         if rejoined:
             self.rejoin()
         self.service.board.set_progress(self.iteration, STATE_TRAINING)

@@ -31,10 +31,19 @@ iterations of those of its workers still training (this one included) below
 ``MIN_HOST_SHARE x target``; the others train on meanwhile (their iterations count in
 the total as before). A host whose workers all died or finished is not waited for, so a
 lost host never holds the job; on one host nothing changes.
+
+Pacing the hosts (``lead``, ``--host-lead F``, off by default): a worker more than
+``F x target`` iterations ahead of a host's mean (that host's live training workers)
+sleeps in :meth:`Termination.decide` until it is not, so the hosts' exchanges with the
+global weights keep the same pace (bounded staleness between hosts; asynchronous within
+the bound). The worker with the fewest iterations never waits (it leads no host's mean),
+so pacing cannot deadlock; a host that dies or finishes is no longer waited for, and a
+wait that lasts ``timeout`` seconds gives up (the worker trains on).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Literal, get_args
 
@@ -69,10 +78,13 @@ class Termination:
         voters: the ranks whose progress and state count (default: every worker).
         hosts: the host of every rank (indexed by rank), when the workers span hosts:
             ``average`` then waits for a host that is behind (the module's docstring).
+        lead: with ``hosts``, the share of the target this worker may lead a host's mean
+            before it waits for that host (0: never waits).
+        timeout: seconds one pacing wait may last.
     """
 
     def __init__(self, policy: str, board: ProgressBoard, voters: Sequence[int] | None = None,
-                 hosts: Sequence[int] | None = None) -> None:
+                 hosts: Sequence[int] | None = None, lead: float = 0.0, timeout: float = 600.0) -> None:
         check_terminate(policy)
         self.policy = policy
         self.board = board
@@ -80,6 +92,9 @@ class Termination:
         self.voters = list(range(board.world) if voters is None else voters)
         self.hosts = list(hosts) if hosts is not None and len({hosts[r] for r in self.voters}) > 1 else None
         self.stopped = False
+        self.lead, self.timeout = lead, timeout
+        #: seconds this worker slept pacing the hosts
+        self.paced = 0.0
 
     def publish(self, iteration: int) -> None:
         """Record ``iteration`` iterations done by this worker (call after each one)."""
@@ -89,6 +104,8 @@ class Termination:
         """True when this worker must stop after ``iteration`` iterations."""
         if self.stopped:
             return True
+        if self.lead > 0 and self.hosts is not None and target is not None:
+            self.pace(iteration, target)
         stop = self._decide(iteration, target)
         if stop:
             self.mark_done(iteration)
@@ -131,12 +148,21 @@ class Termination:
                                     and board.alive(r))
         return total >= target * len(self.voters) and not self.host_behind(iteration, target)
 
-    def host_behind(self, iteration: int, target: int) -> int | None:
-        """The first host whose live training workers (this one included, at ``iteration``)
-        have done less than ``MIN_HOST_SHARE x target`` on average; None when none has (or
-        the workers are on one host)."""
-        if self.hosts is None:
-            return None
+    def pace(self, iteration: int, target: int) -> None:
+        """Sleep while this worker leads some host's mean by more than ``lead x target``
+        iterations (the module's docstring); never past ``timeout`` seconds."""
+        start = time.monotonic()
+        bound = max(1.0, self.lead * target)
+        delay = 0.001
+        while (means := self._host_means(iteration)) and iteration - min(means.values()) > bound:
+            if time.monotonic() - start > self.timeout:
+                break
+            time.sleep(delay)
+            delay = min(2 * delay, 0.02)
+        self.paced += time.monotonic() - start
+
+    def _host_means(self, iteration: int) -> dict[int, float]:
+        """Per host, the mean count of its live training workers (this one at ``iteration``)."""
         board, counts = self.board, {}
         for r in self.voters:
             if r == self.me:
@@ -146,7 +172,15 @@ class Termination:
             else:
                 continue
             counts.setdefault(self.hosts[r], []).append(done)
-        for host, done in sorted(counts.items()):
-            if sum(done) < MIN_HOST_SHARE * target * len(done):
+        return {host: sum(done) / len(done) for host, done in counts.items()}
+
+    def host_behind(self, iteration: int, target: int) -> int | None:
+        """The first host whose live training workers (this one included, at ``iteration``)
+        have done less than ``MIN_HOST_SHARE x target`` on average; None when none has (or
+        the workers are on one host)."""
+        if self.hosts is None:
+            return None
+        for host, mean in sorted(self._host_means(iteration).items()):
+            if mean < MIN_HOST_SHARE * target:
                 return host
         return None
