@@ -231,3 +231,25 @@ def test_the_option_is_taken_by_the_elastic_strategies_and_checked() -> None:
         assert build_config(name, {"compress": "topk:0.1,bits:4"}).compress == "topk:0.1,bits:4"
     with pytest.raises(ValueError, match="--compress 'topk:2'"):
         build_config("seasgd", {"compress": "topk:2"})
+
+
+@pytest.mark.slow  # two torchrun hosts on loopback: ~50 s on 2 cores
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["seasgd", pytest.param("hsgd", marks=pytest.mark.slow)])
+def test_two_hosts_compress_across_the_link_only_and_learn(tmp_path, strategy: str) -> None:
+    """Two torchrun launches, one host of 2 each, the job's own memory server next to rank
+    0: host 1's workers (hsgd: its group root) say they compress, host 0's do not; the job
+    ends with every worker's work counted (TERM average) and its model learned."""
+    import json
+
+    from test_torchrun import start_hosts
+
+    nodes = start_hosts(tmp_path, ["--strategy", strategy, "--iterations", "20", "--batch-size", "16",
+                                   "--compress", "topk:0.1,bits:4", "--host-lead", "0.1", "--no-progress"])
+    outputs = [p.communicate(timeout=240)[0].decode() for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), outputs
+    said = "exchanges with the memory server across the link compressed"
+    assert said not in outputs[0] and outputs[1].count(said) == (2 if strategy == "seasgd" else 1), outputs
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sum(summary["iterations_per_rank"].values()) >= 4 * 20
+    assert summary["accuracy"] > 0.2, summary["accuracy"]  # ten classes: 0.1 by chance

@@ -20,7 +20,7 @@ by torchrun inside each namespace with ``OMP_NUM_THREADS=1`` and no
   host's leader sends the top 1% of its host's pseudo-gradient in 4 bits, with error
   feedback; docs/diloco.md) instead of the bfloat16 exchange;
 - ``seasgd-topk``, ``hsgd-topk``: ``--compress topk:0.1,bits:4 --host-lead 0.05`` (compressed
-  differences across the link, hosts paced; docs/async.md); grid: lr 0.05, top 1%, lr 0.1;
+  differences across the link, hosts paced; docs/async.md); grid: lr 0.05, 0.1, 0.1 with alpha 0.5;
 - ``ddp``: PyTorch DistributedDataParallel over gloo among all four workers, flat
   (:mod:`shmtrain.bench.hosts_ddp`);
 - ``one-host``: ssgd on host a alone (2 workers), the shard of one host: with
@@ -146,8 +146,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
                              "diloco-topk": [_topk(0.05, 20), _topk(0.05, 10), _topk(0.02, 10)],
                              "hybrid-topk": [_topk(0.1, 10), _topk(0.05, 10), _topk(0.05, 20)],
                              "seasgd": _exchange(0.05, 0.1), "hsgd": _exchange(0.05, 0.1),
-                             "seasgd-topk": [{"lr": 0.05}, {"lr": 0.05, "compress": "topk:0.01,bits:4"}, {"lr": 0.1}],
-                             "hsgd-topk": [{"lr": 0.05}, {"lr": 0.05, "compress": "topk:0.01,bits:4"}, {"lr": 0.1}]},
+                             "seasgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}],
+                             "hsgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}]},
                     "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "diloco-topk", "hybrid-topk", "ddp",
                                 ONE_HOST]},
     "resnet18-1gbit": {"model": "shmtrain.bench.hosts_models:resnet18_gn_upscaled", "data": "digits",
