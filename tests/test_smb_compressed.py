@@ -233,9 +233,9 @@ def test_the_option_is_taken_by_the_elastic_strategies_and_checked() -> None:
         build_config("seasgd", {"compress": "topk:2"})
 
 
-@pytest.mark.slow  # two torchrun hosts on loopback: ~50 s on 2 cores
+@pytest.mark.slow  # two torchrun hosts on loopback: 25-50 s each on 2 cores
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["seasgd", pytest.param("hsgd", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", ["seasgd", "hsgd", "easgd"])
 def test_two_hosts_compress_across_the_link_only_and_learn(tmp_path, strategy: str) -> None:
     """Two torchrun launches, one host of 2 each, the job's own memory server next to rank
     0: host 1's workers (hsgd: its group root) say they compress, host 0's do not; the job
@@ -249,7 +249,7 @@ def test_two_hosts_compress_across_the_link_only_and_learn(tmp_path, strategy: s
     outputs = [p.communicate(timeout=240)[0].decode() for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs
     said = "exchanges with the memory server across the link compressed"
-    assert said not in outputs[0] and outputs[1].count(said) == (2 if strategy == "seasgd" else 1), outputs
+    assert said not in outputs[0] and outputs[1].count(said) == (1 if strategy == "hsgd" else 2), outputs
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert sum(summary["iterations_per_rank"].values()) >= 4 * 20
     assert summary["accuracy"] > 0.2, summary["accuracy"]  # ten classes: 0.1 by chance
