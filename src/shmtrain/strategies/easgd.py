@@ -61,7 +61,7 @@ class EASGD(SharedWeightsStrategy):
                 self.weights.sub_(self.difference)  # (3)
             if self.compressed is not None:
                 with timer.phase("ugw"):  # (4) across the link: C(difference + e), applied by the server
-                    self.compressed.accumulate(self.difference, self.config.moving_rate)
+                    self.compressed.accumulate(self.difference)
             else:
                 with timer.phase("wwi"):
                     self.service.write(self.weight_increment, self.difference)

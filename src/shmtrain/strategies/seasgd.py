@@ -164,7 +164,7 @@ class ElasticExchange:
                 self.host_increment.mul_(self.moving_rate)  # (5)
                 if self.compressed is not None:  # T.A1-T.A4 in one: C(dW_x + e_x), applied by the server
                     t1 = time.perf_counter()
-                    self.compressed.accumulate(self.host_increment, self.moving_rate)
+                    self.compressed.accumulate(self.host_increment)
                 else:
                     self.service.write(self.weight_increment_buffer, self.host_increment)  # T.A1
                     t1 = time.perf_counter()

@@ -30,7 +30,6 @@ notification that it was applied is a second reply (tag kind ``_VERDICT``).
 
 from __future__ import annotations
 
-import struct
 import threading
 from typing import TYPE_CHECKING
 
@@ -63,19 +62,10 @@ def codec_of(numel: int, code: int) -> Codec | None:
     return codec if codec.k == k else None
 
 
-def rate_word(rate: float) -> int:
-    """The header word of an accumulate's elastic rate: its float32 bits (0: none)."""
-    return struct.unpack("<i", struct.pack("<f", rate))[0]
-
-
-def rate_of(word: int) -> float:
-    return struct.unpack("<f", struct.pack("<i", word))[0]
-
-
 # -- the server's side ---------------------------------------------------------------------
 def serve_compressed(server: MemoryServer, client: int, header: torch.Tensor) -> None:
     """Answer a compressed read or accumulate of ``client`` (a trusted one)."""
-    op, seq, buffer_id, numel, code, dense = (int(x) for x in header[:6])  # dense: the rate, for an accumulate
+    op, seq, buffer_id, numel, code, dense = (int(x) for x in header[:6])
     tensor = server.buffers.get(buffer_id)
     codec = codec_of(numel, code) if numel > 0 else None
     if tensor is None or tensor.numel() != numel or tensor.dtype != torch.float32 or codec is None:
@@ -86,16 +76,12 @@ def serve_compressed(server: MemoryServer, client: int, header: torch.Tensor) ->
         return _read(server, client, seq, buffer_id, codec, bool(dense))
     payload = torch.empty(codec.nbytes, dtype=torch.uint8)
     work = server._links[client].recv([payload], 1, _tag(seq, _PAYLOAD_IN))
-    entry = _mirrors(server).get((client, buffer_id))
-    left_out = entry[2] if entry is not None and entry[0] == server._generation[client] else None
-    correction = None if left_out is None or not dense else (left_out, rate_of(dense))
-    _apply_when_whole(server, client, seq, work, payload, buffer_id, codec, correction)
+    _apply_when_whole(server, client, seq, work, payload, buffer_id, codec)
     server._reply(client, OK, seq)
 
 
-def _mirrors(server: MemoryServer) -> dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor | None]]:
-    """(client, buffer id) -> (the connection it was made on, the client's copy, padded;
-    what its last read left out, W_g − m_c then: None after a dense read)."""
+def _mirrors(server: MemoryServer) -> dict[tuple[int, int], tuple[int, torch.Tensor]]:
+    """(client, buffer id) -> (the connection it was made on, the client's copy, padded)."""
     return server.__dict__.setdefault("mirrors", {})
 
 
@@ -106,7 +92,7 @@ def _read(server: MemoryServer, client: int, seq: int, buffer_id: int, codec: Co
         mirror = torch.zeros(codec.padded(), dtype=torch.float32)
         with server._lock:
             mirror[:codec.numel].copy_(server.buffers[buffer_id])
-        mirrors[(client, buffer_id)] = (generation, mirror, None)
+        mirrors[(client, buffer_id)] = (generation, mirror)
         payload = mirror[:codec.numel]  # the client's next request waits until it has left
     elif entry is None or entry[0] != generation or entry[1].numel() != codec.padded():
         return server._bad(client, seq, f"compressed read of buffer {buffer_id} without a dense read first on this "
@@ -119,21 +105,16 @@ def _read(server: MemoryServer, client: int, seq: int, buffer_id: int, codec: Co
         payload = torch.empty(codec.nbytes, dtype=torch.uint8)
         codec.encode(difference, payload)
         codec.decode_add(payload, mirror)  # m_c += D(c), as the client does
-        codec.decode_add(payload, difference, -1.0)  # what is left out: W_g − m_c, for the next accumulate
-        mirrors[(client, buffer_id)] = (generation, mirror, difference)
     server._reply(client, OK, seq)
     server._track(client, "read", server._links[client].send([payload], 1, _tag(seq, _TO_CLIENT)), payload,
                   buffer_id)
 
 
 def _apply_when_whole(server: MemoryServer, client: int, seq: int, work, payload: torch.Tensor, buffer_id: int,
-                      codec: Codec, correction: tuple[torch.Tensor, float] | None) -> None:
+                      codec: Codec) -> None:
     """Watch a compressed increment in flight (as the server watches a write): once every
-    byte has arrived, add D(payload) − rate · r into the buffer exclusively and send the
-    update notification; a client lost mid-payload changes nothing. ``correction`` (r, rate):
-    the client took its increment rate (W_x − m_c) against its mirror, which its read left
-    r = W_g − m_c short of the W_g it read; subtracting rate · r makes the update the
-    elastic one, rate (W_x − W_g) (eq. (7)), instead of pushing W_g on along r."""
+    byte has arrived, add D(payload) into the buffer exclusively and send the update
+    notification; a client lost mid-payload changes nothing."""
     finished, failure = threading.Event(), []
 
     def watch() -> None:
@@ -141,8 +122,6 @@ def _apply_when_whole(server: MemoryServer, client: int, seq: int, work, payload
             work.wait()
             dense = torch.zeros(codec.padded(), dtype=torch.float32)
             codec.decode_add(payload, dense)
-            if correction is not None:
-                dense.sub_(correction[0], alpha=correction[1])
             with server._lock:
                 server.buffers[buffer_id].add_(dense[:codec.numel])  # eq. (7), one at a time
                 server.applied += 1
@@ -200,19 +179,16 @@ class CompressedGlobal:
         out.copy_(self.mirror[:codec.numel].view_as(out))
         return out
 
-    def accumulate(self, increment: torch.Tensor, rate: float = 0.0) -> int:
+    def accumulate(self, increment: torch.Tensor) -> int:
         """Add ``increment`` into W_g compressed (C(increment + e), e kept); returns when it
-        has been applied, with the server's count of applied accumulates. ``rate``: the
-        increment is ``rate (W_x − mirror)`` (the elastic one); the server then corrects it
-        by what the last read left out (:func:`_apply_when_whole`); 0: added as it is."""
+        has been applied, with the server's count of applied accumulates."""
         service, buffer = self.service, self.buffer
         payload = self.compressor.encode(increment.detach().reshape(-1).to("cpu", torch.float32))
         what = f"compressed accumulate into {buffer.key.name!r}"
         verdict = torch.zeros(REPLY_WORDS, dtype=torch.int64)
         with service._lock:
             service._drain()
-            seq, posted, _ = service._request(OP_CACCUMULATE, buffer.key.id, buffer.numel, spec_code(self.codec),
-                                              d=rate_word(rate))
+            seq, posted, _ = service._request(OP_CACCUMULATE, buffer.key.id, buffer.numel, spec_code(self.codec))
             applied = (service._call(lambda: service.pg.recv([verdict], 0, _tag(seq, _VERDICT)), "posting a receive"),
                        verdict)
             service._status(seq, posted, what)  # an error: nothing more moves (the verdict is never sent)
