@@ -182,7 +182,7 @@ class SharedWeightsStrategy(Strategy):
         local = getattr(ctx, "local_world", 0) or ctx.world_size
         hosts = [r // local for r in range(ctx.world_size)] if getattr(ctx, "num_nodes", 1) > 1 else None
         self.termination = Termination(config.terminate, self.service.board, hosts=hosts,
-                                       lead=config.host_lead, timeout=ctx.timeout)
+                                       lead=getattr(config, "host_lead", 0.0), timeout=ctx.timeout)
         if rejoined:
             self.rejoin()
         self.service.board.set_progress(self.iteration, STATE_TRAINING)
