@@ -83,6 +83,78 @@ def test_average_policy() -> None:
     assert not Termination("average", FakeBoard(0, [0, 5, 5], [T, T, T])).decide(10**6, None)
 
 
+def test_average_across_hosts_waits_for_a_host_that_is_behind() -> None:
+    """Workers 0, 1 on host 0, 2, 3 on host 1: the total (4 x 10) is reached by host 0
+    alone, but host 1's training workers have done less than half their share (mean 2 <
+    5), so nobody stops; once host 1's mean reaches 5 the job ends; without ``hosts`` (or
+    on one host) the total alone decides, as before."""
+    hosts = [0, 0, 1, 1]
+    behind = [38, 38, 2, 2]
+    assert Termination("average", FakeBoard(0, behind, [T] * 4)).decide(38, 10)  # one host's rule
+    assert not Termination("average", FakeBoard(0, behind, [T] * 4), hosts=hosts).decide(38, 10)
+    assert not Termination("average", FakeBoard(2, behind, [T] * 4), hosts=hosts).decide(2, 10)  # the slow host too
+    assert Termination("average", FakeBoard(0, [30, 30, 5, 5], [T] * 4), hosts=hosts).decide(30, 10)
+    assert Termination("average", FakeBoard(2, [30, 30, 5, 5], [T] * 4), hosts=hosts).decide(5, 10)
+    # the total still has to be reached: a host at its share ends nothing early
+    assert not Termination("average", FakeBoard(0, [6, 6, 6, 6], [T] * 4), hosts=hosts).decide(6, 10)
+    # on one host (every rank's host the same) nothing changes
+    assert Termination("average", FakeBoard(0, behind, [T] * 4), hosts=[0] * 4).decide(38, 10)
+
+
+def test_average_across_hosts_never_waits_for_a_dead_or_finished_host() -> None:
+    """A host whose workers died (the board's alive()) or finished is not waited for, so a
+    lost host does not hold the job; one live worker of a host keeps it counted."""
+    hosts = [0, 0, 1, 1]
+    dead = FakeBoard(0, [38, 38, 2, 2], [T] * 4, [True, True, False, False])
+    assert Termination("average", dead, hosts=hosts).decide(38, 10)
+    finished = FakeBoard(0, [38, 38, 2, 2], [T, T, D, D])
+    assert Termination("average", finished, hosts=hosts).decide(38, 10)
+    one_left = FakeBoard(0, [38, 38, 2, 2], [T] * 4, [True, True, False, True])
+    assert not Termination("average", one_left, hosts=hosts).decide(38, 10)
+    # the other policies are untouched by hosts
+    assert Termination("first", FakeBoard(0, [2, 2, 2, 2], [T] * 4), hosts=hosts).decide(10, 10)
+    assert Termination("master", FakeBoard(0, [2, 2, 2, 2], [T] * 4), hosts=hosts).decide(10, 10)
+
+
+class CatchingUp(FakeBoard):
+    """Ranks 2 and 3 (host 1) advance by one iteration each time rank 2's count is read."""
+
+    def progress(self, rank: int) -> int:
+        if rank == 2:
+            self._progress[2] += 1
+            self._progress[3] += 1
+        return self._progress[rank]
+
+
+def test_host_lead_paces_a_worker_ahead_until_the_host_behind_catches_up() -> None:
+    """``--host-lead 0.1``, target 100: rank 0 at 50 leads host 1 (mean 20) by 30 > 10, so
+    it sleeps in decide() until host 1's mean is within 10 (read by read, host 1 moves)."""
+    board = CatchingUp(0, [50, 50, 20, 20], [T] * 4)
+    term = Termination("average", board, hosts=[0, 0, 1, 1], lead=0.1)
+    assert not term.decide(50, 100)
+    assert 40 <= board._progress[2] <= 41 and term.paced > 0
+    # within the lead, or without hosts, or lead 0: no wait
+    for term in (Termination("average", FakeBoard(0, [50, 50, 45, 45], [T] * 4), hosts=[0, 0, 1, 1], lead=0.1),
+                 Termination("average", CatchingUp(0, [50, 50, 20, 20], [T] * 4), lead=0.1),
+                 Termination("average", CatchingUp(0, [50, 50, 20, 20], [T] * 4), hosts=[0, 0, 1, 1])):
+        assert not term.decide(50, 100) and term.paced < 0.05
+
+
+def test_host_lead_never_waits_for_a_dead_or_finished_host_nor_past_its_timeout() -> None:
+    hosts = [0, 0, 1, 1]
+    dead = Termination("average", FakeBoard(0, [50, 50, 2, 2], [T] * 4, [True, True, False, False]),
+                       hosts=hosts, lead=0.01)
+    finished = Termination("average", FakeBoard(0, [50, 50, 2, 2], [T, T, D, D]), hosts=hosts, lead=0.01)
+    for term in (dead, finished):
+        start = time.monotonic()
+        term.decide(50, 100)
+        assert time.monotonic() - start < 0.5
+    stuck = Termination("average", FakeBoard(0, [50, 50, 2, 2], [T] * 4), hosts=hosts, lead=0.01, timeout=0.3)
+    start = time.monotonic()
+    assert not stuck.decide(50, 100)  # it gave up waiting and trains on
+    assert 0.3 <= time.monotonic() - start < 2.0
+
+
 def test_decision_is_published_and_sticky() -> None:
     board = FakeBoard(2, [10, 10, 0], [T, T, T])
     term = Termination("average", board)
@@ -209,3 +281,11 @@ def test_a_post_just_before_the_peer_ends_is_no_failure(post_first: bool) -> Non
     finally:
         seg.unlink()
         seg.close()
+
+
+def test_host_lead_option_is_checked_and_named() -> None:
+    from shmtrain.strategies.base import build_config
+
+    assert build_config("seasgd", {"host_lead": 0.05}).host_lead == 0.05
+    with pytest.raises(ValueError, match=r"--host-lead 2 must lie in \[0, 1\]"):
+        build_config("hsgd", {"host_lead": 2})

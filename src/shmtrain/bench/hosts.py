@@ -19,6 +19,8 @@ by torchrun inside each namespace with ``OMP_NUM_THREADS=1`` and no
 - ``diloco-topk``, ``hybrid-topk``: the same with ``--compress topk:0.01,bits:4`` (each
   host's leader sends the top 1% of its host's pseudo-gradient in 4 bits, with error
   feedback; docs/diloco.md) instead of the bfloat16 exchange;
+- ``seasgd-topk``, ``hsgd-topk``: ``--compress topk:0.1,bits:4 --host-lead 0.05`` (compressed
+  differences across the link, hosts paced; docs/async.md); grid: lr 0.05, 0.1, 0.1 with alpha 0.5;
 - ``ddp``: PyTorch DistributedDataParallel over gloo among all four workers, flat
   (:mod:`shmtrain.bench.hosts_ddp`);
 - ``one-host``: ssgd on host a alone (2 workers), the shard of one host: with
@@ -94,6 +96,9 @@ METHODS: dict[str, list[str] | None] = {
     "diloco-topk": ["--strategy", "diloco", "--sync-every", "20", "--compress", "topk:0.01,bits:4"],
     "hybrid-topk": ["--strategy", "diloco", "--inner", "host-sync", "--sync-every", "20",
                     "--compress", "topk:0.01,bits:4"],
+    "seasgd-topk": ["--strategy", "seasgd", "--compress", "topk:0.1,bits:4", "--host-lead", "0.05"],
+    "hsgd-topk": ["--strategy", "hsgd", "--groups", "2", "--group-size", "2", "--compress", "topk:0.1,bits:4",
+                  "--host-lead", "0.05"],
     "ddp": None,
     # not in the default set: ssgd averaging its gradients in bfloat16 (half the bytes on the link)
     "ssgd-bf16": ["--strategy", "ssgd", "--allreduce", "shm", "--comm-dtype", "bf16"],
@@ -140,7 +145,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
                              "hybrid": [_outer(0.1, 10), _outer(0.05, 10), _outer(0.05, 20)],
                              "diloco-topk": [_topk(0.05, 20), _topk(0.05, 10), _topk(0.02, 10)],
                              "hybrid-topk": [_topk(0.1, 10), _topk(0.05, 10), _topk(0.05, 20)],
-                             "seasgd": _exchange(0.05, 0.1), "hsgd": _exchange(0.05, 0.1)},
+                             "seasgd": _exchange(0.05, 0.1), "hsgd": _exchange(0.05, 0.1),
+                             "seasgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}],
+                             "hsgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}]},
                     "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "diloco-topk", "hybrid-topk", "ddp",
                                 ONE_HOST]},
     "resnet18-1gbit": {"model": "shmtrain.bench.hosts_models:resnet18_gn_upscaled", "data": "digits",

@@ -11,7 +11,9 @@ The elastic difference is taken at the weights the gradient was computed at (W_x
 after the step as in SEASGD's eq. (5), and the exchange is synchronous: the worker reads
 W_g at the start of the iteration (``rgw``) and, after its step, applies eq. (3) (``ulw``),
 writes the difference (``wwi``) and waits while the buffer service's owner adds it into
-W_g (``ugw``), the parameter-server side of eq. (4). Nothing overlaps computation.
+W_g (``ugw``), the parameter-server side of eq. (4). Nothing overlaps computation. With
+``--compress`` a worker across a link from the memory server reads its mirror of W_g and
+sends the difference compressed (:mod:`shmtrain.strategies.elastic_compress`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ class EASGD(SharedWeightsStrategy):
         if not self._exchanging:
             return
         with self.timer.phase("rgw"):
-            self.service.read(self.global_weights, self.global_copy)
+            if self.compressed is not None:  # across the link: the mirror of W_g, updated compressed
+                self.compressed.read(self.global_copy)
+            else:
+                self.service.read(self.global_weights, self.global_copy)
         with self.timer.phase("ulw"):  # alpha (W_x - W_g), before the step moves W_x
             torch.sub(self.weights, self.global_copy, out=self.difference).mul_(self.config.moving_rate)
 
@@ -54,10 +59,14 @@ class EASGD(SharedWeightsStrategy):
             timer = self.timer
             with timer.phase("ulw"):
                 self.weights.sub_(self.difference)  # (3)
-            with timer.phase("wwi"):
-                self.service.write(self.weight_increment, self.difference)
-            with timer.phase("ugw"):  # (4), applied by the service's owner
-                self.service.wait(self.service.accumulate(self.weight_increment, self.global_weights))
+            if self.compressed is not None:
+                with timer.phase("ugw"):  # (4) across the link: C(difference + e), applied by the server
+                    self.compressed.accumulate(self.difference)
+            else:
+                with timer.phase("wwi"):
+                    self.service.write(self.weight_increment, self.difference)
+                with timer.phase("ugw"):  # (4), applied by the service's owner
+                    self.service.wait(self.service.accumulate(self.weight_increment, self.global_weights))
             t = timer.current
             timer.add("comm", sum(t.get(k, 0.0) for k in ("rgw", "ulw", "wwi", "ugw")))
             self._exchanging = False

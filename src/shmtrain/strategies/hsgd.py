@@ -103,7 +103,7 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
         if self.is_root:
             self.exchange = ElasticExchange(
                 self.service, self.global_weights, self.weight_increment, self.weights,
-                config.moving_rate, self.timer, ctx.timeout, self.staging,
+                config.moving_rate, self.timer, ctx.timeout, self.staging, self.compressed,
             )
         self._exchanges = 0
 

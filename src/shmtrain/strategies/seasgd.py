@@ -38,6 +38,7 @@ import torch
 
 from shmtrain.fabric.control import PeerTimeout
 from shmtrain.fabric.smb import Buffer, BufferService
+from shmtrain.fabric.smb.compressed import CompressedGlobal
 from shmtrain.fabric.staging import HostStaging
 from shmtrain.strategies.base import register
 from shmtrain.strategies.eq8 import Eq8Metrics
@@ -60,6 +61,10 @@ class ElasticExchange:
         staging: staged (a GPU, or ``copy`` mode): the difference leaves the device through
             it, and the update thread works on a host copy; None: it shares ``weights``'
             memory.
+        compressed: ``--compress`` across a link
+            (:class:`~shmtrain.fabric.smb.compressed.CompressedGlobal`): T1 reads W_g as this
+            worker's mirror, brought up to date by a compressed difference, and T.A1-T.A4
+            send C(dW_x + e_x) (applied by the server, eq. (7)); None: whole buffers.
     """
 
     def __init__(
@@ -72,8 +77,10 @@ class ElasticExchange:
         timer: PhaseTimer,
         timeout: float,
         staging: HostStaging | None = None,
+        compressed: CompressedGlobal | None = None,
     ) -> None:
         self.service = service
+        self.compressed = compressed
         self.global_weights = global_weights
         self.weight_increment_buffer = weight_increment
         self.weights = weights
@@ -106,7 +113,10 @@ class ElasticExchange:
         for name, seconds in times.items():
             self.timer.add(name, seconds)
         t1 = time.perf_counter()
-        self.service.read(self.global_weights, self.global_copy)  # T1
+        if self.compressed is not None:  # T1 across the link: the mirror, updated by a compressed difference
+            self.compressed.read(self.global_copy)
+        else:
+            self.service.read(self.global_weights, self.global_copy)  # T1
         t2 = time.perf_counter()
         difference = self.weight_increment
         torch.sub(self.weights, self.global_copy, out=difference)
@@ -152,10 +162,14 @@ class ElasticExchange:
                 if self._landing is not None:
                     self._landing.wait()
                 self.host_increment.mul_(self.moving_rate)  # (5)
-                self.service.write(self.weight_increment_buffer, self.host_increment)  # T.A1
-                t1 = time.perf_counter()
-                ticket = self.service.accumulate(self.weight_increment_buffer, self.global_weights)
-                self.service.wait(ticket)  # T.A2-T.A4: (7), applied by the service's owner
+                if self.compressed is not None:  # T.A1-T.A4 in one: C(dW_x + e_x), applied by the server
+                    t1 = time.perf_counter()
+                    self.compressed.accumulate(self.host_increment)
+                else:
+                    self.service.write(self.weight_increment_buffer, self.host_increment)  # T.A1
+                    t1 = time.perf_counter()
+                    ticket = self.service.accumulate(self.weight_increment_buffer, self.global_weights)
+                    self.service.wait(ticket)  # T.A2-T.A4: (7), applied by the service's owner
                 t2 = time.perf_counter()
                 times = {"wwi": t1 - t0, "ugw": t2 - t1}
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
@@ -198,7 +212,7 @@ class SEASGD(Eq8Metrics, SharedWeightsStrategy):
         self.exchange = ElasticExchange(
             self.service, self.global_weights, self.weight_increment, self.weights,
             config.moving_rate, self.timer, ctx.timeout,
-            self.make_staging(self.layout) if self.staged else None,
+            self.make_staging(self.layout) if self.staged else None, self.compressed,
         )
 
     def start_iteration(self) -> None:

@@ -23,9 +23,11 @@ from typing import ClassVar
 
 import torch
 
+from shmtrain.fabric.compress import parse_compress
 from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
 from shmtrain.fabric.smb import STATE_TRAINING, Buffer, BufferService
 from shmtrain.strategies.base import Strategy, StrategyConfig
+from shmtrain.strategies.elastic_compress import load_compress, open_compressed
 from shmtrain.strategies.termination import MASTER, Policy, Termination, check_terminate
 
 GLOBAL_WEIGHTS = "global_weights"
@@ -76,8 +78,19 @@ class AsyncConfig(StrategyConfig):
                           "lets the job span hosts); default: this host's shared memory"},
     )
 
+    #: across hosts: the share of the target a worker may lead another host's mean (0: no limit)
+    host_lead: float = field(
+        default=0.0,
+        metadata={"help": "across hosts: a worker more than this share of the target ahead of a host's mean "
+                          "waits for it (keeps the hosts' exchanges at one pace; 0: never waits, fully "
+                          "asynchronous)"},
+    )
+
     def __post_init__(self) -> None:
         check_update_interval(self.update_interval)
+        if not isinstance(self.host_lead, int | float) or not 0 <= self.host_lead <= 1:
+            raise ValueError(f"--host-lead {self.host_lead!r} must lie in [0, 1]: the share of the target a worker "
+                             "may lead another host (0: never waits); pass e.g. --host-lead 0.05")
         check_terminate(self.terminate)
         check_smb_server(self.smb_server)
 
@@ -91,9 +104,16 @@ class ElasticConfig(AsyncConfig):
         default=0.2, metadata={"help": "elastic averaging rate alpha in (0, 1] (ShmCaffe eqs. (3)-(7))"}
     )
 
+    #: the compressed exchange of a worker whose memory server is on another host
+    compress: str = field(default="", metadata={
+        "help": "between hosts: exchange compressed differences with the memory server, topk:F,bits:B "
+                "(the kept share F of every chunk of 4096, B-bit values; error feedback on the increment, "
+                "a mirror of W_g per client; docs/async.md); default: whole weights"})
+
     def __post_init__(self) -> None:
         AsyncConfig.__post_init__(self)
         check_moving_rate(self.moving_rate)
+        parse_compress(self.compress)
 
 
 def open_global_weights(
@@ -157,7 +177,12 @@ class SharedWeightsStrategy(Strategy):
         self.global_weights, self.weight_increment = open_global_weights(
             self.service, self.weights, increment=self.updates_global, rejoin=rejoined
         )
-        self.termination = Termination(config.terminate, self.service.board)
+        #: ``--compress`` across the link (None: whole weights, as on the server's host)
+        self.compressed = open_compressed(config, ctx, self.service, self.global_weights, self.weight_increment)
+        local = getattr(ctx, "local_world", 0) or ctx.world_size
+        hosts = [r // local for r in range(ctx.world_size)] if getattr(ctx, "num_nodes", 1) > 1 else None
+        self.termination = Termination(config.terminate, self.service.board, hosts=hosts,
+                                       lead=getattr(config, "host_lead", 0.0), timeout=ctx.timeout)
         if rejoined:
             self.rejoin()
         self.service.board.set_progress(self.iteration, STATE_TRAINING)
@@ -256,11 +281,15 @@ class SharedWeightsStrategy(Strategy):
             state["global_weights"] = self.service.read(
                 self.global_weights, torch.empty(self.layout.numel, dtype=self.layout.dtype)
             )
+        if getattr(self.config, "compress", ""):  # the spec, and the error feedback across the link
+            state["compress"] = {"spec": parse_compress(self.config.compress).text(),
+                                 **(self.compressed.state_dict() if self.compressed is not None else {})}
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """Collective: the master writes W_g back, then every worker may read it."""
         super().load_state_dict(state)
+        load_compress(getattr(self.config, "compress", ""), self.compressed, state.get("compress"))
         if self.service.rank == MASTER:
             self.service.write(self.global_weights, state["global_weights"])
         self.transports.barrier("global weights restored")

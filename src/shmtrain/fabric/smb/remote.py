@@ -166,8 +166,8 @@ class RemoteBufferService(BufferService):
                                f"{self.timeout:.0f} s while {what}")
         return PeerFailure(f"the memory server at {self.address} failed while {what}: {first_line(exc)}")
 
-    def _request(self, op: int, a: int = 0, b: int = 0, c: int = 0,
-                 landing: torch.Tensor | None = None) -> tuple[int, tuple[dist.Work, torch.Tensor], dist.Work | None]:
+    def _request(self, op: int, a: int = 0, b: int = 0, c: int = 0, landing: torch.Tensor | None = None,
+                 d: int = 0) -> tuple[int, tuple[dist.Work, torch.Tensor], dist.Work | None]:
         """Post the receive of the reply (and of a read's payload into ``landing``), then
         send one header; returns the sequence number, the reply's (work, tensor) and the
         payload's work (the caller holds the lock)."""
@@ -178,7 +178,7 @@ class RemoteBufferService(BufferService):
         payload = None
         if landing is not None:
             payload = self._call(lambda: self.pg.recv([landing], 0, _tag(seq, _TO_CLIENT)), "posting a receive")
-        header = torch.tensor([op, seq, a, b, c, 0, 0, 0], dtype=torch.int64)
+        header = torch.tensor([op, seq, a, b, c, d, 0, 0], dtype=torch.int64)
         self._call(lambda: self.pg.send([header], 0, TAG_REQUEST).wait(), f"sending request #{seq}")
         return seq, posted, payload
 

@@ -1,11 +1,10 @@
 """SMB-REMOTE's memory server: the process that owns the global buffers (ShmCaffe III-B, Figs. 5, 7).
 
-ShmCaffe's workers on many nodes reach one *remote* memory server that owns the global
-buffers and applies every accumulation itself, exclusively, one request at a time
-(Fig. 5). :class:`MemoryServer` is that process; its clients are
-:class:`~shmtrain.fabric.smb.remote.RemoteBufferService` (which also starts one next to a
-job's global rank 0: ``start_memory_server``), the messages between them
-:mod:`~shmtrain.fabric.smb.wire`'s; ``shmtrain smb-server`` runs one stand-alone.
+ShmCaffe's workers on many nodes reach one *remote* memory server that owns the global buffers and
+applies every accumulation itself, exclusively, one request at a time (Fig. 5). :class:`MemoryServer` is
+that process; its clients :class:`~shmtrain.fabric.smb.remote.RemoteBufferService` (which also starts
+one next to a job's global rank 0), the messages :mod:`~shmtrain.fabric.smb.wire`'s (compressed ones
+:mod:`~shmtrain.fabric.smb.compressed`'s); ``shmtrain smb-server`` runs one stand-alone.
 
 Security: the server listens on loopback unless told otherwise; a non-loopback bind
 needs a shared secret, and then every client proves it (HMAC-SHA256 of a nonce the
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from shmtrain.fabric.control import PeerTimeout, first_line
 from shmtrain.fabric.smb.board import ALIVE, DEAD, LEFT
+from shmtrain.fabric.smb.compressed import COMPRESSED_OPS, serve_compressed
 from shmtrain.fabric.smb.gate import Gate
 from shmtrain.fabric.smb.links import Acceptor, receive_requests
 from shmtrain.fabric.smb.snapshot import read_snapshot, write_snapshot
@@ -134,9 +134,6 @@ class MemoryServer(Gate):
         return bool(self._links) and len(self._links) >= self._world and not self.remaining
 
     # -- buffers ---------------------------------------------------------------------
-    def _buffer(self, buffer_id: int) -> torch.Tensor | None:
-        return self.buffers.get(buffer_id)
-
     def snapshot(self, path: str | Path) -> None:
         """Write every buffer and its key to ``path`` atomically (temporary file, fsync, rename)."""
         with self._lock:
@@ -383,13 +380,15 @@ class MemoryServer(Gate):
             drained = (op == OP_WRITE and self._drop_payload(client, seq, a, b)) or name is not None
             self._reply(client, REFUSED, seq, int(drained))
             return
+        if op in COMPRESSED_OPS:
+            return serve_compressed(self, client, header)
         if op in (OP_CREATE, OP_LOOKUP):
             if name is None:
                 return self._bad(client, seq, f"{OP_NAMES[op]} with a name of {c} bytes (1 to {NAME_BYTES})")
             return self._named(client, op, seq, name, a, b)
         if op in (OP_READ, OP_WRITE):
             with self._lock:  # a read counts as in flight from the buffer it takes, at once
-                tensor = self._buffer(a)
+                tensor = self.buffers.get(a)
                 if tensor is not None and b == tensor.numel() and op == OP_READ:
                     self._sending[id(tensor)] = self._sending.get(id(tensor), 0) + 1
             if tensor is None or b != tensor.numel():
@@ -409,7 +408,7 @@ class MemoryServer(Gate):
                 self._reply(client, OK, seq)
             return
         if op == OP_ACCUMULATE:
-            src, dst = self._buffer(a), self._buffer(b)
+            src, dst = self.buffers.get(a), self.buffers.get(b)
             if src is None or dst is None or src.numel() != dst.numel() or src.dtype != dst.dtype:
                 return self._bad(client, seq, f"accumulate {a} into {b}: unknown buffers or sizes differ")
             with self._lock:  # the buffers as they are now (a write that arrived replaces one)

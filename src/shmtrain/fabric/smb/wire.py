@@ -51,9 +51,12 @@ def _tag(seq: int, kind: int) -> int:
 
 
 OP_HELLO, OP_READ, OP_WRITE, OP_ACCUMULATE, OP_BYE, OP_CREATE, OP_LOOKUP = 1, 2, 3, 4, 5, 6, 7
+#: the compressed exchange of a client on another host (:mod:`~shmtrain.fabric.smb.compressed`)
+OP_CREAD, OP_CACCUMULATE = 8, 9
 #: what the server's log calls each op
 OP_NAMES = {OP_HELLO: "hello", OP_READ: "read", OP_WRITE: "write", OP_ACCUMULATE: "accumulate",
-            OP_BYE: "goodbye", OP_CREATE: "create", OP_LOOKUP: "lookup"}
+            OP_BYE: "goodbye", OP_CREATE: "create", OP_LOOKUP: "lookup", OP_CREAD: "compressed read",
+            OP_CACCUMULATE: "compressed accumulate"}
 OK, REFUSED, BAD_REQUEST, NOT_FOUND, TAKEN = 0, 1, 2, 3, 4
 _STATUS = {REFUSED: "refused: this client has not proven the shared secret",
            BAD_REQUEST: "malformed request", NOT_FOUND: "no such buffer name", TAKEN: "the name is already taken"}
