@@ -138,6 +138,13 @@ class Transports:
 
         return shm_compressed_allreduce(self.ctx.host, self.ctx.leaders, numel, spec, tag=tag)
 
+    def compressed_global(self, service, buffer, spec: CompressSpec):
+        """W_g seen through a memory server across a link with ``--compress``: C(dW + e) up,
+        a compressed difference against a mirror down (:class:`CompressedGlobal`)."""
+        from shmtrain.fabric.smb.compressed import CompressedGlobal
+
+        return CompressedGlobal(service, buffer, spec)
+
     def group_allreduce(
         self,
         group,

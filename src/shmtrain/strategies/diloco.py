@@ -156,7 +156,8 @@ class DiLoCo(Strategy):
                     "(1 − α) θ_global, α in [0, 1) (0 = DiLoCo; e.g. 0.5 with overlap)"})
         #: the compressed exchange: top-k of every chunk, B-bit values, error feedback
         compress: str = field(default="", metadata={
-            "help": "compress the pseudo-gradient between hosts: topk:F,bits:B (the kept share F of "
+            "help": "compress what crosses the link (diloco: the pseudo-gradient; seasgd, hsgd, easgd: "
+                    "the difference to W_g each way): topk:F,bits:B (the kept share F of "
                     "every 4096-element chunk, values of B = 2, 4, 8 or 32 bits) with error feedback "
                     "in the checkpoint, e.g. topk:0.01,bits:4 (SparseLoCo); empty = the exact exchange"})
         #: what a worker does between outer steps: train alone ("local"), or average

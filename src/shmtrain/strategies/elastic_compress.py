@@ -17,9 +17,9 @@ from typing import Any
 
 from shmtrain.fabric.compress import parse_compress
 from shmtrain.fabric.smb import Buffer, BufferService
-from shmtrain.fabric.smb.compressed import CompressedGlobal
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.wire import is_loopback, route_address
+from shmtrain.fabric.transports import Transports
 
 
 def server_on_this_host(address: str) -> bool:
@@ -41,8 +41,8 @@ def across_link(config: Any, ctx: Any) -> bool:
     return getattr(ctx, "num_nodes", 1) > 1 and getattr(ctx, "node_rank", 0) != 0
 
 
-def open_compressed(config: Any, ctx: Any, service: BufferService, global_weights: Buffer,
-                    increment: Buffer | None) -> CompressedGlobal | None:
+def open_compressed(config: Any, ctx: Any, transports: Transports, service: BufferService,
+                    global_weights: Buffer, increment: Buffer | None) -> Any:
     """This worker's compressed view of W_g, or None (no ``--compress``, a worker that
     does not exchange with W_g, or a server on this host)."""
     spec = parse_compress(getattr(config, "compress", ""))
@@ -50,14 +50,14 @@ def open_compressed(config: Any, ctx: Any, service: BufferService, global_weight
         return None
     if not across_link(config, ctx):
         return None
-    compressed = CompressedGlobal(service, global_weights, spec)
+    compressed = transports.compressed_global(service, global_weights, spec)
     print(f"shmtrain: rank {service.rank} exchanges with the memory server across the link compressed "
           f"(--compress {spec.text()}: {compressed.codec.nbytes} bytes each way per exchange instead of "
           f"{4 * global_weights.numel})", file=sys.stderr, flush=True)
     return compressed
 
 
-def load_compress(text: str, compressed: CompressedGlobal | None, saved: dict[str, Any] | None) -> None:
+def load_compress(text: str, compressed: Any, saved: dict[str, Any] | None) -> None:
     """Check a checkpoint's ``compress`` entry against this run's ``--compress`` (refused by
     name when they differ) and restore the error feedback of a worker across the link
     (its mirror is not restored: its first read after the resume is a dense one)."""

@@ -178,7 +178,8 @@ class SharedWeightsStrategy(Strategy):
             self.service, self.weights, increment=self.updates_global, rejoin=rejoined
         )
         #: ``--compress`` across the link (None: whole weights, as on the server's host)
-        self.compressed = open_compressed(config, ctx, self.service, self.global_weights, self.weight_increment)
+        self.compressed = open_compressed(config, ctx, self.transports, self.service, self.global_weights,
+                                          self.weight_increment)
         local = getattr(ctx, "local_world", 0) or ctx.world_size
         hosts = [r // local for r in range(ctx.world_size)] if getattr(ctx, "num_nodes", 1) > 1 else None
         self.termination = Termination(config.terminate, self.service.board, hosts=hosts,

@@ -31,7 +31,7 @@ notification that it was applied is a second reply (tag kind ``_VERDICT``).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any  # the server: server.py's MemoryServer, which imports this
 
 import torch
 
@@ -41,7 +41,6 @@ from shmtrain.fabric.smb.wire import _PAYLOAD_IN, _TO_CLIENT, _VERDICT, OK, OP_C
 
 if TYPE_CHECKING:
     from shmtrain.fabric.smb.remote import RemoteBufferService
-    from shmtrain.fabric.smb.server import MemoryServer
 
 COMPRESSED_OPS = (OP_CREAD, OP_CACCUMULATE)
 
@@ -63,7 +62,7 @@ def codec_of(numel: int, code: int) -> Codec | None:
 
 
 # -- the server's side ---------------------------------------------------------------------
-def serve_compressed(server: MemoryServer, client: int, header: torch.Tensor) -> None:
+def serve_compressed(server: Any, client: int, header: torch.Tensor) -> None:
     """Answer a compressed read or accumulate of ``client`` (a trusted one)."""
     op, seq, buffer_id, numel, code, dense = (int(x) for x in header[:6])
     tensor = server.buffers.get(buffer_id)
@@ -80,12 +79,12 @@ def serve_compressed(server: MemoryServer, client: int, header: torch.Tensor) ->
     server._reply(client, OK, seq)
 
 
-def _mirrors(server: MemoryServer) -> dict[tuple[int, int], tuple[int, torch.Tensor]]:
+def _mirrors(server: Any) -> dict[tuple[int, int], tuple[int, torch.Tensor]]:
     """(client, buffer id) -> (the connection it was made on, the client's copy, padded)."""
     return server.__dict__.setdefault("mirrors", {})
 
 
-def _read(server: MemoryServer, client: int, seq: int, buffer_id: int, codec: Codec, dense: bool) -> None:
+def _read(server: Any, client: int, seq: int, buffer_id: int, codec: Codec, dense: bool) -> None:
     mirrors, generation = _mirrors(server), server._generation[client]
     entry = mirrors.get((client, buffer_id))
     if dense:
@@ -110,7 +109,7 @@ def _read(server: MemoryServer, client: int, seq: int, buffer_id: int, codec: Co
                   buffer_id)
 
 
-def _apply_when_whole(server: MemoryServer, client: int, seq: int, work, payload: torch.Tensor, buffer_id: int,
+def _apply_when_whole(server: Any, client: int, seq: int, work, payload: torch.Tensor, buffer_id: int,
                       codec: Codec) -> None:
     """Watch a compressed increment in flight (as the server watches a write): once every
     byte has arrived, add D(payload) into the buffer exclusively and send the update
