@@ -143,8 +143,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
                     "grid": {"*": [{"lr": 0.02}, {"lr": 0.05}, {"lr": 0.1}],
                              "diloco": [_outer(0.05, 20), _outer(0.05, 10), _outer(0.02, 10)],
                              "hybrid": [_outer(0.1, 10), _outer(0.05, 10), _outer(0.05, 20)],
-                             "diloco-topk": [_topk(0.05, 20), _topk(0.05, 10), _topk(0.02, 10)],
-                             "hybrid-topk": [_topk(0.1, 10), _topk(0.05, 10), _topk(0.05, 20)],
+                             # pilots (docs/choosing_a_method.md): H 8-10, outer momentum 0.5-0.8
+                             "diloco-topk": [_topk(0.05, 8, 0.6), _topk(0.05, 10, 0.5), _topk(0.05, 8, 0.5)],
+                             "hybrid-topk": [_topk(0.05, 8), _topk(0.05, 10), _topk(0.05, 6)],
                              "seasgd": _exchange(0.05, 0.1), "hsgd": _exchange(0.05, 0.1),
                              "seasgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}],
                              "hsgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}]},
