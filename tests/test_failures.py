@@ -87,6 +87,7 @@ def test_sigkill_of_the_launcher_takes_the_workers_down(tmp_path: Path) -> None:
     assert not leftover(), leftover()
 
 
+@pytest.mark.slow  # ~15 s; killed workers whose peers train on: test_host_loss (hsgd, a whole host) by default
 def test_sigkill_of_an_async_worker_lets_the_others_finish(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = dict(os.environ, SHMTRAIN_NO_PROGRESS="1")

@@ -106,6 +106,7 @@ def test_a_synchronous_job_that_loses_a_host_ends_naming_it(tmp_path: Path) -> N
     assert not leftover()
 
 
+@pytest.mark.slow  # ~20 s; the dead agent checked in for at the exit barrier: the hsgd whole-host loss by default
 def test_a_lost_agent_does_not_keep_the_other_host_at_its_exit_barrier(tmp_path: Path) -> None:
     """Only host 1's torchrun agent is killed; its workers train on to the end.
     torchrun's agents wait for one another at an exit barrier (300 s) the dead agent

@@ -26,7 +26,7 @@ def test_every_required_reproduction_is_registered() -> None:
 
 #: the reproductions over ~15 s even --quick: by hand (pytest -m slow); the rest, and the frame
 #: every reproduction writes through (its files, its claims), by default
-HEAVY = {"caffegpi-scaling", "shmcaffe-table2", "trl-table3", "swcaffe-fig10-11", "shmcaffe-tables5-6"}
+HEAVY = {"caffegpi-scaling", "shmcaffe-table2", "trl-table3", "trl-table4", "swcaffe-fig10-11", "shmcaffe-tables5-6"}
 
 
 @pytest.mark.timeout(170)
