@@ -11,6 +11,7 @@ import torch
 
 from shmtrain.fabric.compress import (
     CHUNK,
+    GROUP,
     Codec,
     Compressor,
     CompressSpec,
@@ -59,7 +60,8 @@ def test_the_selection_is_the_top_k_of_every_chunk(numel: int, fraction: float) 
     picked = torch.gather(rows.abs(), 1, codec.select(rows)).sort(dim=1).values
     expected = torch.topk(rows.abs(), codec.k, dim=1).values.sort(dim=1).values
     assert torch.equal(picked, expected)
-    assert codec._staged == (numel >= CHUNK and fraction <= 0.01)  # both selections were checked
+    staged = codec.chunk % GROUP == 0 and codec.k * GROUP * 4 <= codec.chunk
+    assert codec._staged == staged  # both selections are checked: 1000 and CHUNK at 1% staged, 7 and 20% not
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8, 32])

@@ -27,7 +27,7 @@ import torch
 #: elements per chunk: int16 indices address it; top-k is taken per chunk (one torch.topk over rows)
 CHUNK = 4096
 #: elements of a group (j, j + chunk/GROUP, ...): the groups' maxima pick top-k's candidates
-GROUP = 16
+GROUP = 8
 #: the value widths: 2, 4, 8 bits (uniform, symmetric, a scale per chunk) or 32 (float32 as is)
 BITS = (2, 4, 8, 32)
 _FIX = "pass e.g. --compress topk:0.01,bits:4 (or leave --compress out for the exact exchange)"
@@ -119,12 +119,12 @@ class Codec:
         instead of the whole row (the data itself is read once, for |x| and the maxima)."""
         magnitudes = torch.abs(rows, out=self._magnitudes)
         if not self._staged:
-            return torch.topk(magnitudes, self.k, dim=1).indices
+            return torch.topk(magnitudes, self.k, dim=1, sorted=False).indices
         width = self.chunk // GROUP
         maxima = magnitudes.view(self.chunks, GROUP, width).amax(dim=1)
-        starts = torch.topk(maxima, self.k, dim=1).indices
+        starts = torch.topk(maxima, self.k, dim=1, sorted=False).indices
         candidates = (starts.unsqueeze(2) + self._offsets).view(self.chunks, -1)
-        best = torch.topk(torch.gather(magnitudes, 1, candidates), self.k, dim=1).indices
+        best = torch.topk(torch.gather(magnitudes, 1, candidates), self.k, dim=1, sorted=False).indices
         return torch.gather(candidates, 1, best)
 
     # -- one payload --------------------------------------------------------------------
