@@ -39,6 +39,36 @@ def test_the_slots_are_bfloat16_and_the_gradients_float32() -> None:
         dp.close()
 
 
+def test_one_step_is_sgd_on_the_gradient_rounded_to_bfloat16() -> None:
+    """In one process: the step is SGD's with each gradient rounded to bfloat16 and back,
+    bit for bit, and not the float32 step (the bfloat16 path ran)."""
+    from shmtrain.api import DataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), "ssgd", comm_dtype="bf16")
+    try:
+        dp.zero_grad()
+        nn.functional.cross_entropy(dp(x), y).backward()
+        dp.step()
+    finally:
+        dp.close()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    rounded_any = False
+    for p in reference.parameters():
+        rounded = p.grad.to(torch.bfloat16).float()
+        rounded_any |= not torch.equal(rounded, p.grad)
+        p.grad = rounded
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert rounded_any  # bfloat16 loses bits of these gradients: the comparison can tell
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.slow  # ~12 s: two CLI runs of 2 workers; the rounded step in one process by default above
 def test_one_step_is_that_of_float32_to_bfloat16_rounding(tmp_path: Path) -> None:
     for dtype in ("fp32", "bf16"):
         _train(tmp_path / dtype, "--iterations", "1", "--comm-dtype", dtype)
