@@ -12,7 +12,7 @@ from torch import nn
 
 from reference import batches, tiny_model, worker_batch
 from shmtrain.api import DataParallel
-from shmtrain.fabric.control import ControlBlock, PeerFailure
+from shmtrain.fabric.control import LINE, ControlBlock, PeerFailure
 from shmtrain.fabric.segment import SharedSegment
 from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
 from shmtrain.runtime.launch.launcher import launch
@@ -289,3 +289,49 @@ def test_host_lead_option_is_checked_and_named() -> None:
     assert build_config("seasgd", {"host_lead": 0.05}).host_lead == 0.05
     with pytest.raises(ValueError, match=r"--host-lead 2 must lie in \[0, 1\]"):
         build_config("hsgd", {"host_lead": 2})
+
+
+class _Host:
+    """The part of a host group a one-sided window uses: two local ranks in this process,
+    this one rank 1, and the control block of :func:`_racing_block`."""
+
+    def __init__(self, control: ControlBlock, timeout: float) -> None:
+        self.local_world, self.local_rank, self.control, self.timeout = 2, 1, control, timeout
+        self.segments: list[SharedSegment] = []
+
+    def allocate(self, tag: str, nbytes: int) -> SharedSegment:
+        segment = SharedSegment(f"shmtrain-test-{tag}-{os.getpid()}", nbytes, create=True)
+        self.segments.append(segment)
+        return segment
+
+
+@pytest.mark.parametrize("rang_first", [True, False])
+def test_a_notification_just_before_the_sender_ends_is_no_failure(rang_first: bool) -> None:
+    """The one-sided window's wait: sender 0 notifies (rings the doorbell), then finishes,
+    between the receiver's test and its liveness check."""
+    from shmtrain.fabric.onesided import OneSidedWindow
+
+    block, seg = _racing_block(post_first=False)
+    host = _Host(block, 5.0)
+    try:
+        window = OneSidedWindow(host, 64, notifications=1, tag="window")
+        check = window.check
+
+        def sender_ends_now(senders, what: str) -> None:
+            if rang_first:
+                window._words[1, 0] = 3  # sender 0's write of the notification, then its ring
+                window._doorbells[LINE // 4] = 12345
+            block.set_finished(0, 5)
+            check(senders, what)
+
+        window.check = sender_ends_now  # type: ignore[method-assign]
+        if rang_first:
+            window.wait(0, 3, sender=0, timeout=5.0, what="the layer")
+            assert window.test(0, 3)
+        else:
+            with pytest.raises(PeerFailure, match="finished after 5 steps while this worker waited for the layer"):
+                window.wait(0, 3, sender=0, timeout=5.0, what="the layer")
+    finally:
+        for segment in [seg, *host.segments]:
+            segment.unlink()
+            segment.close()
