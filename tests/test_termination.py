@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -335,3 +336,16 @@ def test_a_notification_just_before_the_sender_ends_is_no_failure(rang_first: bo
         for segment in [seg, *host.segments]:
             segment.unlink()
             segment.close()
+
+
+def test_close_drains_the_exchange_in_flight_before_it_marks_the_rank_finished(monkeypatch) -> None:
+    """A peer waiting for this rank's part of an exchange still in flight (diloco's
+    --overlap-steps, on a helper thread) must find it posted before "finished"."""
+    model = tiny_model()
+    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.05), "ssgd")
+    order: list[str] = []
+    control = SimpleNamespace(set_finished=lambda rank, steps: order.append("finished"))
+    monkeypatch.setattr(dp, "_control", lambda: control)
+    monkeypatch.setattr(dp.strategy, "quiesce", lambda: order.append("quiesce"))
+    dp.close()
+    assert order == ["quiesce", "finished"]

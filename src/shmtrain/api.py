@@ -246,6 +246,11 @@ class DataParallel(nn.Module):
         steps" (the fix: :meth:`join`), not that it died."""
         control = self._control()
         if control is not None:
+            # the exchanges of the steps taken (one still in flight on a helper thread) are
+            # posted before the mark: a peer waiting for one must not read "finished" first.
+            # A failure here is sticky, and finish() below reports it.
+            with contextlib.suppress(Exception):
+                self.strategy.quiesce()
             control.set_finished(self.ctx.local_rank, self.strategy.iteration)
         self.ddp_style = False
         self.strategy.finish()
