@@ -22,6 +22,7 @@ from torch import nn
 
 from shmtrain.strategies.base import build_config, plan
 from shmtrain.timing import PhaseTimer
+from test_seams import train_steps
 
 IN, OUT, BATCH = 6, 3, 4
 
@@ -202,12 +203,7 @@ def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, ho
             ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=hosts)
             engine = cls(config, ctx, model, _inner(model), PhaseTimer(), transports=FakeTransports(world, rank))
             engines[rank] = engine
-            for step in range(steps):
-                engine.zero_grad()
-                nn.functional.cross_entropy(model(xs[step, rank]), ys[step, rank]).backward()
-                engine.after_backward()
-                engine.apply_update()
-                engine.after_update()
+            train_steps(engine, model, xs, ys, rank)
             finals[rank] = _flat(model)
             if finish:
                 engine.finish()

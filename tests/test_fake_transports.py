@@ -24,7 +24,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from shmtrain import strategies
 from shmtrain.fabric.accumulator import SharedAccumulator
 from shmtrain.strategies.base import build_config
-from test_seams import FakeTransports, _net, on_threads
+from test_seams import FakeTransports, _net, on_threads, train_steps
 
 PEERS, STEPS, BATCH, LR, MOMENTUM = 3, 5, 4, 0.1, 0.9
 
@@ -309,13 +309,7 @@ def run_peers(name: str, options: dict[str, Any], peers: int, data) -> tuple[lis
                               local_world=peers, timeout=30.0)
         transports = Fake(world, rank)
         strategy = cls(config, ctx, model, _sgd(model), transports=transports)
-        for step in range(xs.shape[0]):
-            strategy.zero_grad()
-            strategy.before_forward()
-            _loss(model, xs[step, rank], ys[step, rank]).backward()
-            strategy.after_backward()
-            strategy.apply_update()
-            strategy.after_update()
+        train_steps(strategy, model, xs, ys, rank)
         strategy.finish()
         finals[rank] = parameters_to_vector(model.parameters()).detach().clone()
         asked[rank] = transports.asked

@@ -157,6 +157,19 @@ class FakeTransports:
         raise AssertionError(f"the strategy asked the fake transports for {name}")
 
 
+def train_steps(strategy, model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, rank: int,
+                loss=nn.functional.cross_entropy) -> None:
+    """The loop of an in-process peer: ``xs[step, rank]`` for every step, through the
+    strategy's hooks in the order ``DataParallel`` calls them."""
+    for step in range(xs.shape[0]):
+        strategy.zero_grad()
+        strategy.before_forward()
+        loss(model(xs[step, rank]), ys[step, rank]).backward()
+        strategy.after_backward()
+        strategy.apply_update()
+        strategy.after_update()
+
+
 def on_threads(peers: int, work, barrier: threading.Barrier) -> None:
     """Run ``work(rank)`` on ``peers`` threads (in-process peers); the first error aborts
     ``barrier`` so no peer waits for it, and every error fails the test."""
@@ -202,12 +215,7 @@ def test_ssgd_on_in_process_peers_through_a_fake_transports_equals_single_proces
         ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1)
         transports = FakeTransports(world, rank)
         strategy = SSGD(config, ctx, model, opt, transports=transports)
-        for step in range(steps):
-            strategy.zero_grad()
-            nn.functional.cross_entropy(model(xs[step, rank]), ys[step, rank]).backward()
-            strategy.after_backward()
-            strategy.apply_update()
-            strategy.after_update()
+        train_steps(strategy, model, xs, ys, rank)
         finals[rank] = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
         asked[rank] = transports.asked
         strategy.finish()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from test_seams import FakeTransports, _World, on_threads
+from test_seams import FakeTransports, _World, on_threads, train_steps
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "strategies.md"
 
@@ -44,12 +44,7 @@ def test_the_documented_strategy_averages_every_period() -> None:
         ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=1)
         strategy = example["ModelAverage"](example["AverageConfig"](period=period), ctx, model, opt,
                                            transports=FakeTransports(world, rank))
-        for step in range(steps):
-            strategy.zero_grad()
-            nn.functional.cross_entropy(model(xs[step, rank]), ys[step, rank]).backward()
-            strategy.after_backward()
-            strategy.apply_update()
-            strategy.after_update()
+        train_steps(strategy, model, xs, ys, rank)
         finals[rank] = [p.detach().clone() for p in model.parameters()]
         strategy.finish()
 
