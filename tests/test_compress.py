@@ -89,6 +89,68 @@ def test_error_feedback_keeps_exactly_what_was_not_sent(bits: int) -> None:
         assert int((comp.error[:numel] == 0).sum()) >= codec.k
 
 
+def _torch_path(monkeypatch) -> None:
+    monkeypatch.setattr(Codec, "encode_native", lambda *args, **kwargs: False)
+
+
+def _exchanges(numel: int, spec: CompressSpec, seed: int, times: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(D(C(Δ + e)), e afterwards) over ``times`` exchanges of normal Δ."""
+    comp, gen, out = Compressor(numel, spec), torch.Generator().manual_seed(seed), torch.empty(numel)
+    rows = []
+    for _ in range(times):
+        payload = comp.encode(torch.randn(numel, generator=gen))
+        rows.append((comp.mean([payload], out).clone(), comp.error.clone()))
+    return rows
+
+
+@pytest.mark.parametrize("numel", [7, 1000, 2 * CHUNK + 100])
+@pytest.mark.parametrize("fraction", [0.003, 0.05, 0.2, 1.0])
+@pytest.mark.parametrize("bits", [2, 8, 32])
+@pytest.mark.parametrize("feedback", [True, False])
+def test_the_c_encoder_sends_and_keeps_the_torch_paths_bits(monkeypatch, numel, fraction, bits, feedback) -> None:
+    """compress_native.c against the torch path: the same D(C(Δ + e)) and the same e, bit
+    for bit, over three exchanges, through each of its selections (a few groups scanned at
+    0.3%, the k-th's bin counted at 5% and 20%, all of a chunk at 1.0; 7 and 1000 elements
+    make a chunk of their own size)."""
+    from shmtrain.fabric import native
+
+    if native.library() is None:
+        pytest.skip(f"the C library cannot be built here: {native.why_not}")
+    spec = CompressSpec(fraction, bits, feedback)
+    compiled = _exchanges(numel, spec, seed=numel)
+    _torch_path(monkeypatch)
+    for (sent, error), (sent_t, error_t) in zip(compiled, _exchanges(numel, spec, seed=numel), strict=True):
+        assert torch.equal(sent, sent_t)
+        assert torch.equal(error, error_t)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.1])
+def test_ties_go_to_the_lower_index_and_a_zero_vector_sends_zeros(fraction: float) -> None:
+    """Equal magnitudes (whole chunks of ±1, or of 0) leave the choice to the tie rule:
+    the C encoder keeps the lowest places, the same every call; the torch path any k of
+    them. Either way k places of the largest magnitude are sent and the rest is kept."""
+    numel = 2 * CHUNK
+    comp = Compressor(numel, CompressSpec(fraction, 4))
+    codec = comp.codec
+    ones = torch.ones(numel)
+    ones[1::2] = -1
+    ones[CHUNK + 3] = 2.0  # one larger magnitude in the second chunk
+    sent = comp.mean([comp.encode(ones).clone()], torch.empty(numel)).view(2, CHUNK)
+    assert int((sent != 0).sum()) == 2 * codec.k
+    assert sent[1, 3] == 2.0 and sent.abs().max() == 2.0
+    fresh = [Compressor(numel, CompressSpec(fraction, 4)) for _ in range(2)]
+    first, again = (one.mean([one.encode(ones)], torch.empty(numel)) for one in fresh)
+    assert torch.equal(first, again)
+    from shmtrain.fabric import native
+
+    if native.library() is not None:  # the lowest places: 0 .. k-1 in both chunks (place 3 is among them)
+        assert torch.equal(sent[0].nonzero().view(-1), torch.arange(codec.k))
+        assert torch.equal(sent[1].nonzero().view(-1), torch.arange(codec.k))
+    zero = Compressor(numel, CompressSpec(fraction, 4))
+    out = zero.mean([zero.encode(torch.zeros(numel))], torch.empty(numel))
+    assert out.abs().max() == 0 and zero.error.abs().max() == 0
+
+
 def test_the_mean_of_payloads_is_the_mean_of_what_each_sent() -> None:
     numel, spec = 3000, CompressSpec(0.1, 8)
     senders = [Compressor(numel, spec) for _ in range(3)]
@@ -141,5 +203,8 @@ def test_the_benchmark_prints_gb_s_and_writes_json(tmp_path, capsys) -> None:
         assert row["compress_gb_s"] > 0 and row["decompress_gb_s"] > 0 and row["threads"] == 1
         assert row["ratio"] == 4 * (1 << 16) / row["payload_bytes"]
     assert rows[0]["ratio"] > 100
+    from shmtrain.fabric import native
+
+    assert rows[0]["encoder"] == ("C" if native.library() is not None else f"torch ({native.why_not})")
     out = capsys.readouterr().out
     assert "comp cpu GB/s" in out and "topk:0.01,bits:4" in out

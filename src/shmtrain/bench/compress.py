@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shmtrain.bench.common import table, write_json
+from shmtrain.fabric import native
 from shmtrain.fabric.compress import Compressor, CompressSpec, parse_compress
 
 DEFAULT_SPECS = ["topk:0.01,bits:4", "topk:0.01,bits:2", "topk:0.1,bits:8"]
@@ -50,7 +51,8 @@ def measure(numel: int, spec: CompressSpec, repeats: int = 10, threads: int = 1)
     finally:
         torch.set_num_threads(previous)
     dense = 4 * numel
-    return {"numel": numel, "compress": spec.text(), "threads": threads, "repeats": repeats,
+    encoder = "C" if native.library() is not None else f"torch ({native.why_not})"
+    return {"numel": numel, "compress": spec.text(), "encoder": encoder, "threads": threads, "repeats": repeats,
             "payload_bytes": comp.codec.nbytes, "ratio": dense / comp.codec.nbytes,
             "compress_cpu_ms": encode_s[0] * 1e3, "decompress_cpu_ms": decode_s[0] * 1e3,
             "compress_gb_s": dense / encode_s[0] / 1e9, "decompress_gb_s": dense / decode_s[0] / 1e9,
@@ -68,7 +70,8 @@ def run(numel: int, specs: list[str], repeats: int = 10, threads: int = 1,
                              "pass e.g. --compress topk:0.01,bits:4")
         parsed.append(spec)
     rows = [measure(numel, spec, repeats, threads) for spec in parsed]
-    print(table(rows, [("compress", "compress", "s"), ("payload_bytes", "payload B", "d"), ("ratio", "ratio", ".1f"),
+    print(table(rows, [("compress", "compress", "s"), ("encoder", "encoder", "s"), ("payload_bytes", "payload B", "d"),
+                       ("ratio", "ratio", ".1f"),
                        ("compress_gb_s", "comp cpu GB/s", ".2f"), ("decompress_gb_s", "decomp cpu GB/s", ".2f"),
                        ("compress_wall_gb_s", "comp wall GB/s", ".2f"),
                        ("decompress_wall_gb_s", "decomp wall GB/s", ".2f")]))

@@ -15,14 +15,22 @@ scale (its largest kept magnitude; float32 values instead when B = 32), k int16 
 into the chunk, and k values of B bits packed into bytes. ``D`` scatters the values back
 into a dense vector; the mean of several hosts' payloads is their scatter-added sum
 over their count.
+
+Where the machine's C compiler built ``compress_native.c`` (:mod:`shmtrain.fabric.native`),
+the encoder with its error feedback is one C pass per chunk while the chunk is in L1 (the
+same kept places up to ties among equal magnitudes, the same arithmetic); otherwise, or
+with ``SHMTRAIN_NATIVE=0``, the torch path below runs. Decoding is torch's scatter-add.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
 import torch
+
+from shmtrain.fabric import native
 
 #: elements per chunk: int16 indices address it; top-k is taken per chunk (one torch.topk over rows)
 CHUNK = 4096
@@ -108,6 +116,7 @@ class Codec:
         width = self.chunk // GROUP
         self._offsets = torch.arange(GROUP) * width
         self._magnitudes = torch.empty(self.chunks, self.chunk, dtype=torch.float32)
+        self._scratch: torch.Tensor | None = None  # the C encoder's, made on its first use
 
     def select(self, rows: torch.Tensor) -> torch.Tensor:
         """The places of the k largest magnitudes of every row (chunks, k), exactly (up to
@@ -128,6 +137,25 @@ class Codec:
         return torch.gather(candidates, 1, best)
 
     # -- one payload --------------------------------------------------------------------
+    def encode_native(self, acc: torch.Tensor, delta: torch.Tensor | None, payload: torch.Tensor,
+                      feedback: bool) -> bool:
+        """``shm_topk_encode_f32``: add ``delta`` into ``acc`` (float32, ``padded()``
+        elements) when given, write C(acc) into ``payload`` and, with ``feedback``, take what
+        was sent out of ``acc`` (error feedback's e). False, touching nothing, where the C
+        library is not available (the caller then takes the torch path)."""
+        lib = native.library()
+        if lib is None:
+            return False
+        if self._scratch is None:
+            self._scratch = torch.zeros(lib.shm_topk_scratch_bytes(), dtype=torch.uint8)
+        nbytes = payload.numel()
+        base = payload.data_ptr()
+        packed = base + self._packed_at if self._packed_at < nbytes else None
+        lib.shm_topk_encode_f32(acc.data_ptr(), None if delta is None else delta.data_ptr(), self.numel, self.chunk,
+                                self.chunks, self.k, self.spec.bits, base, base + self._index_at,
+                                ctypes.c_void_p(packed), int(feedback), self._scratch.data_ptr())
+        return True
+
     def encode(self, vector: torch.Tensor, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write C(vector) into ``payload`` (uint8, ``nbytes``); return the kept places
         (chunks, k) and the values D(C(vector)) has there (for the error feedback)."""
@@ -203,11 +231,16 @@ class Compressor:
     def encode(self, delta: torch.Tensor) -> torch.Tensor:
         """The payload of C(Δ + e) (this object's buffer, overwritten by the next call)."""
         codec = self.codec
+        flat = delta.reshape(-1).to(torch.float32).contiguous()
         if not self.spec.feedback:
-            self.codec.encode(delta.to(torch.float32), self.payload)
+            rows = codec._rows(flat)
+            if not codec.encode_native(rows, None, self.payload, False):
+                codec.encode(rows, self.payload)
             return self.payload
         acc = self.error
-        acc[:codec.numel].add_(delta.reshape(-1))
+        if codec.encode_native(acc, flat, self.payload, True):
+            return self.payload
+        acc[:codec.numel].add_(flat)
         index, sent = codec.encode(acc, self.payload)
         acc.view(codec.chunks, codec.chunk).scatter_add_(1, index, sent.neg_())
         return self.payload
