@@ -11,8 +11,7 @@ by torchrun inside each namespace with ``OMP_NUM_THREADS=1`` and no
   (shared memory inside a host, gloo among the hosts' leaders);
 - ``hsgd``: ``--groups 2 --group-size 2``, one group per host (allreduce in shared
   memory inside it, SEASGD between the two group roots);
-- ``seasgd``: every worker exchanges with the global weights on the memory server that
-  global rank 0 starts;
+- ``seasgd``: every worker exchanges with the global weights on the memory server that global rank 0 starts;
 - ``diloco``: ``--sync-every 20``, DiLoCo's outer Nesterov step every 20 local steps;
 - ``hybrid``: ``diloco --inner host-sync --sync-every 20``, synchronous inside a host,
   DiLoCo between the hosts;
@@ -20,9 +19,9 @@ by torchrun inside each namespace with ``OMP_NUM_THREADS=1`` and no
   host's leader sends the top 1% of its host's pseudo-gradient in 4 bits, with error
   feedback; docs/diloco.md) instead of the bfloat16 exchange;
 - ``seasgd-topk``, ``hsgd-topk``: ``--compress topk:0.1,bits:4 --host-lead 0.05`` (compressed
-  differences across the link, hosts paced; docs/async.md); grid: lr 0.05, 0.1, 0.1 with alpha 0.5;
-- ``ddp``: PyTorch DistributedDataParallel over gloo among all four workers, flat
-  (:mod:`shmtrain.bench.hosts_ddp`);
+  differences across the link, hosts paced; docs/async.md); grid: lr 0.05, 0.1, 0.1 with alpha 0.5
+  (hsgd-topk: alpha 0.5, lr 0.1, 0.2, 0.2 with ``--lr-schedule cosine``; docs/choosing_a_method.md);
+- ``ddp``: PyTorch DistributedDataParallel over gloo among all four workers, flat (:mod:`shmtrain.bench.hosts_ddp`);
 - ``one-host``: ssgd on host a alone (2 workers), the shard of one host: with
   ``--class-split 2`` it shows that a single host cannot reach the target.
 
@@ -148,7 +147,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
                              "hybrid-topk": [_topk(0.05, 8), _topk(0.05, 10), _topk(0.05, 6)],
                              "seasgd": _exchange(0.05, 0.1), "hsgd": _exchange(0.05, 0.1),
                              "seasgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}],
-                             "hsgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}]},
+                             "hsgd-topk": [{"lr": 0.1, "moving_rate": 0.5}, {"lr": 0.2, "moving_rate": 0.5},
+                                           {"lr": 0.2, "moving_rate": 0.5, "lr_schedule": "cosine"}]},
                     "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "diloco-topk", "hybrid-topk", "ddp",
                                 ONE_HOST]},
     "resnet18-1gbit": {"model": "shmtrain.bench.hosts_models:resnet18_gn_upscaled", "data": "digits",
