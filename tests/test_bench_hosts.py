@@ -259,3 +259,27 @@ def test_on_a_real_link_the_initial_weights_do_not_cross(tmp_path: Path) -> None
     row = doc["rows"][0]
     assert row["iterations_per_host"] == [6, 6], row
     assert row["link_mb"] < 0.3, row  # one 4.5 MB model would be 15x this
+
+
+def test_the_compressed_elastic_points_are_valid_train_commands_and_hsgd_topk_decays_its_step() -> None:
+    """hsgd-topk's two group roots and W_g share each step three ways and a constant step
+    keeps W_g swinging between the roots' classes to the end (docs/choosing_a_method.md):
+    its working point, the third, runs alpha 0.5 at lr 0.2 decayed by --lr-schedule cosine;
+    seasgd-topk's points keep a constant step."""
+    from shmtrain.cli import build_parser
+    from shmtrain.runtime.config import resolve
+
+    preset = hosts.SETTINGS["mlp-100mbit"]
+    chosen = {}
+    for method in ("seasgd-topk", "hsgd-topk"):
+        for k, point in enumerate(hosts.method_points(preset["grid"], method), 1):
+            settings = {**hosts.DEFAULTS, **{key: v for key, v in preset.items() if key in hosts.DEFAULTS}, **point}
+            args = vars(build_parser().parse_args(hosts._worker_command(method, settings, Path("/tmp/x"))))
+            config = resolve({key: v for key, v in args.items() if v is not None and key not in ("handler", "command")})
+            options = config.strategy_config
+            assert options.compress == "topk:0.1,bits:4" and options.host_lead == 0.05, (method, k)
+            chosen[method, k] = (config.lr, config.lr_schedule, options.moving_rate)
+    assert chosen["hsgd-topk", 3] == (0.2, "cosine", 0.5)
+    assert chosen["hsgd-topk", 2] == (0.2, "constant", 0.5) and chosen["hsgd-topk", 1] == (0.1, "constant", 0.5)
+    assert [chosen["seasgd-topk", k] for k in (1, 2, 3)] == [(0.05, "constant", 0.2), (0.1, "constant", 0.2),
+                                                            (0.1, "constant", 0.5)]

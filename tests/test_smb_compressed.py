@@ -176,6 +176,25 @@ def test_seasgd_without_compression_is_the_equations_bit_for_bit_and_compressed_
     assert float((compressed - w_g).norm() / w_g.norm()) < 0.05
 
 
+def test_the_exchange_conserves_the_roots_and_the_global_weights_sum(one) -> None:
+    """Eqs. (6)-(7) move W_x and W_g by the same dW_x in opposite directions, so every
+    exchange keeps the sum of the exchanging models and W_g (across the link with the part
+    of dW_x still in the error feedback): with two HSGD roots W_g is one of three bodies of
+    equal weight, and the consensus moves by two thirds of a root's step
+    (docs/choosing_a_method.md, the reason hsgd-topk takes a larger step than seasgd-topk)."""
+    _, service = one
+    start = torch.randn(NUMEL)
+    roots = [start + torch.randn(NUMEL), start - torch.randn(NUMEL)]
+    buffer = _global(service, start)
+    increments = [service.attach(service.create(f"weight_increment.{i}", NUMEL)) for i in range(2)]
+    view = CompressedGlobal(service, buffer, parse_compress("topk:0.1,bits:4"))
+    before = roots[0] + roots[1] + start
+    w_g = _drive(service, buffer, increments, roots, [None, view], 4, alpha=0.5)
+    after = roots[0] + roots[1] + w_g + view.compressor.error[:NUMEL]
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+    assert float(view.compressor.error.abs().max()) > 0.01  # some of dW_x is still on its way
+
+
 def test_a_new_connection_reads_densely_and_agrees_with_the_server() -> None:
     """A resume or a rejoin is a new connection of the rank: the server forgets the old
     mirror, the client's first read is dense, so both hold W_g again; the checkpoint
