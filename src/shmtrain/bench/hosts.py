@@ -20,8 +20,8 @@ by torchrun inside each namespace with ``OMP_NUM_THREADS=1`` and no
   host's leader sends the top 1% of its host's pseudo-gradient in 4 bits, with error
   feedback; docs/diloco.md) instead of the bfloat16 exchange;
 - ``seasgd-topk``, ``hsgd-topk``: ``--compress topk:0.1,bits:4 --host-lead 0.05`` (compressed
-  differences across the link, hosts paced; docs/async.md); grid: lr 0.05, 0.1, 0.1 with alpha 0.5
-  (hsgd-topk: alpha 0.5, lr 0.1, 0.2, 0.2 with ``--lr-schedule cosine``; docs/choosing_a_method.md);
+  differences across the link, hosts paced; docs/async.md); grid: alpha 0.5 at lr 0.1, 0.2, and 0.2
+  with ``--lr-schedule cosine`` (docs/choosing_a_method.md);
 - ``ddp``: PyTorch DistributedDataParallel over gloo among all four workers, flat
   (:mod:`shmtrain.bench.hosts_ddp`);
 - ``one-host``: ssgd on host a alone (2 workers), the shard of one host: with

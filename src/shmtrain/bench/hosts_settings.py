@@ -57,6 +57,13 @@ def _average(lr: float, sync_every: int) -> dict[str, Any]:
     return {"lr": lr, "sync_every": sync_every, "outer_lr": 1.0, "outer_momentum": 0.0}
 
 
+#: the grid points of seasgd-topk and hsgd-topk: moving rate 0.5 at lr 0.1 and 0.2, then lr
+#: 0.2 decayed to 0 by cosine
+def _elastic_topk() -> list[dict[str, Any]]:
+    return [{"lr": 0.1, "moving_rate": 0.5}, {"lr": 0.2, "moving_rate": 0.5},
+            {"lr": 0.2, "moving_rate": 0.5, "lr_schedule": "cosine"}]
+
+
 #: the grid points of seasgd and hsgd: lr, then lr exchanging every 10 iterations, then
 #: the higher lr exchanging every 10
 def _exchange(lr: float, higher: float) -> list[dict[str, Any]]:
@@ -76,9 +83,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
                              "diloco-topk": [_topk(0.05, 8, 0.6), _topk(0.05, 10, 0.5), _topk(0.05, 8, 0.5)],
                              "hybrid-topk": [_topk(0.05, 8), _topk(0.05, 10), _topk(0.05, 6)],
                              "seasgd": _exchange(0.05, 0.1), "hsgd": _exchange(0.05, 0.1),
-                             "seasgd-topk": [{"lr": 0.05}, {"lr": 0.1}, {"lr": 0.1, "moving_rate": 0.5}],
-                             "hsgd-topk": [{"lr": 0.1, "moving_rate": 0.5}, {"lr": 0.2, "moving_rate": 0.5},
-                                           {"lr": 0.2, "moving_rate": 0.5, "lr_schedule": "cosine"}]},
+                             # a constant step keeps W_g swinging between the hosts' classes to the end:
+                             # the third point decays it (docs/choosing_a_method.md)
+                             "seasgd-topk": _elastic_topk(), "hsgd-topk": _elastic_topk()},
                     "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "diloco-topk", "hybrid-topk", "ddp",
                                 ONE_HOST]},
     "resnet18-1gbit": {"model": "shmtrain.bench.hosts_models:resnet18_gn_upscaled", "data": "digits",
