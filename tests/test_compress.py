@@ -89,13 +89,10 @@ def test_error_feedback_keeps_exactly_what_was_not_sent(bits: int) -> None:
         assert int((comp.error[:numel] == 0).sum()) >= codec.k
 
 
-def _torch_path(monkeypatch) -> None:
-    monkeypatch.setattr(Codec, "encode_native", lambda *args, **kwargs: False)
-
-
-def _exchanges(numel: int, spec: CompressSpec, seed: int, times: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _exchanges(numel: int, spec: CompressSpec, seed: int, times: int = 3,
+               native: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(D(C(Δ + e)), e afterwards) over ``times`` exchanges of normal Δ."""
-    comp, gen, out = Compressor(numel, spec), torch.Generator().manual_seed(seed), torch.empty(numel)
+    comp, gen, out = Compressor(numel, spec, native), torch.Generator().manual_seed(seed), torch.empty(numel)
     rows = []
     for _ in range(times):
         payload = comp.encode(torch.randn(numel, generator=gen))
@@ -107,7 +104,7 @@ def _exchanges(numel: int, spec: CompressSpec, seed: int, times: int = 3) -> lis
 @pytest.mark.parametrize("fraction", [0.003, 0.05, 0.2, 1.0])
 @pytest.mark.parametrize("bits", [2, 8, 32])
 @pytest.mark.parametrize("feedback", [True, False])
-def test_the_c_encoder_sends_and_keeps_the_torch_paths_bits(monkeypatch, numel, fraction, bits, feedback) -> None:
+def test_the_c_encoder_sends_and_keeps_the_torch_paths_bits(numel, fraction, bits, feedback) -> None:
     """compress_native.c against the torch path: the same D(C(Δ + e)) and the same e, bit
     for bit, over three exchanges, through each of its selections (a few groups scanned at
     0.3%, the k-th's bin counted at 5% and 20%, all of a chunk at 1.0; 7 and 1000 elements
@@ -117,9 +114,8 @@ def test_the_c_encoder_sends_and_keeps_the_torch_paths_bits(monkeypatch, numel, 
     if native.library() is None:
         pytest.skip(f"the C library cannot be built here: {native.why_not}")
     spec = CompressSpec(fraction, bits, feedback)
-    compiled = _exchanges(numel, spec, seed=numel)
-    _torch_path(monkeypatch)
-    for (sent, error), (sent_t, error_t) in zip(compiled, _exchanges(numel, spec, seed=numel), strict=True):
+    compiled, torch_path = _exchanges(numel, spec, seed=numel), _exchanges(numel, spec, seed=numel, native=False)
+    for (sent, error), (sent_t, error_t) in zip(compiled, torch_path, strict=True):
         assert torch.equal(sent, sent_t)
         assert torch.equal(error, error_t)
 
@@ -206,5 +202,7 @@ def test_the_benchmark_prints_gb_s_and_writes_json(tmp_path, capsys) -> None:
     from shmtrain.fabric import native
 
     assert rows[0]["encoder"] == ("C" if native.library() is not None else f"torch ({native.why_not})")
+    assert all(row["same_as_torch"] is True and row["torch_compress_gb_s"] > 0 for row in rows)
+    assert rows[0]["speedup"] == pytest.approx(rows[0]["compress_gb_s"] / rows[0]["torch_compress_gb_s"])
     out = capsys.readouterr().out
     assert "comp cpu GB/s" in out and "topk:0.01,bits:4" in out

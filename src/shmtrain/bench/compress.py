@@ -37,22 +37,38 @@ def _best(call: Callable[[], object], repeats: int) -> tuple[float, float]:
     return min(cpu), min(wall)
 
 
+def _same(numel: int, spec: CompressSpec, delta: torch.Tensor) -> bool:
+    """Whether the encoder measured and the torch path send the same D(C(Δ)) and keep the
+    same e, bit for bit, from fresh state (the baseline ran, and on the same problem)."""
+    sides = []
+    for use_native in (True, False):
+        comp, out = Compressor(numel, spec, use_native), torch.empty(numel)
+        sides.append((comp.mean([comp.encode(delta)], out), comp.error))
+    return all(torch.equal(a, b) for a, b in zip(*sides, strict=True))
+
+
 def measure(numel: int, spec: CompressSpec, repeats: int = 10, threads: int = 1) -> dict[str, Any]:
     """GB/s of the dense float32 vector through ``encode`` (with feedback) and ``mean``,
-    per CPU second of the calling thread and per wall second."""
+    per CPU second of the calling thread and per wall second; beside it, in the same run,
+    the torch path's encode (the baseline: ``torch_compress_gb_s``, ``speedup``)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         comp, out = Compressor(numel, spec), torch.empty(numel)
-        comp.encode(delta)  # warm
+        baseline = Compressor(numel, spec, native=False)
+        comp.encode(delta), baseline.encode(delta)  # warm
         encode_s = _best(lambda: comp.encode(delta), repeats)
+        torch_s = _best(lambda: baseline.encode(delta), repeats)
         decode_s = _best(lambda: comp.mean([comp.payload], out), repeats)
+        same = _same(numel, spec, delta)
     finally:
         torch.set_num_threads(previous)
     dense = 4 * numel
     encoder = "C" if native.library() is not None else f"torch ({native.why_not})"
     return {"numel": numel, "compress": spec.text(), "encoder": encoder, "threads": threads, "repeats": repeats,
+            "torch_compress_gb_s": dense / torch_s[0] / 1e9, "speedup": torch_s[0] / encode_s[0],
+            "same_as_torch": same,
             "payload_bytes": comp.codec.nbytes, "ratio": dense / comp.codec.nbytes,
             "compress_cpu_ms": encode_s[0] * 1e3, "decompress_cpu_ms": decode_s[0] * 1e3,
             "compress_gb_s": dense / encode_s[0] / 1e9, "decompress_gb_s": dense / decode_s[0] / 1e9,
@@ -72,7 +88,9 @@ def run(numel: int, specs: list[str], repeats: int = 10, threads: int = 1,
     rows = [measure(numel, spec, repeats, threads) for spec in parsed]
     print(table(rows, [("compress", "compress", "s"), ("encoder", "encoder", "s"), ("payload_bytes", "payload B", "d"),
                        ("ratio", "ratio", ".1f"),
-                       ("compress_gb_s", "comp cpu GB/s", ".2f"), ("decompress_gb_s", "decomp cpu GB/s", ".2f"),
+                       ("compress_gb_s", "comp cpu GB/s", ".2f"), ("torch_compress_gb_s", "torch comp", ".2f"),
+                       ("speedup", "x torch", ".2f"), ("same_as_torch", "same bits", ""),
+                       ("decompress_gb_s", "decomp cpu GB/s", ".2f"),
                        ("compress_wall_gb_s", "comp wall GB/s", ".2f"),
                        ("decompress_wall_gb_s", "decomp wall GB/s", ".2f")]))
     write_json(json_path, rows)

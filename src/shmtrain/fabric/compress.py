@@ -55,6 +55,11 @@ class CompressSpec:
         return f"topk:{self.fraction:g},bits:{self.bits}" + ("" if self.feedback else ",feedback:off")
 
 
+def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Contiguous ``dtype`` in CPU memory: what the C encoder reads through a pointer."""
+    return tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous()
+
+
 def _bad(value: str, rule: str) -> ValueError:
     return ValueError(f"--compress {value!r}: {rule}; {_FIX}")
 
@@ -93,10 +98,11 @@ def parse_compress(text: str | None) -> CompressSpec | None:
 
 class Codec:
     """The fixed payload layout of a vector of ``numel`` elements under ``spec``:
-    ``chunks`` rows of ``chunk`` elements (the last padded with zeros), ``k`` kept per row."""
+    ``chunks`` rows of ``chunk`` elements (the last padded with zeros), ``k`` kept per row.
+    ``native``: encode through the C encoder where it was built (False: always torch)."""
 
-    def __init__(self, numel: int, spec: CompressSpec) -> None:
-        self.numel, self.spec = numel, spec
+    def __init__(self, numel: int, spec: CompressSpec, native: bool = True) -> None:
+        self.numel, self.spec, self.native = numel, spec, native
         self.chunk = max(1, min(CHUNK, numel))
         self.chunks = -(-numel // self.chunk)
         self.k = max(1, min(self.chunk, round(spec.fraction * self.chunk)))
@@ -115,7 +121,7 @@ class Codec:
         self._staged = self.chunk % GROUP == 0 and self.k * GROUP * 4 <= self.chunk
         width = self.chunk // GROUP
         self._offsets = torch.arange(GROUP) * width
-        self._magnitudes = torch.empty(self.chunks, self.chunk, dtype=torch.float32)
+        self._magnitudes: torch.Tensor | None = None  # the torch path's |x|, made on its first use
         self._scratch: torch.Tensor | None = None  # the C encoder's, made on its first use
 
     def select(self, rows: torch.Tensor) -> torch.Tensor:
@@ -126,6 +132,8 @@ class Codec:
         maximum than its group, which is therefore among the k groups with the largest
         maxima. torch.topk then runs over the groups' maxima and the k · GROUP candidates
         instead of the whole row (the data itself is read once, for |x| and the maxima)."""
+        if self._magnitudes is None:
+            self._magnitudes = torch.empty(self.chunks, self.chunk, dtype=torch.float32)
         magnitudes = torch.abs(rows, out=self._magnitudes)
         if not self._staged:
             return torch.topk(magnitudes, self.k, dim=1, sorted=False).indices
@@ -142,9 +150,11 @@ class Codec:
         """``shm_topk_encode_f32``: add ``delta`` into ``acc`` (float32, ``padded()``
         elements) when given, write C(acc) into ``payload`` and, with ``feedback``, take what
         was sent out of ``acc`` (error feedback's e). False, touching nothing, where the C
-        library is not available (the caller then takes the torch path)."""
-        lib = native.library()
-        if lib is None:
+        library is not available or not wanted, or a tensor is not contiguous float32 in CPU
+        memory (the caller then takes the torch path)."""
+        lib = native.library() if self.native else None
+        floats = (acc,) if delta is None else (acc, delta)
+        if lib is None or not (_plain(payload, torch.uint8) and all(_plain(t, torch.float32) for t in floats)):
             return False
         if self._scratch is None:
             self._scratch = torch.zeros(lib.shm_topk_scratch_bytes(), dtype=torch.uint8)
@@ -155,6 +165,13 @@ class Codec:
                                 self.chunks, self.k, self.spec.bits, base, base + self._index_at,
                                 ctypes.c_void_p(packed), int(feedback), self._scratch.data_ptr())
         return True
+
+    def compress(self, vector: torch.Tensor, payload: torch.Tensor) -> None:
+        """Write C(vector) into ``payload``, no error feedback: the C encoder where it was
+        built, else :meth:`encode`."""
+        rows = self._rows(vector)
+        if not self.encode_native(rows, None, payload, False):
+            self.encode(rows, payload)
 
     def encode(self, vector: torch.Tensor, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write C(vector) into ``payload`` (uint8, ``nbytes``); return the kept places
@@ -219,10 +236,10 @@ class Codec:
 class Compressor:
     """One tensor's compression with its error feedback e (error feedback's Algorithm 2):
     ``encode`` sends C(Δ + e) and keeps e ← (Δ + e) − D(C(Δ + e)); without feedback e
-    stays 0 (plain top-k)."""
+    stays 0 (plain top-k). ``native``: as for :class:`Codec`."""
 
-    def __init__(self, numel: int, spec: CompressSpec) -> None:
-        self.codec = Codec(numel, spec)
+    def __init__(self, numel: int, spec: CompressSpec, native: bool = True) -> None:
+        self.codec = Codec(numel, spec, native)
         self.spec = spec
         #: e, padded to whole chunks (the padding stays 0)
         self.error = torch.zeros(self.codec.padded(), dtype=torch.float32)
@@ -233,9 +250,7 @@ class Compressor:
         codec = self.codec
         flat = delta.reshape(-1).to(torch.float32).contiguous()
         if not self.spec.feedback:
-            rows = codec._rows(flat)
-            if not codec.encode_native(rows, None, self.payload, False):
-                codec.encode(rows, self.payload)
+            codec.compress(flat, self.payload)
             return self.payload
         acc = self.error
         if codec.encode_native(acc, flat, self.payload, True):

@@ -64,14 +64,10 @@ static uint64_t kth_largest(uint64_t *keys, int n, int k) {
 
 /* A lower bound t of the k-th largest of values[0..n) with at least k values >= t: the
  * floor of the histogram bin (the top 11 bits of a non-negative float: exponent and 3
- * mantissa bits, 1/8 of an octave) the k-th largest falls in. bins is all zero on entry and
- * on return. */
-static uint32_t bin_floor(const uint32_t *values, int n, int k, uint16_t *bins) {
-    uint32_t top = 0;
-    for (int j = 0; j < n; j++) {
-        bins[values[j] >> SHIFT]++;
-        top = values[j] > top ? values[j] : top;
-    }
+ * mantissa bits, 1/8 of an octave) the k-th largest falls in; top: the largest value. bins
+ * is all zero on entry and on return. */
+static uint32_t bin_floor(const uint32_t *values, int n, int k, uint32_t top, uint16_t *bins) {
+    for (int j = 0; j < n; j++) bins[values[j] >> SHIFT]++;
     int b = (int)(top >> SHIFT), seen = 0;
     for (; b > 0; b--) {
         seen += bins[b];
@@ -147,7 +143,8 @@ static uint32_t select_chunk(const uint32_t *mags, int chunk, int k, struct scra
         uint32_t *gm = s->gmax - start;
         for (int i = start; i < stop; i++) gm[i] = mags[i] > gm[i] ? mags[i] : gm[i];
     }
-    uint32_t threshold = k <= width ? bin_floor(s->gmax, width, k, s->bins) : 0;
+    for (int j = 0; j < width; j++) top = s->gmax[j] > top ? s->gmax[j] : top;  /* the chunk's largest */
+    uint32_t threshold = k <= width ? bin_floor(s->gmax, width, k, top, s->bins) : 0;
     int n = 0;
     if (4 * k <= width) {  /* few groups reach the bound: scan only theirs */
         int groups = left_pack(s->gmax, width, threshold, s->groups, s);
@@ -158,7 +155,6 @@ static uint32_t select_chunk(const uint32_t *mags, int chunk, int k, struct scra
             }
         }
     } else {  /* most do: find the k-th's bin by counting (a vector loop), then take the chunk's */
-        for (int j = 0; j < width; j++) top = s->gmax[j] > top ? s->gmax[j] : top;
         int lo = (int)(threshold >> SHIFT), hi = (int)(top >> SHIFT) + 1;  /* count(lo) >= k > count(hi) */
         while (hi - lo > 1) {
             int mid = (lo + hi) / 2;
@@ -167,11 +163,7 @@ static uint32_t select_chunk(const uint32_t *mags, int chunk, int k, struct scra
         }
         n = left_pack(mags, chunk, (uint32_t)lo << SHIFT, s->where, s);
     }
-    for (int m = 0; m < n; m++) {
-        uint32_t mag = mags[s->where[m]];
-        s->bins[mag >> SHIFT]++;
-        top = mag > top ? mag : top;
-    }
+    for (int m = 0; m < n; m++) s->bins[mags[s->where[m]] >> SHIFT]++;
     int b = (int)(top >> SHIFT), above = 0;
     for (; b > 0 && above + s->bins[b] < k; b--) above += s->bins[b];
     int members = 0, finest = 0;

@@ -102,7 +102,7 @@ def _read(server: Any, client: int, seq: int, buffer_id: int, codec: Codec, dens
         with server._lock:
             torch.sub(server.buffers[buffer_id], mirror[:codec.numel], out=difference[:codec.numel])
         payload = torch.empty(codec.nbytes, dtype=torch.uint8)
-        codec.encode(difference, payload)
+        codec.compress(difference, payload)
         codec.decode_add(payload, mirror)  # m_c += D(c), as the client does
     server._reply(client, OK, seq)
     server._track(client, "read", server._links[client].send([payload], 1, _tag(seq, _TO_CLIENT)), payload,
