@@ -224,14 +224,20 @@ def test_every_synchronous_strategy_gives_the_weights_of_one_thread() -> None:
 
 @pytest.mark.parametrize("run", ASYNCHRONOUS, ids=[name for name, _, _ in ASYNCHRONOUS])
 def test_asynchronous_strategies_train(run: tuple[str, str, dict[str, Any]]) -> None:
-    """Not deterministic from run to run (the exchanges race the steps): the loss falls.
+    """Not deterministic from run to run (the exchanges race the steps): the loss reaches a
+    tenth of its start. Not "the last steps' mean halves": with momentum 0.9 in each worker's
+    optimizer, a worker that runs several steps while the other waits for a core drives W_g
+    with its velocity alone, and the other's next loss can spike (up to 8.1 in 36 loaded launches
+    of downpour here, 0.00 the step before and after). A sequential simulation of (1) with a
+    random order of the two workers gives the same spikes, and the last-5 mean missed half its
+    start in 11 of 400 such runs; the best loss of steps 6-30 was under a tenth in every one.
     One launch each: a job's buffer service holds the global weights' name once."""
     results = launch("test_subbatch:strategies_worker", 2,
                      {"runs": [run], "steps": 30, "memorize": True}, timeout=120)
     for rank, result in enumerate(results):
         losses = result[run[0]]["losses"]
-        first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-        assert last < 0.5 * first, f"{run[0]}, rank {rank}: loss {first:.3f} -> {last:.3f}"
+        first, best = sum(losses[:5]) / 5, min(losses[5:])
+        assert best < 0.1 * first, f"{run[0]}, rank {rank}: loss {first:.3f} -> best {best:.3f}: {losses}"
 
 
 @pytest.mark.parametrize("value,words", [("0", ["--sub-batch 0", "at least 1"]),
