@@ -84,6 +84,16 @@ def _mirrors(server: Any) -> dict[tuple[int, int], tuple[int, torch.Tensor]]:
     return server.__dict__.setdefault("mirrors", {})
 
 
+def _scratch(server: Any, padded: int) -> torch.Tensor:
+    """Where a read's difference is formed: one per size for the whole server, since its one
+    serving thread answers requests one at a time and a difference is encoded before the
+    reply. Only ``[:numel]`` is ever written, so the padding stays zero."""
+    scratches = server.__dict__.setdefault("scratches", {})
+    if padded not in scratches:
+        scratches[padded] = torch.zeros(padded, dtype=torch.float32)
+    return scratches[padded]
+
+
 def _read(server: Any, client: int, seq: int, buffer_id: int, codec: Codec, dense: bool) -> None:
     mirrors, generation = _mirrors(server), server._generation[client]
     entry = mirrors.get((client, buffer_id))
@@ -98,7 +108,7 @@ def _read(server: Any, client: int, seq: int, buffer_id: int, codec: Codec, dens
                                         "connection (no copy of what the client holds)")
     else:
         mirror = entry[1]
-        difference = torch.zeros(codec.padded(), dtype=torch.float32)
+        difference = _scratch(server, codec.padded())
         with server._lock:
             torch.sub(server.buffers[buffer_id], mirror[:codec.numel], out=difference[:codec.numel])
         payload = torch.empty(codec.nbytes, dtype=torch.uint8)
