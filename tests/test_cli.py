@@ -124,3 +124,29 @@ def test_folder_of_images(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["accuracy"] == 1.0  # red vs blue is easy
+
+
+def test_each_commands_help_in_the_list_is_its_own() -> None:
+    """``shmtrain --help`` lists every command by name and help without building its parser
+    (no torch for ``train``'s flags): each of those helps is the one the command's whole parser
+    was registered with."""
+    from shmtrain.cli import COMMANDS, build_parser
+
+    def listed(parser) -> dict[str, str]:
+        sub = next(a for a in parser._actions if a.dest == "command")
+        return {choice.dest: choice.help for choice in sub._choices_actions}
+
+    assert listed(build_parser("")) == listed(build_parser()) == {name: text for name, (text, _) in COMMANDS.items()}
+
+
+@pytest.mark.parametrize("words", [["--help"], ["--version"], ["compare", "--help"], ["sim", "--help"],
+                                   ["smb-server", "--clients", "2", "--snapshot-every", "-1"]])
+def test_commands_that_need_no_torch_do_not_wait_for_it(words: list[str]) -> None:
+    """Only the command given is built whole: help, the version, or a bad option of a command
+    that needs no torch to check it, answer without importing torch (seconds here)."""
+    code = ("import sys\nfrom shmtrain.cli import main\ntry:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    code = e.code\nprint('torch' in sys.modules, code, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *words], capture_output=True, text=True, timeout=60)
+    imported, status = done.stderr.split()[-2:]
+    assert imported == "False", done.stderr
+    assert status == ("2" if words[0] == "smb-server" else "0"), done.stderr

@@ -48,7 +48,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     from shmtrain.runtime.config import SECTIONS, TrainConfig, train_fields
 
     p = sub.add_parser(
-        "train", help="train a model data-parallel",
+        "train", help=COMMANDS["train"][0],
         description="Train a model data-parallel over local workers (or as one torchrun worker).",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
@@ -170,7 +170,7 @@ none).
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     """Register ``shmtrain compare RUN_DIR... [--out FILE]``."""
     p = sub.add_parser(
-        "compare", help="finished runs side by side: a table and loss/metric curves",
+        "compare", help=COMMANDS["compare"][0],
         description="Compare finished runs of `shmtrain train`: print their summaries side by side "
                     "(strategy, workers, iterations, held-out metric, wall time, ms per phase) and plot "
                     "their loss and held-out metric (accuracy, rmse, perplexity) curves in one figure.",
@@ -196,7 +196,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     from shmtrain.bench.compress import add_bench_compress_parser
     from shmtrain.bench.hosts import add_parser as add_bench_hosts_parser
 
-    p = sub.add_parser("bench", help="benchmarks (table + JSON)",
+    p = sub.add_parser("bench", help=COMMANDS["bench"][0],
                        description="Benchmarks: each prints a table and writes --json.")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     allreduce.add_parser(bench)
@@ -215,7 +215,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_experiment(sub: argparse._SubParsersAction) -> None:
     from shmtrain.experiments import hpsearch, neuron
 
-    p = sub.add_parser("experiment", help="the papers' experiments (plots + JSON)",
+    p = sub.add_parser("experiment", help=COMMANDS["experiment"][0],
                        description="Experiments of the SHM-Learn-Dist paper: each writes PNG plots and a JSON "
                                    "into --out.")
     experiments = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
@@ -240,7 +240,7 @@ paper's, 2-4 workers); docs/reproduction/README.md has the full runs and their v
 def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     """Register ``shmtrain reproduce [--list] NAME [--quick] [--out DIR]``."""
     p = sub.add_parser(
-        "reproduce", help="re-run one of the papers' headline results (md + json + png)",
+        "reproduce", help=COMMANDS["reproduce"][0],
         description="Re-run a headline result of the five papers on this machine, scaled down, "
                     "and write the paper's figures beside ours.",
         epilog=REPRODUCE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -283,8 +283,59 @@ def _reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``shmtrain`` parser with every sub-command."""
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    from shmtrain.runtime.launch.script_launch import add_parser
+
+    add_parser(sub)
+
+
+def _add_torchrun(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser(  # dispatched before parsing (its options are torchrun's): see _main
+        "torchrun", help=COMMANDS["torchrun"][0],
+        description="torchrun [its options] train ... | SCRIPT ...: torchrun's agent imports torch and "
+                    "shmtrain once and forks each worker (--start-method fork --run-path); "
+                    "`shmtrain torchrun --help` lists torchrun's options", add_help=False)
+
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    from shmtrain.runtime.evaluate import add_parser
+
+    add_parser(sub)
+
+
+def _add_sim(sub: argparse._SubParsersAction) -> None:
+    from shmtrain.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
+
+
+def _add_smb_server(sub: argparse._SubParsersAction) -> None:
+    from shmtrain.runtime.launch.smb_server import add_parser
+
+    add_parser(sub)
+
+
+#: every sub-command: its one-line help (what ``shmtrain --help`` lists) and what registers
+#: its whole parser, which may import torch (``train`` imports every strategy for its flags)
+COMMANDS: dict[str, tuple[str, Any]] = {
+    "train": ("train a model data-parallel", _add_train),
+    "run": ("run your own training script on N local workers (a torchrun for one host)", _add_run),
+    "torchrun": ("torchrun, its workers forked from one process per host (start-up across hosts)", _add_torchrun),
+    "compare": ("finished runs side by side: a table and loss/metric curves", _add_compare),
+    "evaluate": ("a trained model's held-out metrics (run folder, model file or checkpoint)", _add_evaluate),
+    "bench": ("benchmarks (table + JSON)", _add_bench),
+    "sim": ("cost-model simulator for scales this machine cannot run", _add_sim),
+    "experiment": ("the papers' experiments (plots + JSON)", _add_experiment),
+    "reproduce": ("re-run one of the papers' headline results (md + json + png)", _add_reproduce),
+    "smb-server": ("run a memory server for workers on several hosts (SMB-REMOTE)", _add_smb_server),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``shmtrain`` parser. ``command`` None: every sub-command whole; a name: that one
+    whole and the others by name and help only (what parsing its words needs: ``shmtrain
+    smb-server ...`` or ``shmtrain --help`` does not wait seconds for torch to import); "":
+    every one by name and help only."""
     from shmtrain import __version__
 
     parser = argparse.ArgumentParser(
@@ -293,28 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shmtrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_train(sub)
-    from shmtrain.runtime.launch.script_launch import add_parser as add_run
-
-    add_run(sub)
-    sub.add_parser(  # dispatched before parsing (its options are torchrun's): see _main
-        "torchrun", help="torchrun, its workers forked from one process per host (start-up across hosts)",
-        description="torchrun [its options] train ... | SCRIPT ...: torchrun's agent imports torch and "
-                    "shmtrain once and forks each worker (--start-method fork --run-path); "
-                    "`shmtrain torchrun --help` lists torchrun's options", add_help=False)
-    _add_compare(sub)
-    from shmtrain.runtime.evaluate import add_parser as add_evaluate
-
-    add_evaluate(sub)
-    _add_bench(sub)
-    from shmtrain.sim.cli import add_sim_parser
-
-    add_sim_parser(sub)
-    _add_experiment(sub)
-    _add_reproduce(sub)
-    from shmtrain.runtime.launch.smb_server import add_parser as add_smb_server
-
-    add_smb_server(sub)
+    for name, (text, register) in COMMANDS.items():
+        if command is None or command == name:
+            register(sub)
+        else:
+            sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
@@ -340,28 +374,38 @@ def _main(argv: list[str] | None) -> int:
         from shmtrain.runtime.launch import zygote
 
         zygote.prestart()  # the workers' torch imports while this process builds its parser
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from shmtrain.fabric.control import PeerFailure, PeerTimeout
-    from shmtrain.runtime.checkpoint.files import CheckpointError
-    from shmtrain.runtime.files import OutputError
-    from shmtrain.runtime.launch.launcher import WorkerFailed
-    from shmtrain.runtime.run import RunStopped
-    from shmtrain.runtime.train.finite import TrainingDiverged
-
+    parser = build_parser(words[0] if words[:1] and words[0] in COMMANDS else "")
+    args = parser.parse_args(words)
     try:
         return int(args.handler(args) or 0)
-    except RunStopped as exc:  # Ctrl-C / SIGTERM: what was saved and how to continue
-        if str(exc):
-            print(f"shmtrain: {exc}", file=sys.stderr)
-        return exc.code
-    except ValueError as exc:
-        print(f"shmtrain: error: {exc}", file=sys.stderr)
-        return 2
-    except (WorkerFailed, PeerFailure, PeerTimeout, CheckpointError, OutputError, TrainingDiverged) as exc:
-        print(f"shmtrain: error: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        stopped = _raised(exc, "shmtrain.runtime.run_end", "RunStopped")
+        if stopped:  # Ctrl-C / SIGTERM: what was saved and how to continue
+            if str(exc):
+                print(f"shmtrain: {exc}", file=sys.stderr)
+            return exc.code  # type: ignore[attr-defined]
+        if isinstance(exc, ValueError):
+            print(f"shmtrain: error: {exc}", file=sys.stderr)
+            return 2
+        if any(_raised(exc, module, name) for module, name in _FAILURES):
+            print(f"shmtrain: error: {exc}", file=sys.stderr)
+            return 1
+        raise
 
+
+#: the failures that end a command with status 1 and their one line (a worker's, a peer's,
+#: the disk's, a diverged loss), by module: looked up only once that module was imported
+_FAILURES = (("shmtrain.fabric.control", "PeerFailure"), ("shmtrain.fabric.control", "PeerTimeout"),
+             ("shmtrain.runtime.checkpoint.files", "CheckpointError"), ("shmtrain.runtime.files", "OutputError"),
+             ("shmtrain.runtime.launch.failures", "WorkerFailed"),
+             ("shmtrain.runtime.train.finite", "TrainingDiverged"))
+
+
+def _raised(exc: BaseException, module: str, name: str) -> bool:
+    """Whether ``exc`` is an instance of ``module.name``, without importing ``module``: an
+    exception of a class whose module was never imported cannot have been raised."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(exc, cls)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,15 +25,15 @@ SERVER_NAME = b"shmtrain-smb"
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from shmtrain.fabric.smb.remote import read_secret
-    from shmtrain.fabric.smb.server import MemoryServer
-
     if args.idle_exit < 0:
         raise ValueError(f"--idle-exit {args.idle_exit}: seconds must be >= 0 (0: never)")
     if args.snapshot_every < 0:
         raise ValueError(f"--snapshot-every {args.snapshot_every}: seconds must be >= 0 (0: no snapshots)")
     if args.resume and not Path(args.resume).is_file():
         raise ValueError(f"--resume {args.resume}: no such snapshot file (the server writes {SNAPSHOT} in --out)")
+    from shmtrain.fabric.smb.remote import read_secret  # torch: after the checks that need none
+    from shmtrain.fabric.smb.server import MemoryServer
+
     secret = read_secret(args.secret_file)
     out = Path(args.out)
     if args.snapshot_every:
