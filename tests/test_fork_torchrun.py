@@ -73,8 +73,11 @@ def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path
     script.write_text(PROBE)
     (tmp_path / "probe_helper.py").write_text("")
     cmd = ["--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)]
-    done = subprocess.run([*FORK, *cmd], env=env(), capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stderr
+    # rank 1 exits 3 once it has written what it saw: one launch shows both
+    done = subprocess.run([*FORK, *cmd], env=dict(env(), PROBE_EXIT="3"), capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 1, done.stderr
+    assert f"shmtrain torchrun: {script} failed on this host: rank 1 (exit status 3)" in done.stderr
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["loaded"] == {"torch": True, "torch._dynamo": True, "shmtrain.runtime.launch.worker": True,
@@ -83,10 +86,6 @@ def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path
         assert got["signals"] == [True, True, True] and got["main"] == "__main__"  # as a fresh interpreter has them
     subprocess.run([*TORCHRUN, *cmd], env=env(), capture_output=True, timeout=150, check=True)
     assert not json.loads((tmp_path / "rank0.json").read_text())["loaded"]["torch._dynamo"]  # the contrast
-    failed = subprocess.run([*FORK, *cmd], env=dict(env(), PROBE_EXIT="3"), capture_output=True, text=True,
-                            timeout=150)
-    assert failed.returncode == 1, failed.stderr
-    assert f"shmtrain torchrun: {script} failed on this host: rank 1 (exit status 3)" in failed.stderr
 
 
 def test_what_cannot_be_forked_is_refused_with_the_fix(tmp_path: Path) -> None:
