@@ -52,13 +52,18 @@ def test_two_hosts_reduce_hierarchically(tmp_path: Path) -> None:
     assert _close(tmp_path / "gloo.pt", tmp_path / "shm.pt") < 1e-5
 
 
-@pytest.mark.parametrize("order", ["import shmtrain; import torch.distributed as dist",
-                                   "import torch.distributed as dist; import shmtrain",
-                                   "import shmtrain; import torch; from torch import distributed as dist"])
-def test_import_shmtrain_registers_the_backend_in_either_order(order: str) -> None:
-    code = f"{order}\nprint('shm' in dist.Backend.backend_list)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "True", out.stderr
+ORDERS = ["import shmtrain; import torch.distributed as dist",
+          "import torch.distributed as dist; import shmtrain",
+          "import shmtrain; import torch; from torch import distributed as dist"]
+
+
+def test_import_shmtrain_registers_the_backend_in_either_order() -> None:
+    """Each order in a fresh interpreter, the three at once (each is an import of torch)."""
+    procs = [subprocess.Popen([sys.executable, "-c", f"{order}\nprint('shm' in dist.Backend.backend_list)"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for order in ORDERS]
+    for order, proc in zip(ORDERS, procs, strict=True):
+        out, err = proc.communicate(timeout=60)
+        assert out.strip() == "True", (order, err)
 
 
 def test_import_shmtrain_alone_does_not_import_torch() -> None:
