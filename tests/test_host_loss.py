@@ -52,8 +52,10 @@ def _workers(agent: psutil.Process) -> dict[int, psutil.Process]:
 
 def _lose_host_one(tmp_path: Path, strategy: str, whole_host: bool) -> tuple[list[str], list[int], Path]:
     out = tmp_path / "run"
+    # host 0, which lives on, through shmtrain torchrun (its workers forked: one torch import
+    # fewer each); host 1 through torchrun, whose workers' environments name their local ranks
     nodes = start_hosts(out, ["--strategy", strategy, "--iterations", "120", "--batch-size", "16",
-                              "--timeout", "30", "--no-progress"])
+                              "--timeout", "30", "--no-progress"], forked=(0,))
     try:
         deadline = time.monotonic() + 120
         while min(_rows(out / "metrics" / f"rank-{r}.jsonl") for r in (2, 3)) < 10:  # host 1's workers train
