@@ -56,8 +56,7 @@ def test_default_job_reaches_90_percent_on_digits(tmp_path: Path) -> None:
 def test_toml_config_and_flags_win(tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text('strategy = "single"\nworkers = 1\nbatch-size = 16\niterations = 3\nlr = 0.5\n')
-    result = shmtrain("train", "--config", str(cfg), "--lr", "0.01", "--out", str(tmp_path / "r"))
-    assert result.returncode == 0, result.stderr
+    assert main(["train", "--config", str(cfg), "--lr", "0.01", "--out", str(tmp_path / "r"), "--no-progress"]) == 0
     resolved = (tmp_path / "r" / "config.toml").read_text()
     assert "lr = 0.01" in resolved and "batch-size = 16" in resolved
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["iterations"] == 3
@@ -119,9 +118,8 @@ def test_folder_of_images(tmp_path: Path) -> None:
         for i in range(12):
             shade = tuple(max(0, c - 8 * i) for c in color)
             Image.new("RGB", (10 + i, 12), shade).save(folder / f"{i}.png")
-    result = shmtrain("train", "--data", str(tmp_path / "imgs"), "--image-size", "8", "--workers", "2",
-                      "--batch-size", "4", "--iterations", "20", "--lr", "0.05", "--out", str(tmp_path / "r"))
-    assert result.returncode == 0, result.stderr
+    assert main(["train", "--data", str(tmp_path / "imgs"), "--image-size", "8", "--workers", "2", "--batch-size",
+                 "4", "--iterations", "20", "--lr", "0.05", "--out", str(tmp_path / "r"), "--no-progress"]) == 0
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["accuracy"] == 1.0  # red vs blue is easy
 
