@@ -7,9 +7,10 @@ Two launches in all (module fixtures): a 2-worker ssgd run with a cosine schedul
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
-import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -29,15 +30,16 @@ ITERATIONS, EVERY, WARMUP, LR = 12, 4, 2, 0.05
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
-def shmtrain(*args: str, timeout: float = 170) -> subprocess.CompletedProcess:
-    """Run the command line; module fixtures call it before the per-test leak check
-    (conftest) starts, so it checks for leaked segments itself."""
-    env = dict(os.environ, SHMTRAIN_NO_PROGRESS="1")
+def shmtrain(*args: str) -> subprocess.CompletedProcess:
+    """Run the command line through :func:`main` in this process (its workers forked from the
+    test process's zygote); module fixtures call it before the per-test leak check (conftest)
+    starts, so it checks for leaked segments itself."""
     before = set(leftover())
-    result = subprocess.run([sys.executable, "-m", "shmtrain", *args], capture_output=True, text=True,
-                            timeout=timeout, env=env)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([*args, "--no-progress"])
     assert not set(leftover()) - before, f"leaked shared-memory segments: {set(leftover()) - before}"
-    return result
+    return subprocess.CompletedProcess(["shmtrain", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
