@@ -484,10 +484,12 @@ def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Pat
         assert not set(_smb_servers()) - before, "the memory server the job started outlived it"
 
 
-def test_smb_server_option_is_checked_and_named() -> None:
-    proc = subprocess.run([sys.executable, "-m", "shmtrain", "train", "--strategy", "seasgd",
-                           "--smb-server", "nowhere"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--smb-server 'nowhere' must be HOST:PORT" in proc.stderr, proc.stderr
+def test_smb_server_option_is_checked_and_named(capsys) -> None:
+    from shmtrain.cli import main
+
+    assert main(["train", "--strategy", "seasgd", "--smb-server", "nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert "--smb-server 'nowhere' must be HOST:PORT" in err, err
 
 
 def test_losing_the_memory_server_ends_every_worker_with_its_name(tmp_path: Path) -> None:
