@@ -17,11 +17,13 @@ from test_torchrun import TORCHRUN, env, free_port
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = str(Path(__file__).with_name("ddp_backend_script.py"))
+FORK = [sys.executable, "-m", "shmtrain", "torchrun"]
 
 
-def _run(backend: str, out: Path, nodes: int = 1, per_node: int = 2, **extra: str) -> None:
+def _run(backend: str, out: Path, nodes: int = 1, per_node: int = 2, launcher: list[str] = TORCHRUN,
+         **extra: str) -> None:
     port = free_port()
-    procs = [subprocess.Popen(TORCHRUN + ["--nnodes", str(nodes), "--node-rank", str(n), "--nproc-per-node",
+    procs = [subprocess.Popen(launcher + ["--nnodes", str(nodes), "--node-rank", str(n), "--nproc-per-node",
                                           str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                           SCRIPT, backend, str(out)],
                               env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -40,7 +42,8 @@ def test_ddp_on_the_shm_backend_equals_ddp_on_gloo(tmp_path: Path, per_node: int
     _run("gloo", tmp_path / "gloo.pt", per_node=per_node)
     # on the reduction thread (where a host has cores to spare) and on the caller's thread
     _run("cpu:shm", tmp_path / "thread.pt", per_node=per_node, SHMTRAIN_PG_THREAD="1")
-    _run("cpu:shm", tmp_path / "inline.pt", per_node=per_node, SHMTRAIN_PG_THREAD="0")
+    # the script unchanged under shmtrain torchrun too (its workers forked, shmtrain imported before)
+    _run("cpu:shm", tmp_path / "inline.pt", per_node=per_node, launcher=FORK, SHMTRAIN_PG_THREAD="0")
     assert _close(tmp_path / "gloo.pt", tmp_path / "thread.pt") < 1e-5
     assert _close(tmp_path / "gloo.pt", tmp_path / "inline.pt") < 1e-5
 
