@@ -88,6 +88,20 @@ def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path
     assert not json.loads((tmp_path / "rank0.json").read_text())["loaded"]["torch._dynamo"]  # the contrast
 
 
+def test_a_script_that_leaves_by_os_exit_ends_as_under_torchrun(tmp_path: Path) -> None:
+    """``os._exit(0)`` (scripts use it to skip gloo's teardown) ends a forked worker as it
+    ends a fresh one: torchrun's agent waited forever for the return value such a worker
+    never sent; ``os._exit(3)`` is a failure naming the rank."""
+    script = tmp_path / "leave.py"
+    script.write_text("import os, sys\nos._exit(int(sys.argv[1]) if os.environ['RANK'] == '1' else 0)\n")
+    procs = {code: subprocess.Popen([*FORK, "--standalone", "--nproc-per-node", "2", str(script), str(code)],
+                                    env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for code in (0, 3)}  # at once: each launch is an import of torch
+    out = {code: proc.communicate(timeout=60) for code, proc in procs.items()}
+    assert procs[0].returncode == 0, out[0][1]
+    assert procs[3].returncode == 1 and "rank 1 (exit status 3)" in out[3][1], out[3][1]
+
+
 def test_what_cannot_be_forked_is_refused_with_the_fix(tmp_path: Path) -> None:
     for head, words in ((["-m", "shmtrain", "train"], "--module/-m cannot be used"),
                         (["--no-python", "train"], "--no-python cannot be used"),
