@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import signal
 import sys
 import typing
@@ -283,12 +284,6 @@ def _reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.runtime.launch.script_launch import add_parser
-
-    add_parser(sub)
-
-
 def _add_torchrun(sub: argparse._SubParsersAction) -> None:
     sub.add_parser(  # dispatched before parsing (its options are torchrun's): see _main
         "torchrun", help=COMMANDS["torchrun"][0],
@@ -297,37 +292,23 @@ def _add_torchrun(sub: argparse._SubParsersAction) -> None:
                     "`shmtrain torchrun --help` lists torchrun's options", add_help=False)
 
 
-def _add_evaluate(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.runtime.evaluate import add_parser
-
-    add_parser(sub)
-
-
-def _add_sim(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.sim.cli import add_sim_parser
-
-    add_sim_parser(sub)
-
-
-def _add_smb_server(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.runtime.launch.smb_server import add_parser
-
-    add_parser(sub)
-
-
 #: every sub-command: its one-line help (what ``shmtrain --help`` lists) and what registers
-#: its whole parser, which may import torch (``train`` imports every strategy for its flags)
+#: its whole parser (a function, or ``"module:function"`` imported only then), which may
+#: import torch (``train`` imports every strategy for its flags)
 COMMANDS: dict[str, tuple[str, Any]] = {
     "train": ("train a model data-parallel", _add_train),
-    "run": ("run your own training script on N local workers (a torchrun for one host)", _add_run),
+    "run": ("run your own training script on N local workers (a torchrun for one host)",
+            "shmtrain.runtime.launch.script_launch:add_parser"),
     "torchrun": ("torchrun, its workers forked from one process per host (start-up across hosts)", _add_torchrun),
     "compare": ("finished runs side by side: a table and loss/metric curves", _add_compare),
-    "evaluate": ("a trained model's held-out metrics (run folder, model file or checkpoint)", _add_evaluate),
+    "evaluate": ("a trained model's held-out metrics (run folder, model file or checkpoint)",
+                 "shmtrain.runtime.evaluate:add_parser"),
     "bench": ("benchmarks (table + JSON)", _add_bench),
-    "sim": ("cost-model simulator for scales this machine cannot run", _add_sim),
+    "sim": ("cost-model simulator for scales this machine cannot run", "shmtrain.sim.cli:add_sim_parser"),
     "experiment": ("the papers' experiments (plots + JSON)", _add_experiment),
     "reproduce": ("re-run one of the papers' headline results (md + json + png)", _add_reproduce),
-    "smb-server": ("run a memory server for workers on several hosts (SMB-REMOTE)", _add_smb_server),
+    "smb-server": ("run a memory server for workers on several hosts (SMB-REMOTE)",
+                   "shmtrain.runtime.launch.smb_server:add_parser"),
 }
 
 
@@ -346,6 +327,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (text, register) in COMMANDS.items():
         if command is None or command == name:
+            if isinstance(register, str):
+                module, _, function = register.partition(":")
+                register = getattr(importlib.import_module(module), function)
             register(sub)
         else:
             sub.add_parser(name, help=text, add_help=False)
@@ -379,8 +363,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return int(args.handler(args) or 0)
     except Exception as exc:
-        stopped = _raised(exc, "shmtrain.runtime.run_end", "RunStopped")
-        if stopped:  # Ctrl-C / SIGTERM: what was saved and how to continue
+        if _raised(exc, "shmtrain.runtime.run_end", "RunStopped"):  # Ctrl-C / SIGTERM: what was saved, how to go on
             if str(exc):
                 print(f"shmtrain: {exc}", file=sys.stderr)
             return exc.code  # type: ignore[attr-defined]
