@@ -6,10 +6,14 @@ Worker functions started by :func:`shmtrain.runtime.launch.launcher.launch` are 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -48,6 +52,31 @@ def worker_rank(process: psutil.Process) -> int | None:
     except (psutil.Error, KeyError, ValueError):
         pass
     return None
+
+
+def run_main(*words: str) -> subprocess.CompletedProcess:
+    """``shmtrain WORDS`` through :func:`shmtrain.cli.main` in this process (its workers
+    forked from this process's warm zygote, no new interpreter): the exit status and what
+    the command printed."""
+    from shmtrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(words))
+    return subprocess.CompletedProcess(["shmtrain", *words], code, out.getvalue(), err.getvalue())
+
+
+def at_once(commands: dict[Any, tuple[list[str], dict[str, str] | None]],
+            timeout: float = 60) -> dict[Any, subprocess.CompletedProcess]:
+    """Run each ``key: (argv, env)`` at the same time (each a fresh interpreter importing
+    torch: on 2 cores, about half the time of one after another); their results by key."""
+    procs = {key: subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for key, (argv, env) in commands.items()}
+    done = {}
+    for key, proc in procs.items():
+        out, err = proc.communicate(timeout=timeout)
+        done[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
 
 
 def descendants(pid: int) -> list[int]:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_torchrun import TORCHRUN, env, free_port
+from conftest import at_once
+from test_torchrun import FORK, TORCHRUN, env, free_port
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = str(Path(__file__).with_name("ddp_backend_script.py"))
-FORK = [sys.executable, "-m", "shmtrain", "torchrun"]
 
 
 def _run(backend: str, out: Path, nodes: int = 1, per_node: int = 2, launcher: list[str] = TORCHRUN,
@@ -62,11 +62,10 @@ ORDERS = ["import shmtrain; import torch.distributed as dist",
 
 def test_import_shmtrain_registers_the_backend_in_either_order() -> None:
     """Each order in a fresh interpreter, the three at once (each is an import of torch)."""
-    procs = [subprocess.Popen([sys.executable, "-c", f"{order}\nprint('shm' in dist.Backend.backend_list)"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for order in ORDERS]
-    for order, proc in zip(ORDERS, procs, strict=True):
-        out, err = proc.communicate(timeout=60)
-        assert out.strip() == "True", (order, err)
+    done = at_once({order: ([sys.executable, "-c", f"{order}\nprint('shm' in dist.Backend.backend_list)"], None)
+                    for order in ORDERS})
+    for order, result in done.items():
+        assert result.stdout.strip() == "True", (order, result.stderr)
 
 
 def test_import_shmtrain_alone_does_not_import_torch() -> None:

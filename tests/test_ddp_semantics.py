@@ -296,12 +296,11 @@ os._exit(0)  # torch's gloo may abort at interpreter exit ("terminate called wit
 
 @pytest.mark.timeout(150)
 def test_close_leaves_the_process_group_the_script_created(tmp_path: Path) -> None:
-    from test_torchrun import env, free_port
+    from test_torchrun import FORK, env, free_port
 
     script = tmp_path / "script.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
-    fork = [sys.executable, "-m", "shmtrain", "torchrun"]  # torchrun, its workers forked (one import of torch)
-    cmd = fork + ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    cmd = FORK + ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                       str(script)]
     done = subprocess.run(cmd, timeout=140, env=env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import at_once
 from shmtrain.fabric.segment import leftover
-from test_torchrun import env, free_port
-
-FORK = [sys.executable, "-m", "shmtrain", "torchrun"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+from test_torchrun import FORK, TORCHRUN, env, free_port
 
 PROBE = """\
 import json, os, signal, sys
@@ -94,12 +91,10 @@ def test_a_script_that_leaves_by_os_exit_ends_as_under_torchrun(tmp_path: Path) 
     never sent; ``os._exit(3)`` is a failure naming the rank."""
     script = tmp_path / "leave.py"
     script.write_text("import os, sys\nos._exit(int(sys.argv[1]) if os.environ['RANK'] == '1' else 0)\n")
-    procs = {code: subprocess.Popen([*FORK, "--standalone", "--nproc-per-node", "2", str(script), str(code)],
-                                    env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for code in (0, 3)}  # at once: each launch is an import of torch
-    out = {code: proc.communicate(timeout=60) for code, proc in procs.items()}
-    assert procs[0].returncode == 0, out[0][1]
-    assert procs[3].returncode == 1 and "rank 1 (exit status 3)" in out[3][1], out[3][1]
+    out = at_once({code: ([*FORK, "--standalone", "--nproc-per-node", "2", str(script), str(code)], env())
+                   for code in (0, 3)})
+    assert out[0].returncode == 0, out[0].stderr
+    assert out[3].returncode == 1 and "rank 1 (exit status 3)" in out[3].stderr, out[3].stderr
 
 
 def test_what_cannot_be_forked_is_refused_with_the_fix(tmp_path: Path) -> None:

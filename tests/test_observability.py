@@ -7,9 +7,7 @@ Two launches in all (module fixtures): a 2-worker ssgd run with a cosine schedul
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import subprocess
 import sys
@@ -21,6 +19,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
+from conftest import run_main
 from shmtrain.cli import main
 from shmtrain.fabric.segment import leftover
 from shmtrain.runtime.outputs.report import read_evals, read_metrics
@@ -31,15 +30,12 @@ HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 def shmtrain(*args: str) -> subprocess.CompletedProcess:
-    """Run the command line through :func:`main` in this process (its workers forked from the
-    test process's zygote); module fixtures call it before the per-test leak check (conftest)
-    starts, so it checks for leaked segments itself."""
+    """:func:`conftest.run_main`; module fixtures call it before the per-test leak check
+    (conftest) starts, so it checks for leaked segments itself."""
     before = set(leftover())
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([*args, "--no-progress"])
+    result = run_main(*args, "--no-progress")
     assert not set(leftover()) - before, f"leaked shared-memory segments: {set(leftover()) - before}"
-    return subprocess.CompletedProcess(["shmtrain", *args], code, out.getvalue(), err.getvalue())
+    return result
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the control block's wake-ups (spin, announce, conditional wake, wrap-around)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import at_once
 from shmtrain.fabric import native
 from shmtrain.fabric.affinity import share
 from shmtrain.fabric.control import PeerTimeout, _reached
@@ -182,13 +182,10 @@ def test_without_a_compiler_the_python_path_is_taken_and_says_why(tmp_path) -> N
              "turned off": dict(SHMTRAIN_NATIVE="0", SHMTRAIN_CACHE=str(tmp_path / "b"))}
     for extra in cases.values():
         os.makedirs(extra["SHMTRAIN_CACHE"])
-    procs = {what: subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, **extra), text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for what, extra in cases.items()}  # at once: each is a fresh interpreter's import of torch
-    out = {what: proc.communicate(timeout=60) for what, proc in procs.items()}
-    assert out["no compiler"][0].startswith("True | /bin/false failed"), out
+    out = at_once({what: ([sys.executable, "-c", code], dict(os.environ, **extra)) for what, extra in cases.items()})
+    assert out["no compiler"].stdout.startswith("True | /bin/false failed"), out
     assert not list((tmp_path / "a").glob("*.so")) and not list((tmp_path / "a").glob("*.tmp"))  # nothing half-built
-    assert out["turned off"][0].strip() == "True | SHMTRAIN_NATIVE=0", out
+    assert out["turned off"].stdout.strip() == "True | SHMTRAIN_NATIVE=0", out
 
 
 def mixed_worker(ctx, payload: dict[str, Any]) -> tuple[bool, float]:

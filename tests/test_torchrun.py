@@ -19,6 +19,8 @@ from shmtrain.runtime.data.tensors import load_digits_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+#: torchrun whose workers are forked from its agent (one import of torch per host)
+FORK = [sys.executable, "-m", "shmtrain", "torchrun"]
 
 
 def free_port() -> int:
@@ -67,8 +69,7 @@ def start_hosts(out: Path, args: list[str], nodes: int = 2, per_node: int = 2,
 def host_command(node: int, nodes: int, per_node: int, port: int, args: list[str], fork: bool = False) -> list[str]:
     """The torchrun command of host ``node`` running ``shmtrain train ARGS`` on loopback
     (``fork``: ``shmtrain torchrun``, the same options)."""
-    launcher, train = ([sys.executable, "-m", "shmtrain", "torchrun"], ["train"]) if fork else \
-        (TORCHRUN, ["-m", "shmtrain", "train"])
+    launcher, train = (FORK, ["train"]) if fork else (TORCHRUN, ["-m", "shmtrain", "train"])
     return launcher + ["--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", str(per_node),
                        "--master-addr", "127.0.0.1", "--master-port", str(port), *train, *args]
 

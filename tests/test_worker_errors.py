@@ -5,8 +5,6 @@ the one blamed; SIGHUP and SIGTERM stop the workers before the launcher exits.""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -18,7 +16,7 @@ import psutil
 import pytest
 from PIL import Image
 
-from conftest import descendants, worker_process, worker_rank
+from conftest import descendants, run_main, worker_process, worker_rank
 from shmtrain.cli import main
 from test_checkpoint import SMALL, rows_written, start, wait_for
 
@@ -37,12 +35,7 @@ def image_folder(root: Path, bad: str | None = None) -> Path:
 
 
 def train_cli(*args: str) -> subprocess.CompletedProcess:
-    """``shmtrain train ARGS`` through :func:`main` in this process (its workers forked from the
-    test process's zygote): the exit status and what the launcher printed."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["train", *args])
-    return subprocess.CompletedProcess(["shmtrain", "train", *args], code, out.getvalue(), err.getvalue())
+    return run_main("train", *args)
 
 
 FOLDER = ["--image-size", "8", "--model", "mlp", "--workers", "2", "--iterations", "4", "--batch-size", "8",
