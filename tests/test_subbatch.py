@@ -228,16 +228,59 @@ def test_asynchronous_strategies_train(run: tuple[str, str, dict[str, Any]]) -> 
     tenth of its start. Not "the last steps' mean halves": with momentum 0.9 in each worker's
     optimizer, a worker that runs several steps while the other waits for a core drives W_g
     with its velocity alone, and the other's next loss can spike (up to 8.1 in 36 loaded launches
-    of downpour here, 0.00 the step before and after). A sequential simulation of (1) with a
-    random order of the two workers gives the same spikes, and the last-5 mean missed half its
-    start in 11 of 400 such runs; the best loss of steps 6-30 was under a tenth in every one.
-    One launch each: a job's buffer service holds the global weights' name once."""
+    of downpour here, 0.00 the step before and after). The order alone does it:
+    :func:`test_the_order_of_the_steps_alone_spikes_downpour`. One launch each: a job's
+    buffer service holds the global weights' name once."""
     results = launch("test_subbatch:strategies_worker", 2,
                      {"runs": [run], "steps": 30, "memorize": True}, timeout=120)
     for rank, result in enumerate(results):
         losses = result[run[0]]["losses"]
         first, best = sum(losses[:5]) / 5, min(losses[5:])
         assert best < 0.1 * first, f"{run[0]}, rank {rank}: loss {first:.3f} -> best {best:.3f}: {losses}"
+
+
+def _downpour_in_order(seed: int, steps: int = 30) -> list[list[float]]:
+    """ShmCaffe eq. (1) with the two workers of the test above, one process, no concurrency:
+    at each turn a worker drawn at random (``seed``) steps its optimizer on its own batch,
+    adds its increment into W_g and fetches W_g. Each worker's losses."""
+    import random
+
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    draw = random.Random(seed)
+    x, y = batches(steps, BATCH * 2)
+    models = [tiny_model() for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3) for m in models]
+    global_weights = parameters_to_vector(models[0].parameters()).detach().clone()
+    fetched = [global_weights.clone(), global_weights.clone()]
+    losses: list[list[float]] = [[], []]
+    while min(map(len, losses)) < steps:
+        rank = draw.randrange(2) if max(map(len, losses)) < steps else min((0, 1), key=lambda r: len(losses[r]))
+        xs, ys = worker_batch(x, y, 0, rank, BATCH, 2)
+        optimizers[rank].zero_grad()
+        loss = nn.functional.cross_entropy(models[rank](xs), ys)
+        loss.backward()
+        optimizers[rank].step()
+        losses[rank].append(loss.item())
+        global_weights += parameters_to_vector(models[rank].parameters()).detach() - fetched[rank]
+        vector_to_parameters(global_weights.clone(), models[rank].parameters())
+        fetched[rank] = global_weights.clone()
+    return losses
+
+
+@pytest.mark.slow  # ~27 s loaded: why the check above asks for the best loss, not the last steps' mean
+def test_the_order_of_the_steps_alone_spikes_downpour() -> None:
+    """Without any concurrency, only the order of the workers' steps drawn at random, the
+    last 5 steps' mean misses half the first 5's in some runs (a spike in the last steps: 3
+    of these 60 here, seeds 41, 45 and 66, by 1.0-1.6 against 0.87-0.95); the best loss of
+    steps 6-30 reaches a tenth of the start in every run (7 of 160 missed and none failed
+    over seeds 40-119)."""
+    runs = [losses for seed in range(40, 70) for losses in _downpour_in_order(seed)]
+    starts = [sum(losses[:5]) / 5 for losses in runs]
+    missed = [i for i, (losses, first) in enumerate(zip(runs, starts, strict=True))
+              if not sum(losses[-5:]) / 5 < 0.5 * first]
+    assert missed, "no run spiked in its last steps: the old check would have held"
+    assert all(min(losses[5:]) < 0.1 * first for losses, first in zip(runs, starts, strict=True))
 
 
 @pytest.mark.parametrize("value,words", [("0", ["--sub-batch 0", "at least 1"]),
