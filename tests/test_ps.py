@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shmtrain.api import DataParallel, make_config
 from shmtrain.fabric.segment import PREFIX, sweep
 from shmtrain.fabric.star import average_, open_star
+from shmtrain.fabric.trust import bound_store
+from shmtrain.runtime.launch.job_dir import JobDir
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 
 IN, HIDDEN, OUT = 6, 16, 4
@@ -309,16 +308,16 @@ def test_bench_ps_writes_a_row_per_strategy_transport_and_worker_count(tmp_path:
 
 def run_two_hosts(target: str, payload: Any, per_host: int = 2, timeout: float = 100.0) -> list[Any]:
     world = 2 * per_host
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False)
-    store.set("payload", pickle.dumps(payload))
+    store = bound_store("127.0.0.1", timeout=timeout, world_size=world + 1)
+    job = JobDir.make()
+    job.put_payload(payload)
     procs = []
     try:
         for rank in range(world):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_host),
                        LOCAL_WORLD_SIZE=str(per_host), GROUP_RANK=str(rank // per_host),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), SHMTRAIN_STORE_PORT=str(store.port),
-                       SHMTRAIN_TIMEOUT="60", OMP_NUM_THREADS="1")
+                       SHMTRAIN_JOB_DIR=str(job.path), SHMTRAIN_TIMEOUT="60", OMP_NUM_THREADS="1")
             env.pop("SHMTRAIN_CONTROL", None)
             procs.append(subprocess.Popen([sys.executable, "-m", "shmtrain.runtime.launch.worker", target], env=env))
         deadline = time.monotonic() + timeout
@@ -326,7 +325,7 @@ def run_two_hosts(target: str, payload: Any, per_host: int = 2, timeout: float =
             proc.wait(max(1.0, deadline - time.monotonic()))
         codes = [proc.returncode for proc in procs]
         assert codes == [0] * world, f"worker exit codes {codes}"
-        return [pickle.loads(store.get(f"result/{r}")) for r in range(world)]
+        return [job.result(r) for r in range(world)]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -334,6 +333,7 @@ def run_two_hosts(target: str, payload: Any, per_host: int = 2, timeout: float =
                 proc.wait()
         if store.check(["run_id"]):
             sweep(f"{PREFIX}-{store.get('run_id').decode()}")
+        job.remove()
 
 
 def two_strategies_worker(ctx, p: dict[str, Any]) -> dict[str, Any]:

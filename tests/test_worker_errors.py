@@ -132,19 +132,21 @@ def test_a_peer_that_noticed_the_death_first_is_not_blamed() -> None:
     launcher's poll: rank 0 exits first, but its record names rank 1 as the cause."""
     from types import SimpleNamespace
 
-    import torch.distributed as dist
-
     from shmtrain.runtime.launch.failures import root_cause
+    from shmtrain.runtime.launch.job_dir import JobDir
     from shmtrain.runtime.outputs.worker_logs import WorkerLogs
 
     children = [SimpleNamespace(pid=100, returncode=1), SimpleNamespace(pid=101, returncode=-signal.SIGKILL)]
     record = {"cause": "local rank 1 (pid 101) died while this worker waited for gradients", "peer": 1,
               "timeout": False}
-    failure = root_cause(children, 0, 1, record, [], {}, WorkerLogs(None, 2, False), dist.HashStore())
-    assert str(failure) == "worker rank 1 (pid 101) failed: killed by SIGKILL" and failure.rank == 1
-    # its own error, when it had one, is the cause
-    store = dist.HashStore()
-    store.set("error/1", json.dumps({"cause": "ValueError: bad", "peer": None, "timeout": False}))
-    children[1].returncode = 1
-    failure = root_cause(children, 0, 1, record, [], {}, WorkerLogs(None, 2, False), store)
-    assert str(failure) == "worker rank 1 (pid 101) failed: ValueError: bad"
+    job = JobDir.make()
+    try:
+        failure = root_cause(children, 0, 1, record, [], {}, WorkerLogs(None, 2, False), job)
+        assert str(failure) == "worker rank 1 (pid 101) failed: killed by SIGKILL" and failure.rank == 1
+        # its own error, when it had one, is the cause
+        job.put_error(1, {"cause": "ValueError: bad", "peer": None, "timeout": False})
+        children[1].returncode = 1
+        failure = root_cause(children, 0, 1, record, [], {}, WorkerLogs(None, 2, False), job)
+        assert str(failure) == "worker rank 1 (pid 101) failed: ValueError: bad"
+    finally:
+        job.remove()

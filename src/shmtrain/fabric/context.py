@@ -31,6 +31,7 @@ from shmtrain.fabric.control import ControlBlock, PeerFailure, alive, first_line
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.netif import choose_interface, rendezvous_error
 from shmtrain.fabric.segment import PREFIX, SharedSegment
+from shmtrain.fabric.trust import check_path
 from shmtrain.startup import mark
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -199,14 +200,22 @@ def _choose_gloo_interface(addr: str, world: int, local_rank: int) -> None:
 
 
 def _open_store(addr: str, rank: int, world: int, timeout: float) -> dist.Store:
-    """The job's store: shmtrain's launcher's, torchrun's (per restart attempt), or one
-    in this process for a job of one."""
+    """The job's store: shmtrain's launcher's (a FileStore in its private folder, or a
+    TCPStore on loopback), torchrun's (per restart attempt), or one in this process for
+    a job of one."""
     wait = timedelta(seconds=timeout)
+    store_file = os.environ.get("SHMTRAIN_STORE_FILE")
+    if store_file:
+        check_path(os.path.dirname(store_file), "the job's folder", "it is not the one this run's launcher made",
+                   private=True)
+        store: dist.Store = dist.FileStore(store_file, -1)
+        store.set_timeout(wait)
+        return store
     store_port = _env_int("SHMTRAIN_STORE_PORT", 0)
     port = store_port or _env_int("MASTER_PORT", 29500)
     try:
         if store_port:
-            store: dist.Store = dist.TCPStore(addr, store_port, world, is_master=False, timeout=wait)
+            store = dist.TCPStore(addr, store_port, world, is_master=False, timeout=wait)
         elif world > 1:
             agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
             base = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent, timeout=wait)

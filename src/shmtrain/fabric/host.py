@@ -3,7 +3,9 @@
 Set-up is a collective among the host's local ranks, in the same order on each: local
 rank 0 creates a segment, announces its name through the torch.distributed store, the
 others attach and acknowledge, and rank 0 unlinks the name at once (see
-:mod:`shmtrain.fabric.segment` for why that makes leaks impossible after set-up).
+:mod:`shmtrain.fabric.segment` for why that makes leaks impossible after set-up). Every
+rank knows the name (the run's prefix, the segment's index and tag): a different name
+in the store is refused, and the segment is attached only if this user alone can open it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from shmtrain.fabric.control import ControlBlock, PeerTimeout
 from shmtrain.fabric.segment import SharedSegment
+from shmtrain.fabric.trust import UntrustedError
 
 
 class HostGroup:
@@ -101,8 +104,13 @@ class HostGroup:
             finally:
                 segment.unlink()
         else:
-            announced = self.store.get(key).decode()
-            segment = SharedSegment(announced, nbytes, create=False)
+            announced = self.store.get(key).decode(errors="replace")
+            if announced != name:  # every rank knows the name: the store only says it is ready
+                raise UntrustedError(
+                    f"the job's store announced segment {announced[:80]!r} where this run's is {name!r}: "
+                    "someone other than local rank 0 wrote the store; refused (run on a host and a store "
+                    "that only this user reaches: docs/security.md)")
+            segment = SharedSegment(name, nbytes, create=False)
             self.store.add(f"{key}/attached", 1)
         return segment
 

@@ -1,7 +1,9 @@
 """Named POSIX shared-memory segments as zero-copy torch tensors.
 
 Every name starts with ``shmtrain`` so a leak can be found with ``ls /dev/shm``.
-Segments are created mode 0600 (owner only). The lifecycle that keeps them from
+Segments are created mode 0600 (owner only), and one is attached by name only if this
+user owns it and no one else can open it (checked on the open descriptor: a name that
+another user made first, or a world-writable file, is refused, whoever announced it). The lifecycle that keeps them from
 outliving a run is: the creator makes the name, every peer attaches (maps it), then the
 creator unlinks the name at once; the mappings stay valid until each process exits, so
 nothing is left in /dev/shm whatever way a process ends after set-up (normal end,
@@ -16,6 +18,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from shmtrain.fabric.trust import check_fd
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "shmtrain"
@@ -59,7 +63,14 @@ class SharedSegment:
                 path.unlink(missing_ok=True)
                 raise
         else:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                check_fd(fd, f"shared-memory segment {str(path)!r}",
+                         "shmtrain attaches only its own segments (another user's, or one anyone can open, "
+                         "could read or change this run's tensors); remove it if it is a leftover", private=True)
+            except BaseException:
+                os.close(fd)
+                raise
             size = os.fstat(fd).st_size
             if size < nbytes:
                 os.close(fd)

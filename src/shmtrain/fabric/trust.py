@@ -20,8 +20,7 @@ import socket
 import stat
 import tempfile
 from pathlib import Path
-
-import torch.distributed as dist
+from typing import Any
 
 
 class UntrustedError(ValueError):
@@ -97,10 +96,12 @@ def write_private(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def bound_store(bind: str, port: int = 0, *, timeout: float = 120.0, world_size: int | None = None) -> dist.TCPStore:
+def bound_store(bind: str, port: int = 0, *, timeout: float = 120.0, world_size: int | None = None) -> Any:
     """A TCPStore server that listens on ``bind`` alone (``port`` 0: one the kernel picks):
     its socket is made and bound here and handed to the store (``master_listen_fd``),
     since a TCPStore's own server listens on every interface."""
+    import torch.distributed as dist
+
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

@@ -43,6 +43,7 @@ from shmtrain.fabric.futex import futex_wait, futex_wake
 from shmtrain.fabric.host import HostGroup
 from shmtrain.fabric.segment import SharedSegment, align
 from shmtrain.fabric.smb.api import Buffer, BufferKey, BufferService, ProgressBoard, Ticket
+from shmtrain.fabric.trust import UntrustedError
 
 LINE = 64
 _SLICE_S = 0.05  # how often a sleeper re-checks liveness and abort
@@ -281,6 +282,11 @@ class LocalBufferService(BufferService):
         if key.id not in self._tensors:
             dtype = getattr(torch, key.dtype)
             itemsize = torch.empty((), dtype=dtype).element_size()
+            if not key.locator.startswith(f"{self.host.prefix}-smb{key.id}-"):
+                raise UntrustedError(
+                    f"SMB buffer {key.name!r} is announced in the job's store at segment {key.locator[:80]!r}, "
+                    f"not one of this run's ({self.host.prefix}-smb{key.id}-...): someone else wrote the "
+                    "store; refused (docs/security.md)")
             segment = SharedSegment(key.locator, align(key.numel * itemsize), create=False)
             self._segments[key.id] = segment
             self._tensors[key.id] = segment.tensor(dtype, 0, key.numel)

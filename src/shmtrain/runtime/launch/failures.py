@@ -3,14 +3,11 @@ exited, and where its log is (``runtime/launch/launcher.py``'s supervisor raises
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import signal
 import time
 from typing import Any
-
-import torch.distributed as dist
 
 from shmtrain.runtime.outputs.worker_logs import WorkerLogs
 
@@ -134,7 +131,7 @@ def first_cause(children: list[Any], bad: list[tuple[int, int]], lost: dict[int,
 
 
 def root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any],
-                stuck: list[int], lost: dict[int, int], logs: WorkerLogs, store: dist.TCPStore) -> WorkerFailed:
+                stuck: list[int], lost: dict[int, int], logs: WorkerLogs, job: Any) -> WorkerFailed:
     """The one-line failure: the first worker to fail, unless it only failed because of a
     peer: one it gave up waiting for (that peer stalled; the launcher ended it), or one it
     found dead or failed (that peer's own failure is the cause)."""
@@ -162,7 +159,7 @@ def root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any]
     else:
         peer_code = children[peer].returncode
         peer_code = code if peer_code is None else peer_code
-        failure = failure_of(children, peer, peer_code, error_record(store, peer, peer_code), logs)
+        failure = failure_of(children, peer, peer_code, error_record(job, peer, peer_code), logs)
     if lost:
         failure.args = (failure.args[0] + "".join(
             f" (after worker rank {r} died: {describe_exit(c)})" for r, c in lost.items()),)
@@ -183,19 +180,10 @@ def failure_of(children: list[Any], rank: int, code: int, record: dict[str, Any]
     return failure
 
 
-def error_record(store: dist.TCPStore, rank: int, code: int) -> dict[str, Any]:
-    """The worker's own account of its failure (``error/<rank>``: ``cause``, ``peer``,
-    ``timeout``); empty when it had none to give (killed by a signal, or failed before it
-    joined the job)."""
+def error_record(job: Any, rank: int, code: int) -> dict[str, Any]:
+    """The worker's own account of its failure (its ``error-<rank>`` file in the job's
+    folder, ``runtime/launch/job_dir.py``: ``cause``, ``peer``, ``timeout``); empty when it
+    had none to give (killed by a signal, or failed before it joined the job)."""
     if code < 0:
         return {}
-    deadline = time.monotonic() + 1.0  # the worker sets it just before it exits
-    while True:
-        try:
-            if store.check([f"error/{rank}"]):
-                return json.loads(store.get(f"error/{rank}").decode())
-        except (RuntimeError, ValueError):
-            return {}
-        if time.monotonic() > deadline:
-            return {}
-        time.sleep(0.02)
+    return job.error(rank)

@@ -3,10 +3,11 @@
 Each worker runs ``shmtrain.runtime.launch.worker`` with torchrun's environment variables, so
 the worker code path is the same whether shmtrain or torchrun started it; it is forked
 by the launcher's zygote, which imported torch once (``runtime/launch/zygote.py``), or, with
-``SHMTRAIN_ZYGOTE=0``, started as a fresh ``python -m shmtrain.runtime.launch.worker``. The launcher hosts the TCPStore
-on loopback (port chosen by the
-kernel: no port races) and creates the host's control block; when a worker dies it
-marks the failure there (waking every waiter), gives the others a moment to fail
+``SHMTRAIN_ZYGOTE=0``, started as a fresh ``python -m shmtrain.runtime.launch.worker``. The launcher makes
+the job's private folder and its store, which listens nowhere (a FileStore in that
+folder; for ``shmtrain run``'s scripts, which join by ``env://``, a TCPStore on loopback
+alone, port chosen by the kernel: ``runtime/launch/job_dir.py``), and creates the host's
+control block; when a worker dies it marks the failure there (waking every waiter), gives the others a moment to fail
 with an error naming it, then terminates them. Ctrl-C and errors end every child, and
 the run's shared-memory names are swept on every exit path, and what a worker started
 ends with it (its process group, the orphans it left: ``runtime/launch/reaping.py``). With ``graceful_stop``
@@ -17,8 +18,8 @@ return (``runtime/train/stop.py``); a second one ends them at once (SIGHUP too).
 first signal is passed on to every worker instead, and they have :data:`STOP_GRACE_S`
 seconds to end (to save what they want) before they are killed.
 
-**Errors.** A worker that fails puts one line with its cause in the store
-(``error/<rank>``: the exception, and the peer it gave up waiting for when it timed
+**Errors.** A worker that fails puts one line with its cause in the job's folder
+(``error-<rank>``: the exception, and the peer it gave up waiting for when it timed
 out); with ``log_dir`` each worker's stderr goes to ``log_dir/rank-<r>.log`` (the full
 traceback), so the launcher's :class:`WorkerFailed` is one line naming the root cause:
 the first worker to fail, or, when that one only timed out waiting for a peer, the peer
@@ -28,7 +29,6 @@ that stalled; with its signal name when a signal ended it.
 from __future__ import annotations
 
 import os
-import pickle
 import secrets
 import signal
 import subprocess
@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from shmtrain.fabric.control import ControlBlock, process_state
 from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
-from shmtrain.runtime.launch import reaping
+from shmtrain.fabric.trust import bound_store
+from shmtrain.runtime.launch import job_dir, reaping
 from shmtrain.runtime.launch.failures import (
     WorkerFailed,
     describe_exit,
@@ -54,6 +55,7 @@ from shmtrain.runtime.launch.failures import (
     root_cause,
     shm_note,
 )
+from shmtrain.runtime.launch.job_dir import JobDir
 from shmtrain.runtime.outputs.worker_logs import WorkerLogs
 
 GRACE_S = 10.0
@@ -97,6 +99,7 @@ def launch(
     log_dir: Path | None = None,
     verbose: bool = False,
     relay_signals: bool = False,
+    listen: bool = False,
 ) -> list[Any]:
     """Run ``target`` (a function, or ``"module:function"``; called as ``fn(ctx, payload)``)
     in ``nprocs`` local worker processes; return their return values by rank. A fresh
@@ -107,6 +110,10 @@ def launch(
     non-zero) without reporting an error is recorded, not propagated; the others train
     on, and :class:`WorkerFailed` naming it (with ``.results`` of the survivors) is
     raised once they have finished.
+
+    ``listen`` (``shmtrain run``): the job's store is a TCPStore on loopback, for workers
+    that join by ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); else a FileStore in the
+    job's private folder, which no one else can reach.
 
     ``graceful_stop`` (``shmtrain train``; from the main thread): the launcher's first
     SIGINT or SIGTERM sets the stop word of the control block, which the workers read
@@ -122,7 +129,7 @@ def launch(
     if nprocs < 1:
         raise ValueError(f"--workers {nprocs}: at least 1 worker is needed")
     target = target_name(target)
-    job = _JobSetup(nprocs, payload, threads=threads, timeout=timeout, env=env)
+    job = _JobSetup(nprocs, payload, threads=threads, timeout=timeout, env=env, listen=listen)
     children: list[Any] = []  # subprocess.Popen, or zygote.Worker (the same calls)
     logs = WorkerLogs(log_dir, nprocs, verbose)
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there
@@ -150,22 +157,32 @@ def launch(
 
 
 class _JobSetup:
-    """What a local launch sets up before any worker starts: the job's store (the
-    payload and, later, every result), the host's control block (its name unlinked at
-    once: the workers inherit the descriptor) and the workers' environment."""
+    """What a local launch sets up before any worker starts: its private folder (the
+    payload and, later, every result and error report: ``runtime/launch/job_dir.py``),
+    the job's store (a FileStore in that folder; with ``listen``, for scripts that join
+    by ``env://``, a TCPStore on loopback alone), the host's control block (its name
+    unlinked at once: the workers inherit the descriptor) and the workers' environment."""
 
     def __init__(self, nprocs: int, payload: Any, *, threads: int, timeout: float,
-                 env: dict[str, str] | None) -> None:
+                 env: dict[str, str] | None, listen: bool = False) -> None:
         self.nprocs = nprocs
         run_id = secrets.token_hex(4)
         self.prefix = f"{PREFIX}-{run_id}"
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, nprocs + 1, is_master=True, timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
-        self.store.set("run_id", run_id)
-        self.store.set("payload", pickle.dumps(payload))
-        self.segment = SharedSegment(f"{self.prefix}-h0-control", ControlBlock.nbytes(nprocs), create=True)
+        self.dir = JobDir.make()
+        try:
+            self.dir.put_payload(payload)
+            if listen:
+                self.store: dist.Store = bound_store("127.0.0.1", timeout=timeout, world_size=nprocs + 1)
+                where = {"MASTER_PORT": str(self.store.port), "SHMTRAIN_STORE_PORT": str(self.store.port)}
+            else:
+                self.store = dist.FileStore(self.dir.store, -1)
+                self.store.set_timeout(timedelta(seconds=timeout))
+                where = {"SHMTRAIN_STORE_FILE": self.dir.store}
+            self.store.set("run_id", run_id)
+            self.segment = SharedSegment(f"{self.prefix}-h0-control", ControlBlock.nbytes(nprocs), create=True)
+        except BaseException:
+            self.dir.remove()
+            raise
         self.control = ControlBlock(self.segment, nprocs, init=True)
         # Workers inherit the descriptor, so the name can go at once: no window in which a
         # crash (or anyone sweeping /dev/shm) could leave or lose it.
@@ -173,20 +190,22 @@ class _JobSetup:
         self.env = dict(os.environ)
         self.env.update(env or {})
         self.env.update(
-            WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port), SHMTRAIN_STORE_PORT=str(self.store.port),
+            WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
             SHMTRAIN_CONTROL=self.segment.name, SHMTRAIN_CONTROL_FD=str(self.segment.fd),
-            SHMTRAIN_TIMEOUT=str(timeout),
-            OMP_NUM_THREADS=str(threads), SHMTRAIN_THREADS=str(threads),
+            SHMTRAIN_TIMEOUT=str(timeout), OMP_NUM_THREADS=str(threads), SHMTRAIN_THREADS=str(threads),
+            **{job_dir.ENV: str(self.dir.path)}, **where,
         )
+        for key in {"MASTER_PORT", "SHMTRAIN_STORE_PORT", "SHMTRAIN_STORE_FILE"} - where.keys():
+            self.env.pop(key, None)  # an outer job's: not this one's
 
     def result(self, rank: int) -> Any:
-        return pickle.loads(self.store.get(f"result/{rank}"))
+        return self.dir.result(rank)
 
     def close(self) -> None:
         self.segment.unlink()
         sweep(self.prefix)
         del self.store
+        self.dir.remove()
 
 
 class _Supervisor:
@@ -230,9 +249,9 @@ class _Supervisor:
             failure = WorkerFailed(zygote, rank, code)
             failure.zygote = True
             return failure
-        record = error_record(self.job.store, rank, code)
+        record = error_record(self.job.dir, rank, code)
         stuck = _end(self.children, GRACE_S)
-        failure = root_cause(self.children, rank, code, record, stuck, self.lost, self.logs, self.job.store)
+        failure = root_cause(self.children, rank, code, record, stuck, self.lost, self.logs, self.job.dir)
         failure.stop_signal = self.stopping.signum if self.stopping is not None else 0
         return failure
 

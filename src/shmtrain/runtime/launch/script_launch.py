@@ -4,8 +4,8 @@
 workers through the launcher (``runtime/launch/launcher.py``: the zygote's fast start, the
 store, the control block, the supervision). Each worker gets torchrun's environment
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-``ROLE_RANK``, ``MASTER_ADDR``/``MASTER_PORT``: the launcher's store on loopback, served
-as torchrun's agent serves its own, ``TORCHELASTIC_USE_AGENT_STORE=True``), so
+``ROLE_RANK``, ``MASTER_ADDR``/``MASTER_PORT``: the launcher's store, listening on
+loopback alone, served as torchrun's agent serves its own, ``TORCHELASTIC_USE_AGENT_STORE=True``), so
 ``init_process_group("gloo")`` with ``env://`` and :class:`shmtrain.DataParallel` join
 the job as under torchrun, and the same script runs under either unchanged. The script
 runs as ``__main__`` (``runtime/launch/script_worker.py``: ``runpy``; ``sys.argv = [script, *ARGS]``, ``sys.path[0]``
@@ -75,7 +75,7 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
     payload = {"script": script, "module": module, "args": args}
     try:
         launch(TARGET, workers, payload, threads=threads, timeout=timeout, env=worker_env(workers),
-               relay_signals=True, log_dir=log_dir, verbose=verbose)
+               relay_signals=True, listen=True, log_dir=log_dir, verbose=verbose)
     except WorkerFailed as exc:
         print(f"shmtrain run: error: {exc}", file=sys.stderr)
         tail = _tail(log_dir / f"rank-{exc.rank}.log", header)

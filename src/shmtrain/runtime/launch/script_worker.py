@@ -8,10 +8,7 @@ import os
 import runpy
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
-
-import torch.distributed as dist
 
 from shmtrain.fabric.control import ControlBlock
 from shmtrain.fabric.segment import SharedSegment
@@ -20,27 +17,25 @@ from shmtrain.fabric.segment import SharedSegment
 @dataclass
 class ScriptContext:
     """What a script's worker holds of the job before the script joins it itself: the
-    launcher's store (the payload, results, the one-line error report) and the host's
-    control block (a failure marked there wakes peers waiting in shared memory)."""
+    host's control block (a failure marked there wakes peers waiting in shared memory);
+    the payload, results and the one-line error report are files of the launcher's
+    private folder (``runtime/launch/job_dir.py``)."""
 
     rank: int
     local_rank: int
-    store: dist.Store
     segment: SharedSegment
     control: ControlBlock
 
     @classmethod
-    def from_env(cls, timeout: float) -> ScriptContext:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    def from_env(cls, timeout: float) -> ScriptContext:  # noqa: ARG003 - the script's own waits
+        rank = int(os.environ["RANK"])
         local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-        store = dist.TCPStore("127.0.0.1", int(os.environ["SHMTRAIN_STORE_PORT"]), world, is_master=False,
-                              timeout=timedelta(seconds=timeout))
         # a copy of the descriptor: DataParallel's context takes the inherited one
         segment = SharedSegment(os.environ["SHMTRAIN_CONTROL"], ControlBlock.nbytes(local_world), create=False,
                                 fd=os.dup(int(os.environ["SHMTRAIN_CONTROL_FD"])))
         control = ControlBlock(segment, local_world, init=False)
         control.set_pid(local_rank, os.getpid())
-        return cls(rank, local_rank, store, segment, control)
+        return cls(rank, local_rank, segment, control)
 
     def fail(self, code: int = 1) -> None:
         """Tell the host's peers this worker failed."""

@@ -1,9 +1,10 @@
 """Entry point of one worker process: ``python -m shmtrain.runtime.launch.worker module:function``.
 
-Joins the job from the environment, runs the target as ``fn(ctx, payload)``, and puts
-its return value in the store. On any error it marks the failure in the host's control
-block first, so peers raise at once (naming this rank) instead of waiting, then puts
-one line with its cause in the store (``error/<rank>``: the launcher's report) and the
+Joins the job from the environment, runs the target as ``fn(ctx, payload)`` (the payload
+read from the launcher's private folder, ``runtime/launch/job_dir.py``), and puts its
+return value there. On any error it marks the failure in the host's control block
+first, so peers raise at once (naming this rank) instead of waiting, then puts one line
+with its cause in the same folder (``error-<rank>``: the launcher's report) and the
 full traceback on its stderr (``logs/rank-<r>.log`` under ``shmtrain train``).
 """
 
@@ -11,12 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import json
 import os
-import pickle
 import signal
 import sys
 import traceback
+
+from shmtrain.runtime.launch.job_dir import JobDir
 
 _PR_SET_PDEATHSIG = 1
 
@@ -74,7 +75,7 @@ def where(exc: BaseException) -> tuple[str | None, bool]:
     return (theirs or locations)[-1], _users(locations[-1])
 
 
-def _report(ctx, exc: BaseException) -> None:
+def _report(job, rank: int, exc: BaseException) -> None:
     """One line for the launcher: the cause (with the last frame of an error that is not
     shmtrain's own one-line kind), and the peer waited for when it timed out."""
     from shmtrain.fabric.control import PeerTimeout
@@ -87,8 +88,8 @@ def _report(ctx, exc: BaseException) -> None:
               # gloo's own timeouts are RuntimeErrors that say so
               "timeout": isinstance(exc, PeerTimeout | TimeoutError) or "timed out" in cause.lower()}
     try:
-        ctx.store.set(f"error/{ctx.rank}", json.dumps(record))
-    except Exception:  # noqa: BLE001 - the store is gone: the launcher reads the log instead
+        job.put_error(rank, record)
+    except OSError:  # the folder is gone (the launcher ended): it reads the log instead
         pass
 
 
@@ -118,6 +119,7 @@ def main() -> int:
     rank = os.environ.get("RANK", "?")
     threads = int(os.environ.get("SHMTRAIN_THREADS", "1"))
     ctx = None
+    job = JobDir.from_env()
     try:
         from shmtrain.memory import keep_freed_memory
 
@@ -126,9 +128,9 @@ def main() -> int:
 
         torch.set_num_threads(threads)
         ctx = _join(float(os.environ.get("SHMTRAIN_TIMEOUT", "120")))
-        payload = pickle.loads(ctx.store.get("payload"))
+        payload = job.payload()
         result = resolve(target)(ctx, payload)
-        ctx.store.set(f"result/{ctx.rank}", pickle.dumps(result))
+        job.put_result(ctx.rank, result)
         ctx.shutdown()  # every peer done before any gloo pair is torn down
         return 0
     except KeyboardInterrupt:
@@ -142,7 +144,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - report, mark, exit non-zero
         if ctx is not None:
             ctx.fail(1)
-            _report(ctx, exc)
+            _report(job, ctx.rank, exc)
         # anything but shmtrain's own one-line errors (a bad image deep in the data, a full
         # disk) keeps its traceback in the log
         if isinstance(exc, _plain_errors()):

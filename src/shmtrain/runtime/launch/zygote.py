@@ -392,7 +392,7 @@ _ZYGOTE_LOCK = threading.Lock()
 def under_torchrun() -> bool:
     """True when torchrun (or another launcher with its environment) started this process:
     it is a worker itself, with no workers of its own to fork."""
-    return "SHMTRAIN_STORE_PORT" not in os.environ and (
+    return "SHMTRAIN_JOB_DIR" not in os.environ and (
         "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     )
 
