@@ -4,9 +4,9 @@ agent's exit barrier checked in for it (docs/hosts.md)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,34 @@ def lost_peers(ctx: Any, exc: BaseException) -> PeerFailure | None:
         return None
     return PeerFailure(failures.lost_peers_message(ctx.rank, ctx.local_world, missing, cause))
 
+def encode_result(result: dict[str, Any]) -> bytes:
+    """A worker's result for torchrun's store, in a format that cannot run code when read:
+    ``torch.save`` read back with ``weights_only=True`` (tensors, numbers, strings,
+    lists, tuples and dicts only; anyone who reaches the store across hosts can write it)."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def decode_result(data: bytes, rank: int) -> dict[str, Any]:
+    """:func:`encode_result`'s bytes back; one line naming the rank when they are not a
+    result of that format (someone else wrote the key)."""
+    import torch
+
+    try:
+        result = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes are, they are refused
+        raise PeerFailure(f"worker rank {rank}'s result in torchrun's store is not one a worker writes "
+                          f"({first_line(exc, 120)}): refused unread; someone else can write that store "
+                          "(run the job on a network only its hosts reach: docs/security.md)") from None
+    if not isinstance(result, dict):
+        raise PeerFailure(f"worker rank {rank}'s result in torchrun's store is a {type(result).__name__}, "
+                          "not a worker's result: refused (docs/security.md)")
+    return result
+
+
 def gather_survivors(ctx: Any, result: dict[str, Any]) -> list[dict[str, Any]]:
     """The workers' results through the job's store, without waiting for the lost ones.
 
@@ -116,7 +144,7 @@ def gather_survivors(ctx: Any, result: dict[str, Any]) -> list[dict[str, Any]]:
     store = ctx.store
     if under_torchrun() and os.getppid() != _AGENT:  # its host's agent is gone (its workers are not)
         store.set(f"agent_gone/{ctx.rank}", "1")
-    store.set(f"result/{ctx.rank}", pickle.dumps(result))
+    store.set(f"result/{ctx.rank}", encode_result(result))
     deadline = time.monotonic() + ctx.timeout
     if ctx.rank != 0:
         while not store.check(["results/done"]) and time.monotonic() < deadline:
@@ -132,7 +160,7 @@ def gather_survivors(ctx: Any, result: dict[str, Any]) -> list[dict[str, Any]]:
                 break
             time.sleep(0.05)
         if rank not in lost:
-            results.append(pickle.loads(store.get(key)))
+            results.append(decode_result(store.get(key), rank))
     result["lost"] = lost
     store.set("results/done", "1")
     check_in_for_lost_hosts(ctx, lost)
