@@ -161,11 +161,12 @@ def _load() -> ctypes.CDLL | None:
             why_not = _build(target)
             if why_not:
                 return None
-        info = target.stat()
-        if info.st_uid != os.getuid() or info.st_mode & 0o022:  # loading it runs its code
-            why_not = (f"{target} is not owned by this user or is writable by others; remove it, or set "
-                       "SHMTRAIN_CACHE to a folder of your own")
-            return None
+        for path in (target.parent, target):  # loading it runs its code: no one else may have put it there
+            info = path.lstat()
+            if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+                why_not = (f"{path} is not owned by this user or is writable by others; remove it, or set "
+                           "SHMTRAIN_CACHE to a folder of your own")
+                return None
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
         why_not = f"cannot build or load {target}: {exc}"
