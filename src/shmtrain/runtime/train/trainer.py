@@ -19,7 +19,6 @@ run continues as if it had not stopped.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from copy import deepcopy
@@ -27,12 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from shmtrain.runtime.tasks.base import Task, batch_size, split_batch, to_device
+from shmtrain.runtime.train import rng_state
 from shmtrain.runtime.train.engine import (
     Accumulating,
     CheckpointSink,
@@ -82,21 +81,13 @@ class TrainState:
 
     def capture_rng(self) -> None:
         """Record the torch (and, once CUDA is in use, every GPU's), numpy and Python RNG
-        states of this process."""
-        self.rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                    "python": random.getstate()}
-        if torch.cuda.is_initialized():
-            self.rng["cuda"] = torch.cuda.get_rng_state_all()
+        states of this process, as values a checkpoint holds (``runtime/train/rng_state.py``)."""
+        self.rng = rng_state.capture()
 
     def restore_rng(self) -> None:
         """Put the recorded RNG states back (nothing when none were recorded)."""
         if self.rng:
-            torch.set_rng_state(self.rng["torch"])
-            np.random.set_state(self.rng["numpy"])
-            random.setstate(self.rng["python"])
-            if "cuda" in self.rng and torch.cuda.is_available():  # as many GPUs as both have
-                for index, rng in enumerate(self.rng["cuda"][: torch.cuda.device_count()]):
-                    torch.cuda.set_rng_state(rng, index)
+            rng_state.restore(self.rng)
 
 
 @dataclass
