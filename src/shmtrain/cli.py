@@ -40,6 +40,14 @@ trace.json, with --tensorboard tensorboard/, and checkpoints/step-<N>/ (every ra
 checkpoints/latest. Threads: each worker uses --threads torch threads
 (default 1) plus a prefetch thread that mostly sleeps; with more workers than cores, workers
 time-share and waiting ones sleep.
+
+Trust: a --config file, and a run folder (--resume, evaluate, compare) with every file read
+from it, is used only when you (or root) own it and not every user can write it, since the
+module:callable values of a config are imported and called and its checkpoints loaded
+(with torch.load(weights_only=True): tensors and numbers, never unpickled objects). To use
+another user's, list it in SHMTRAIN_TRUSTED (paths separated by ':', each trusting itself and
+what lies under it; '*' trusts every path), e.g.
+  SHMTRAIN_TRUSTED=/home/alice/runs/a shmtrain evaluate /home/alice/runs/a
 """
 
 
@@ -60,13 +68,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         _add_field_flag(groups[f.metadata["section"]], f, hints[f.name])
     groups["job"].add_argument(
         "--config", metavar="FILE",
-        help="TOML file with the same keys as these flags (flags win) (default none)",
+        help="TOML file with the same keys as these flags (flags win); yours, or listed in "
+             "SHMTRAIN_TRUSTED (see below) (default none)",
     )
     groups["job"].add_argument(
         "--resume", metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its newest whole checkpoint, in place, to the total "
              "that --iterations/--epochs give (default: the run's own); the configuration is "
-             "RUN_DIR/config.toml, other flags must agree with it (default none)",
+             "RUN_DIR/config.toml, other flags must agree with it; RUN_DIR is yours, or listed in "
+             "SHMTRAIN_TRUSTED (see below) (default none)",
     )
     groups["job"].add_argument(
         "--restart-schedule", action="store_true",
@@ -164,7 +174,8 @@ its summary.json (the metric is the task's final held-out one: accuracy, rmse or
 ms columns are the mean time per iteration of each phase over workers and iterations, the first
 iteration left out), the curves from metrics/rank-0.jsonl (training loss per iteration; the
 held-out metric from the --eval-every rows, or the final value as one point when the run has
-none).
+none). A RUN_DIR of another user is refused unless SHMTRAIN_TRUSTED lists it (see shmtrain
+train --help: Trust).
 """
 
 

@@ -35,6 +35,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from shmtrain import strategies
+from shmtrain.runtime import trusted_files
 from shmtrain.runtime.data.kinds import DataConfig
 from shmtrain.runtime.data.options import DataOptions
 from shmtrain.runtime.options import SECTIONS as SECTIONS  # re-exported: the sections of --help
@@ -235,18 +236,23 @@ def strategy_option_names() -> dict[str, list[str]]:
     return names
 
 
-def read_toml(path: str) -> dict[str, Any]:
+def read_toml(path: str, what: str = "--config") -> dict[str, Any]:
     """Read a config file; keys are flag names (dashes or underscores).
 
     Each value's type is checked against the annotation of its field (a strategy option
     against every strategy that takes it); an ``[options]`` table of strategy options is
     accepted too. Returns flat keys with underscores, ready for :func:`resolve`.
+
+    The file is read only when it is trusted (:mod:`shmtrain.runtime.trusted_files`: this
+    user's, or listed in ``SHMTRAIN_TRUSTED``), since its ``module:callable`` values are
+    imported and called; ``what`` names it in the refusal.
     """
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--config {path}: no such file")
+    data = trusted_files.read_bytes(file, what)
     try:
-        raw = tomllib.loads(file.read_bytes().decode())
+        raw = tomllib.loads(data.decode())
     except UnicodeDecodeError as exc:
         raise ValueError(f"--config {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
                          "TOML files are UTF-8: give the TOML file of the run's options") from None

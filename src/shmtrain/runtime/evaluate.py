@@ -8,6 +8,11 @@ other data, read by the same task and split the same way (``--val-fraction``). T
 (``runtime/tasks/``) computes the metrics over the split ``--split`` names (``held-out``,
 the default, or ``train``), in batches on the CPU, the model in ``eval()`` mode. They are
 printed and written as JSON (``--out``, default ``RUN_DIR/evaluation.json``).
+
+The run folder and every file read from it must be trusted (this user's, or listed in
+``SHMTRAIN_TRUSTED``: :mod:`shmtrain.runtime.trusted_files`): its ``config.toml`` names
+the model, which may be a ``module:callable`` that is imported and called. Weights load
+with ``torch.load(weights_only=True)`` (tensors and containers, never unpickled objects).
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ EVAL_BATCH = 256
 def locate(target: str) -> tuple[Path, Path, Path, str]:
     """(run folder, folder of the config.toml, the weights' file or checkpoint, its kind:
     ``file`` or ``checkpoint``) of ``target``."""
+    from shmtrain.runtime import trusted_files
+
     path = Path(target)
     if path.is_file() and path.name == "latest" and path.parent.name == "checkpoints":
-        path = path.parent / path.read_text().strip()  # checkpoints/latest names the newest
+        trusted_files.check_folder(path.parent.parent)
+        pointer = trusted_files.read_bytes(path, "run file").decode(errors="replace").strip()
+        path = path.parent / pointer  # checkpoints/latest names the newest
     if path.is_file():
         return path.parent, path.parent, path, "file"
     if (path / "meta.json").is_file():  # a checkpoint: checkpoints/step-<N>
@@ -49,26 +58,37 @@ def _weights(target: Path, kind: str) -> dict[str, Any]:
     if kind == "checkpoint":
         world = files.read_meta(target)["world"]
         return files.load_rank(target, 0, world)["model"]
+    from shmtrain.runtime import trusted_files
+
     try:
-        return torch.load(target, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling error: name the file
-        raise ValueError(f"shmtrain evaluate {target}: cannot be loaded as a model state_dict ({exc})") from None
+        f = trusted_files.open_file(target, "model file")
+    except OSError as exc:
+        raise ValueError(f"shmtrain evaluate {target}: cannot be read ({exc.strerror or exc})") from None
+    with f:
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any loading error: name the file
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"shmtrain evaluate {target}: cannot be loaded as a model state_dict with "
+                             f"torch.load(weights_only=True) ({reason})") from None
 
 
 def evaluate(target: str, overrides: dict[str, Any], split: str = "held-out") -> dict[str, Any]:
     """The task's metrics of the model ``target`` names (module docstring)."""
     from shmtrain.models import build_model
+    from shmtrain.runtime import trusted_files
     from shmtrain.runtime.config import read_toml, resolve
     from shmtrain.runtime.data.loader import HeldOut
     from shmtrain.runtime.tasks import task_of
     from shmtrain.runtime.tasks.data import open_run_data
 
     run, config_dir, weights, kind = locate(target)
+    trusted_files.check_folder(run)
     toml = config_dir / "config.toml"
     if not toml.is_file():
         raise ValueError(f"shmtrain evaluate {target}: {toml} is missing; give a model file inside the run "
                          "folder that wrote it")
-    values = read_toml(str(toml))
+    values = read_toml(str(toml), "run file")
     if overrides.get("data") is not None and overrides["data"] != values.get("data"):
         for key in ("data_args", "val_fraction", "val_data"):  # the run's own data's options
             values.pop(key, None)
@@ -109,7 +129,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Evaluate a model shmtrain train wrote on held-out data: the task's metrics (accuracy, "
                     "rmse, perplexity, and the loss), printed and written as JSON.",
         epilog="examples:\n  shmtrain evaluate runs/my-run\n  shmtrain evaluate runs/my-run/best.pt\n"
-               "  shmtrain evaluate runs/my-run/checkpoints/latest --data mypkg.data:other_set\n",
+               "  shmtrain evaluate runs/my-run/checkpoints/latest --data mypkg.data:other_set\n\n"
+               "The run folder and its files are read only when you (or root) own them and not every user\n"
+               "can write them: its config.toml names the model, which may be module:callable code that is\n"
+               "imported and called. To evaluate another user's run, list it in SHMTRAIN_TRUSTED (paths\n"
+               "separated by ':', each trusting what lies under it), e.g.\n"
+               "  SHMTRAIN_TRUSTED=/home/alice/runs/a shmtrain evaluate /home/alice/runs/a\n"
+               "Weights load with torch.load(weights_only=True): tensors and numbers, never pickled objects.\n",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="RUN_OR_MODEL",
                    help="a run folder (its model.pt), a .pt model file in one, or a checkpoint folder")

@@ -49,7 +49,7 @@ def check_schedule(point: Path, config: TrainConfig, train_samples: int, restart
     from shmtrain.runtime.loop import planned_iterations
     from shmtrain.runtime.train.schedule import extended_resume
 
-    saved = resolve(read_toml(str(point / "config.toml")))
+    saved = resolve(read_toml(str(point / "config.toml"), "checkpoint file"))
     facts = SimpleNamespace(train_samples=train_samples)
     planned = planned_iterations(saved, facts, config.workers)
     total = planned_iterations(config, facts, config.workers)

@@ -35,8 +35,15 @@ whose files all have the recorded size and CRC-32; a damaged one is named, moved
 to ``step-<N>.corrupt`` and the previous complete one is used, with a warning.
 :func:`check_compatible` refuses a configuration other than the checkpoint's, naming
 the key and both values (only the run length and harmless keys may change,
-:data:`MAY_CHANGE`). Files are read with ``torch.load(weights_only=False)``: they hold
-numpy's and Python's RNG states, and they are this run's own files.
+:data:`MAY_CHANGE`). A run folder and the files read from it must be trusted (this
+user's, or listed in ``SHMTRAIN_TRUSTED``: :mod:`shmtrain.runtime.trusted_files`),
+checked on the descriptor that is read. Files hold tensors, numbers, strings and
+containers only (numpy's RNG state as a tensor: ``runtime/train/rng_state.py``; a
+state holding anything else is refused when written) and are loaded with
+``torch.load(weights_only=True)``, which rebuilds nothing else, so loading a checkpoint
+never runs code; a checkpoint of an earlier format (``meta.json`` format 1, pickled
+numpy objects) or one whose files name other objects is refused, not unpickled and not
+moved aside.
 """
 
 from __future__ import annotations

@@ -1,6 +1,13 @@
 """Checkpoint folders on disk: layout, atomic files with their CRC-32, validation, the
 resume point, and whether a configuration may resume a checkpoint.
 
+A checkpoint holds tensors, numbers, strings, lists, tuples and dicts only (checked when
+it is written, :func:`check_plain`) and is loaded with ``torch.load(weights_only=True)``,
+which rebuilds those and nothing else: loading one never runs code it names. Its files
+are read only when they are trusted (:mod:`shmtrain.runtime.trusted_files`). A
+checkpoint of an earlier shmtrain (``meta.json`` format 1, whose files hold numpy's RNG
+state as pickled numpy objects) is refused by name, never unpickled.
+
 The layout and the write protocol are described in :mod:`shmtrain.runtime.checkpoint.checkpointer`,
 whose :class:`~shmtrain.runtime.checkpoint.checkpointer.Checkpointer` (the worker side) writes and
 reads through these functions; the launcher side (``shmtrain train --resume``,
@@ -11,21 +18,30 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import re
 import shutil
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from shmtrain.fabric.trust import UntrustedError
+from shmtrain.runtime import trusted_files
 from shmtrain.runtime.config import COMMON_KEYS, TrainConfig, read_toml, resolve, to_toml
 from shmtrain.runtime.files import replace_atomically, write_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-FORMAT = 1
+#: 2: every file loads with torch.load(weights_only=True); 1: files of an earlier shmtrain
+FORMAT = 2
+#: the formats whose meta.json is read (a format-1 checkpoint is then refused by name)
+READ_FORMATS = (1, 2)
+#: what a checkpoint may hold besides tensors and containers (what weights_only rebuilds)
+PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
 _STEP = re.compile(r"^step-(\d+)$")
 
 #: keys a resumed run may change: its length, and what does not touch the computation
@@ -38,6 +54,33 @@ MAY_CHANGE = frozenset({
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the file."""
+
+
+class RefusedCheckpoint(CheckpointError):
+    """A whole checkpoint that is not loaded: of an earlier format, or holding objects that
+    only unpickling rebuilds (it is not moved aside as damaged; the message says what to do)."""
+
+
+def check_plain(state: Any, where: str = "state") -> None:
+    """Raise :class:`CheckpointError` unless ``state`` holds only tensors, numbers,
+    strings, None, lists, tuples, sets and dicts of them (what ``weights_only`` loads),
+    naming the first value that is something else (a walk over the keys, not the data)."""
+    if isinstance(state, (torch.Tensor, *PLAIN)):
+        return
+    if isinstance(state, Mapping) and type(state) in (dict, OrderedDict):
+        for key, value in state.items():
+            if not isinstance(key, str | int | float | bool | type(None) | tuple):
+                raise CheckpointError(f"cannot save {where}: a key is a {type(key).__name__}")
+            check_plain(value, f"{where}[{key!r}]")
+        return
+    if type(state) in (list, tuple, set):
+        for index, value in enumerate(state):
+            check_plain(value, f"{where}[{index}]")
+        return
+    raise CheckpointError(
+        f"cannot save {where}: it is a {type(state).__module__}.{type(state).__qualname__}; a checkpoint holds "
+        "tensors, numbers, strings, lists, tuples and dicts only (it is loaded with torch.load(weights_only=True), "
+        "which rebuilds nothing else): return those from state_dict() and convert them back in load_state_dict()")
 
 
 # -- files --------------------------------------------------------------------------------
@@ -76,7 +119,9 @@ class _CrcWriter:
 
 def save_file(state: Any, path: Path) -> tuple[int, int]:
     """``torch.save`` ``state`` to ``path`` atomically (``.part``, fsync, rename); returns
-    ``(bytes, crc32)`` of what was written."""
+    ``(bytes, crc32)`` of what was written. :class:`CheckpointError` before anything is
+    written when ``state`` holds what a checkpoint may not (:func:`check_plain`)."""
+    check_plain(state)
 
     def fill(f: BinaryIO) -> tuple[int, int]:
         writer = _CrcWriter(f)
@@ -116,12 +161,14 @@ def read_meta(path: Path) -> dict[str, Any]:
     """``meta.json`` of checkpoint ``path``; :class:`CheckpointError` naming it if unreadable."""
     file = Path(path) / "meta.json"
     try:
-        meta = json.loads(file.read_bytes())
-        if meta.get("format") != FORMAT or len(meta["ranks"]) != meta["world"]:
+        meta = json.loads(trusted_files.read_bytes(file, "checkpoint file"))
+        if meta.get("format") not in READ_FORMATS or len(meta["ranks"]) != meta["world"]:
             raise ValueError(f"format {meta.get('format')!r}, {len(meta['ranks'])} of {meta['world']} ranks")
         for index, record in enumerate(meta["ranks"]):
             _check_record(index, record)
         return meta
+    except UntrustedError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         reason = f"no key {exc}" if isinstance(exc, KeyError) else str(exc)
         raise CheckpointError(f"checkpoint file {file} is missing or damaged ({reason})") from None
@@ -148,23 +195,69 @@ def _check_bytes(file: Path, data: bytes, record: Mapping[str, Any]) -> None:
         )
 
 
+def _read_rank(file: Path) -> bytes:
+    """A rank's file, read after the trust check (:mod:`shmtrain.runtime.trusted_files`)."""
+    try:
+        return trusted_files.read_bytes(file, "checkpoint file")
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {file} cannot be read: {exc.strerror or exc}") from None
+
+
+def _check_format(path: Path, meta: Mapping[str, Any]) -> None:
+    if meta["format"] != FORMAT:
+        raise RefusedCheckpoint(
+            f"checkpoint {path} was written by an earlier shmtrain (meta.json format {meta['format']}): its files "
+            "hold numpy's RNG state as pickled numpy objects, which only unpickling rebuilds, and unpickling runs "
+            "whatever code a file names, so this shmtrain does not load it; start a new run (another --out), or "
+            "finish this one with the shmtrain version that wrote it")
+
+
+def _refuse_unpickling(file: Path, data: bytes, reason: str = "") -> RefusedCheckpoint:
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    except Exception:  # noqa: BLE001 - only for the message: the reason is given instead
+        names = []
+    what = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") if names else reason
+    return RefusedCheckpoint(
+        f"checkpoint file {file} cannot be loaded with torch.load(weights_only=True): it holds Python objects "
+        f"({what}) that only unpickling rebuilds, and unpickling runs the code a file names, so it is refused; "
+        f"shmtrain writes no such objects, so something else made or altered the file: resume from an earlier "
+        f"checkpoint (remove {file.parent}) or start a new run")
+
+
+def _check_loadable(file: Path, data: bytes) -> None:
+    """Refuse a rank's file that ``weights_only`` would not load (it names other objects
+    than tensors and containers): a scan of its pickle, not a load of its tensors."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    except Exception as exc:  # noqa: BLE001 - not a torch.save file at all
+        raise CheckpointError(f"checkpoint file {file} cannot be loaded: {exc}") from None
+    if names:
+        raise _refuse_unpickling(file, data)
+
+
 def validate(path: Path) -> dict[str, Any]:
     """Check that checkpoint ``path`` is whole: ``meta.json``, and every rank's file with
-    the recorded size and CRC-32. Returns the meta; raises :class:`CheckpointError`."""
+    the recorded size and CRC-32. Returns the meta; raises :class:`CheckpointError`
+    (:class:`RefusedCheckpoint` for a whole one that is not loaded: an earlier format, or
+    a file that names objects other than tensors and containers)."""
     meta = read_meta(path)
+    files = {}
     for record in meta["ranks"]:
         file = Path(path) / f"rank-{record['rank']}.pt"
-        try:
-            data = file.read_bytes()
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint file {file} cannot be read: {exc.strerror or exc}") from None
-        _check_bytes(file, data, record)
+        files[file] = _read_rank(file)
+        _check_bytes(file, files[file], record)
+    _check_format(Path(path), meta)
+    for file, data in files.items():
+        _check_loadable(file, data)
     return meta
 
 
 def load_rank(path: Path, rank: int, world: int) -> dict[str, Any]:
     """Rank ``rank``'s ``Trainer.state_dict()`` from checkpoint ``path`` (size and CRC-32
-    checked first); :class:`CheckpointError` naming the file when it does not fit."""
+    checked first, then loaded with ``weights_only=True``); :class:`CheckpointError`
+    naming the file when it does not fit, :class:`RefusedCheckpoint` when it is of an
+    earlier format or would have to be unpickled."""
     path = Path(path)
     meta = read_meta(path)
     if meta["world"] != world:
@@ -173,14 +266,15 @@ def load_rank(path: Path, rank: int, world: int) -> dict[str, Any]:
             f"with --workers {meta['world']} (under torchrun: {meta['world']} processes in all)"
         )
     file = path / f"rank-{rank}.pt"
-    try:
-        data = file.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint file {file} cannot be read: {exc.strerror or exc}") from None
+    data = _read_rank(file)
     _check_bytes(file, data, meta["ranks"][rank])
+    _check_format(path, meta)
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unpickling error: name the file
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).partition("WeightsUnpickler error: ")[2].partition(". ")[0] or str(exc).splitlines()[0]
+        raise _refuse_unpickling(file, data, reason) from None
+    except Exception as exc:  # noqa: BLE001 - any other loading error: name the file
         raise CheckpointError(f"checkpoint file {file} cannot be loaded: {exc}") from None
 
 
@@ -190,10 +284,19 @@ def resume_point(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     A damaged one (``meta.json`` or a rank's file missing, truncated, or with another
     CRC-32) is named in a warning, moved aside to ``step-<N>.corrupt``, and the previous
     complete one is tried; ``latest`` is rewritten to the one returned.
+
+    Raises:
+        UntrustedError: ``run_dir`` or a file read from it is not trusted
+            (:mod:`shmtrain.runtime.trusted_files`), before anything is moved or written.
+        RefusedCheckpoint: the newest whole checkpoint is of an earlier format or would
+            have to be unpickled (it is left in place).
     """
+    trusted_files.check_folder(run_dir)
     for path in reversed(complete_checkpoints(run_dir)):
         try:
             validate(path)
+        except RefusedCheckpoint:
+            raise
         except CheckpointError as exc:
             aside = path.with_name(path.name + ".corrupt")
             shutil.rmtree(aside, ignore_errors=True)
@@ -261,8 +364,9 @@ def resume_config(run_dir: str, given: Mapping[str, Any]) -> TrainConfig:
     taken from ``given`` (the flags and ``--config`` values).
 
     Raises:
-        ValueError: no run folder there, or a given value conflicts with the run's (names
-            the key and both values), before any worker starts.
+        ValueError: no run folder there, one that is not trusted (an ``UntrustedError``:
+            :mod:`shmtrain.runtime.trusted_files`), or a given value conflicts with the
+            run's (names the key and both values), before any worker starts.
     """
     folder = Path(run_dir)
     toml = folder / "config.toml"
@@ -272,7 +376,8 @@ def resume_config(run_dir: str, given: Mapping[str, Any]) -> TrainConfig:
     if not toml.is_file():
         raise ValueError(f"--resume {run_dir}: {toml} is missing, so this is not a run folder of "
                          "`shmtrain train`; give the folder an earlier run wrote (its --out)")
-    saved_values = read_toml(str(toml))
+    trusted_files.check_folder(folder)
+    saved_values = read_toml(str(toml), "run file")
     saved = resolve(saved_values)
     if "out" in given and given["out"] is not None and Path(given["out"]).resolve() != folder.resolve():
         raise ValueError(f"--resume {run_dir} --out {given['out']}: a resumed run continues in its own "
@@ -307,7 +412,9 @@ def check_compatible(path: Path, config: TrainConfig) -> None:
     """
     toml = Path(path) / "config.toml"
     try:
-        saved = resolve(read_toml(str(toml)))
+        saved = resolve(read_toml(str(toml), "checkpoint file"))
+    except UntrustedError:
+        raise
     except ValueError as exc:
         raise ValueError(f"checkpoint {path}: its config.toml cannot be read ({exc})") from None
     options = sorted((set(saved.to_dict()) | set(config.to_dict())) - set(COMMON_KEYS))

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shmtrain.runtime import trusted_files
 from shmtrain.runtime.files import figure_output
 from shmtrain.runtime.outputs.report import metric_axis, read_evals, read_metrics
 
@@ -22,7 +23,9 @@ PHASES = ("data", "forward", "backward", "update", "comm", "iteration")
 
 
 def load_run(folder: Path) -> dict[str, Any]:
-    """A finished run: its summary, rank 0's iteration rows and its evaluations."""
+    """A finished run: its summary, rank 0's iteration rows and its evaluations (the
+    folder must be trusted, as every run folder a command reads:
+    :mod:`shmtrain.runtime.trusted_files`)."""
     summary_file = folder / "summary.json"
     if not summary_file.is_file():
         what = "no such folder" if not folder.is_dir() else "it has no summary.json"
@@ -30,8 +33,9 @@ def load_run(folder: Path) -> dict[str, Any]:
             f"shmtrain compare {folder}: {what}; give run folders written by a finished "
             "shmtrain train (its --out, e.g. runs/<time>-<strategy>)"
         )
+    trusted_files.check_folder(folder)
     try:
-        summary = json.loads(summary_file.read_text())
+        summary = json.loads(trusted_files.read_bytes(summary_file, "run file"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"shmtrain compare {folder}: summary.json is not valid JSON ({exc}); "
                          "run the training again") from None
