@@ -6,7 +6,8 @@ that process; its clients :class:`~shmtrain.fabric.smb.remote.RemoteBufferServic
 one next to a job's global rank 0), the messages :mod:`~shmtrain.fabric.smb.wire`'s (compressed ones
 :mod:`~shmtrain.fabric.smb.compressed`'s); ``shmtrain smb-server`` runs one stand-alone.
 
-Security: the server listens on loopback unless told otherwise; a non-loopback bind
+Security: the server listens on loopback unless told otherwise, its store and its links
+on the bind address alone (:func:`~shmtrain.fabric.trust.bound_store`); a non-loopback bind
 needs a shared secret, and then every client proves it (HMAC-SHA256 of a nonce the
 server publishes) before its first buffer operation; a client that has not is refused
 with a logged line (its rank, its announced address, the operation) and nothing changes.
@@ -55,6 +56,7 @@ from shmtrain.fabric.smb.wire import (
     is_loopback,
     seal,
 )
+from shmtrain.fabric.trust import bound_store
 
 
 class MemoryServer(Gate):
@@ -80,8 +82,7 @@ class MemoryServer(Gate):
         self.clients, self.bind, self.secret, self.log = clients, bind, secret, log
         self.timeout = timeout
         self._bound = datetime.timedelta(seconds=timeout)  # one payload or reply to one client
-        self.store = dist.TCPStore(bind, port, None, True, datetime.timedelta(seconds=timeout),
-                                   wait_for_workers=False)
+        self.store = bound_store(bind, port, timeout=timeout)  # not on every interface, as TCPStore's own
         self.port = self.store.port
         self.nonce = secrets.token_hex(16)
         self.buffers: dict[int, torch.Tensor] = {}
