@@ -137,7 +137,7 @@ def main() -> None:
     if args.ckpt is not None and args.ckpt.exists():
         if not args.resume:
             sys.exit(f"{args.ckpt} exists: add --resume to continue from it, or remove it to start again")
-        state = torch.load(args.ckpt, weights_only=False)  # every worker reads rank 0's file
+        state = torch.load(args.ckpt, weights_only=True)  # every worker reads rank 0's file; tensors only
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
