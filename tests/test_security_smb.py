@@ -1,9 +1,13 @@
 """The memory server (SMB-REMOTE) lets no one in: each test makes one attack on it.
 
-- another host reaches a server bound to loopback (network namespaces, ``two_hosts``).
+- another host reaches a server bound to loopback (network namespaces, ``two_hosts``);
+- a proof of the shared secret captured on the network is replayed;
+- a worker is pointed at a fake server (one without the job's secret).
 
 Each attack is refused with one line naming it (or has no effect), and the victim's
-buffers and board are what it wrote.
+buffers and board are what it wrote. The proof "captured from the network" is the bytes
+the victim sent on its link for it (gloo sends in clear: what a sniffer on the path
+sees), taken by a tap on the victim's link and sent by the attacker's in place of its own.
 """
 
 from __future__ import annotations
@@ -13,11 +17,21 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+import torch
+import torch.distributed as dist
+
+from shmtrain.fabric.smb import remote
+from shmtrain.fabric.smb.remote import RemoteBufferService
+from shmtrain.fabric.smb.server import MemoryServer
+from shmtrain.fabric.smb.wire import TAG_TO_SERVER
+from test_smb_remote import _finish, _server
 
 NOBODY = 65534
 TMP = Path("/tmp")
@@ -111,3 +125,100 @@ def test_a_server_bound_to_loopback_cannot_be_reached_from_another_host(hosts) -
     assert json.loads(attack.stdout)["store"].startswith("refused"), attack.stdout + attack.stderr
     assert json.loads(out) == {"values": [1.0, 2.0, 3.0, 4.0], "progress": 5, "alive": True}, out + err
     assert all(where.startswith("127.0.0.1:") for where in started["listening"]), started["listening"]
+
+
+# -- 2. a captured proof, replayed ------------------------------------------------------
+
+class _Tap:
+    """A client's link, with what it sends for its proof of the secret (``TAG_TO_SERVER``)
+    seen by ``on_proof``, which returns what is sent instead."""
+
+    def __init__(self, link: dist.ProcessGroup, on_proof) -> None:
+        self._link, self._on_proof = link, on_proof
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int):
+        if tag == TAG_TO_SERVER:
+            tensors = self._on_proof(tensors)
+        return self._link.send(tensors, dst, tag)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._link, name)
+
+
+def _tapped(monkeypatch: pytest.MonkeyPatch, on_proof) -> None:
+    """The next client's link goes through a :class:`_Tap`."""
+    join = remote.join
+
+    def tapped(*args, **kwargs):
+        formed = join(*args, **kwargs)
+        if isinstance(formed, tuple):
+            return (*formed[:-1], _Tap(formed[-1], on_proof))
+        return _Tap(formed, on_proof)
+
+    monkeypatch.setattr(remote, "join", tapped)
+
+
+@pytest.mark.timeout(60)
+def test_a_captured_proof_replayed_by_a_client_without_the_secret_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The victim proves the secret; its proof is captured; a client without the secret
+    sends that proof on a new connection. Before, the proof was the same for every
+    connection and the attacker read W_global and wrote -666 into it, which the victim
+    then read; now it is refused as a replay, named, and W_global is the victim's."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("right-secret\n")
+    proc, address = _server(2, "--secret-file", str(secret_file))
+    captured: list[torch.Tensor] = []
+    stolen: dict[str, Any] = {}
+    try:
+        _tapped(monkeypatch, lambda tensors: captured.append(tensors[0].clone()) or tensors)
+        victim = RemoteBufferService(address, 0, 2, secret=b"right-secret", timeout=20)
+        weights = victim.attach(victim.create("W_global", 4))
+        victim.write(weights, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        assert len(captured) == 1
+        _tapped(monkeypatch, lambda tensors: [captured[0]])
+        try:
+            attacker = RemoteBufferService(address, 1, 2, secret=b"not-the-secret", timeout=20)
+            found = attacker.attach(attacker.lookup("W_global"))
+            stolen["read"] = attacker.read(found, torch.zeros(4)).tolist()
+            attacker.write(found, torch.full((4,), -666.0))
+            attacker.close()
+        except PermissionError as exc:
+            stolen["refused"] = str(exc)
+        values = victim.read(weights, torch.zeros(4)).tolist()
+        victim.close()
+    finally:
+        code, out, err = _finish(proc)
+    assert "read" not in stolen and "refused" in stolen, stolen
+    assert values == [1.0, 2.0, 3.0, 4.0], values
+    assert ("client 1 (announced address 127.0.0.1) refused: its proof of the shared secret (connection 2) is a "
+            "replay of connection 1's") in err, err
+    assert "0 accumulations applied, 1 requests refused" in out, out + err
+
+
+# -- 2b. a fake server ------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fake_secret", [None, b"the-attackers-own"], ids=["no-secret", "another-secret"])
+def test_a_worker_refuses_a_server_that_cannot_prove_the_secret(fake_secret: bytes | None) -> None:
+    """A worker with the job's secret pointed at someone else's server (one that asks for
+    no secret, or has a secret of its own) refuses it before it sends a buffer; before,
+    it trusted a server that asked for no secret and wrote its weights there."""
+    lines: list[str] = []
+    fake = MemoryServer(1, bind="127.0.0.1", port=0, secret=fake_secret, timeout=10, log=lines.append)
+    serving = threading.Thread(target=fake.serve, daemon=True)
+    serving.start()
+    outcome = "trusted"
+    try:
+        service = RemoteBufferService(fake.address, 0, 1, secret=b"the-jobs-secret", timeout=10)
+        service.write(service.attach(service.create("W_global", 4)), torch.ones(4))
+        service.close()
+    except PermissionError as exc:
+        outcome = str(exc)
+    serving.join(10)
+    assert outcome.startswith(f"worker 0 refused the memory server at {fake.address}: "), outcome
+    assert ("asks for no shared secret" if fake_secret is None else "its proof of the shared secret is wrong") \
+        in outcome, outcome
+    assert not fake.buffers, "the worker sent the fake server a buffer"
+    if fake_secret is not None:
+        assert any("it found this server's proof wrong" in line for line in lines), lines

@@ -183,5 +183,6 @@ class StoreAudit:
                    "authenticated link); ignored") if bad is None else \
                 f"not sealed with the shared secret; every client ignores it ({self._put_back(key, raw)})"
             lines.append(f"shmtrain smb-server: refused store entry {key} {shown} from an unauthenticated party "
-                         f"(the store cannot name its address): {why}")
+                         f"(the store cannot name its address): {why}; keep the server's port on a network only "
+                         "the job's hosts reach")
         return lines

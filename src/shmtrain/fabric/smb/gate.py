@@ -1,19 +1,19 @@
-"""SMB-REMOTE's gate: who a client is, its proof of the secret, and what only proven clients get.
+"""SMB-REMOTE's gate: who a client is, the handshake, and what only proven clients get.
 
 The part of :class:`~shmtrain.fabric.smb.server.MemoryServer` that decides trust (ShmCaffe
-III-B's memory server, with the security a server on a network needs): a client proves
-the shared secret (HMAC-SHA256 of the server's nonce) before anything else; buffer names
-and ids are given out by the server alone, on the authenticated link, so no party can
-create a buffer or re-point a name through the store; :meth:`Gate.audit` logs every
-store entry a party without the secret wrote (the store authenticates no one). Every
-refusal is one log line naming the client (job rank, announced address) and the
-operation.
+III-B's memory server, with the security a server on a network needs): a client and
+the server prove the shared secret to each other once per connection before anything
+else (:mod:`~shmtrain.fabric.smb.handshake`: a fresh challenge per connection, proofs
+bound to it and to their direction, a replayed proof refused); buffer names and ids are
+given out by the server alone, on the authenticated link, so no party can create a
+buffer or re-point a name through the store; :meth:`Gate.audit` logs every store entry
+a party without the secret wrote (the store authenticates no one). Every refusal is one
+log line naming the client (job rank, announced address), what was refused and the fix.
 """
 
 from __future__ import annotations
 
 import datetime
-import hmac
 import threading
 import time
 from collections.abc import Callable
@@ -21,22 +21,28 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from shmtrain.fabric.smb import handshake
 from shmtrain.fabric.smb.api import BufferKey
 from shmtrain.fabric.smb.board import StoreAudit
 from shmtrain.fabric.smb.wire import (
     _PAYLOAD_IN,
+    _TO_CLIENT,
     _VERDICT,
+    BAD_REQUEST,
     DTYPES,
     NAME_BYTES,
     NOT_FOUND,
     OK,
     OP_LOOKUP,
     REFUSED,
+    SECRET_ENV,
     TAG_TO_SERVER,
     TAKEN,
-    _proof,
     _tag,
 )
+
+#: how long the server waits for a client's nonce or proof (the serving thread waits)
+HANDSHAKE_WAIT = datetime.timedelta(seconds=10)
 
 
 class Gate:
@@ -55,12 +61,14 @@ class Gate:
     _lock: threading.Lock
     _trusted: set[int]
     _own: dict[str, str]
+    _generation: dict[int, int]
 
     def _open_gate(self) -> None:
         self.keys: dict[int, BufferKey] = {}  # by id; given out by this server only
         self.names: dict[str, int] = {}
         self._audit = StoreAudit(self.store, self.secret, self.nonce, self._own, self.clients)
         self._last_audit = 0.0
+        self._proofs: dict[bytes, int] = {}  # every client proof received -> its connection
 
     address: str
 
@@ -94,17 +102,45 @@ class Gate:
         return f"client {client - 1} (announced address {address})"
 
     def _hello(self, client: int, seq: int) -> None:
-        proof = torch.zeros(32, dtype=torch.uint8)
-        self._reply(client, OK, seq)  # then the proof
-        self._links[client].recv([proof], 1, TAG_TO_SERVER).wait(min(self._bound, datetime.timedelta(seconds=10)))
-        expected = _proof(self.secret, self.nonce) if self.secret else proof
-        if hmac.compare_digest(bytes(proof.tolist()), bytes(expected.tolist())):
-            self._trusted.add(client)
-            self._reply(client, OK, seq, kind=_VERDICT)
-        else:
+        """The server's side of the handshake (:mod:`~shmtrain.fabric.smb.handshake`): the
+        client's nonce, then the server's challenge and proof, then the client's proof."""
+        link, wait = self._links[client], min(self._bound, HANDSHAKE_WAIT)
+        nonce = torch.zeros(handshake.SIZE, dtype=torch.uint8)
+        link.recv([nonce], 1, _tag(seq, _PAYLOAD_IN)).wait(wait)
+        if not self.secret:
             self.refused += 1
-            self.log(f"shmtrain smb-server: {self._who(client)} refused: its proof of the shared secret is wrong")
-            self._reply(client, REFUSED, seq, kind=_VERDICT)
+            self.log(f"shmtrain smb-server: {self._who(client)}: its greeting refused: this server has no shared "
+                     f"secret to prove; start the server with --secret-file FILE (or {SECRET_ENV}), or give the "
+                     "client none")
+            return self._reply(client, BAD_REQUEST, seq)
+        n, rank, nc = self._generation[client], client - 1, bytes(nonce.tolist())
+        challenge = handshake.fresh()
+        mine = handshake.proof(self.secret, handshake.SERVER, self.nonce, n, rank, challenge, nc)
+        self._reply(client, OK, seq)  # then the challenge and this server's proof
+        link.send([torch.frombuffer(bytearray(challenge + mine), dtype=torch.uint8)], 1,
+                  _tag(seq, _TO_CLIENT)).wait(self._bound)
+        got = torch.zeros(handshake.SIZE, dtype=torch.uint8)
+        link.recv([got], 1, TAG_TO_SERVER).wait(wait)
+        theirs = bytes(got.tolist())
+        expected = handshake.proof(self.secret, handshake.CLIENT, self.nonce, n, rank, challenge, nc)
+        earlier = self._proofs.get(theirs)
+        if earlier is None and handshake.matches(theirs, expected):
+            self._proofs[theirs] = n
+            self._trusted.add(client)
+            return self._reply(client, OK, seq, kind=_VERDICT)
+        self.refused += 1
+        fix = f"give it the server's secret (--secret-file FILE or {SECRET_ENV}, the same on every host)"
+        if earlier is not None:
+            why = (f"its proof of the shared secret (connection {n}) is a replay of connection {earlier}'s, "
+                   "captured from the network by a party without the secret; nothing it asks is served (the "
+                   f"secret was not revealed); find who reaches {self.address}")
+        elif not any(theirs):  # the client's answer when this server's proof was wrong
+            why = (f"its proof of the shared secret is wrong: it found this server's proof wrong (connection {n}), "
+                   f"so the two secrets differ; {fix}")
+        else:
+            why = f"its proof of the shared secret is wrong (connection {n}); {fix}"
+        self.log(f"shmtrain smb-server: {self._who(client)} refused: {why}")
+        self._reply(client, REFUSED, seq, kind=_VERDICT)
 
     def _name(self, client: int, seq: int, length: int) -> str | None:
         """The buffer name that follows a create or lookup header (None: a length out of
@@ -126,7 +162,8 @@ class Gate:
             key = self.keys[known]
             return self._reply(client, OK, seq, known, extra=(key.numel, DTYPES.index(key.dtype)))
         if known is not None:
-            self.log(f"shmtrain smb-server: {self._who(client)}: create of {name!r}: the name is already taken")
+            self.log(f"shmtrain smb-server: {self._who(client)}: create of {name!r} refused: the name is already "
+                     "taken (look it up instead)")
             return self._reply(client, TAKEN, seq)
         if not 0 < numel < 1 << 40 or not 0 <= code < len(DTYPES):
             return self._bad(client, seq, f"create of {name!r} with {numel} elements of type code {code}")

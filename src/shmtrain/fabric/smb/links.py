@@ -28,12 +28,14 @@ from shmtrain.fabric.smb.wire import HEADER, OP_BYE, TAG_REQUEST, _gloo
 FOREVER = datetime.timedelta(days=365)
 
 
-def join(store: dist.Store, rank: int, world: int, host: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
+def join(store: dist.Store, rank: int, world: int, host: str,
+         timeout: datetime.timedelta) -> tuple[int, dist.ProcessGroup]:
     """The client's side: announce connection ``n`` for ``rank`` of a job of ``world``
-    workers and form its link."""
+    workers and form its link; returns ``n`` (the handshake's proofs are bound to it) and
+    the link."""
     n = store.add("smb/joins", 1)
     store.set(f"smb/join/{n}", f"{rank}/{world}")
-    return _gloo(dist.PrefixStore(f"smb/pg/{n}/", store), 1, 2, host, timeout)
+    return n, _gloo(dist.PrefixStore(f"smb/pg/{n}/", store), 1, 2, host, timeout)
 
 
 def receive_requests(link: dist.ProcessGroup, client: int, generation: int, inbox: queue.Queue) -> None:
@@ -100,16 +102,27 @@ class Acceptor:
             n += 1
             rank, _, world = text.partition("/")
             if not (rank.isdigit() and world.isdigit() and int(rank) < int(world) <= self.clients):
-                why = f"{text[:40]!r} is not RANK/WORLD with RANK < WORLD <= {self.clients} (--clients)"
+                why = (f"{text[:40]!r} is not RANK/WORLD with RANK < WORLD <= {self.clients} (--clients); "
+                       f"restart the server with --clients of the job's workers, or it is not a shmtrain client")
             else:
                 why = self.admit(int(rank) + 1)
             if why:
-                self.log(f"shmtrain smb-server: connection {n} refused: {why}")
+                self.log(f"shmtrain smb-server: connection {n} ({self._announced(rank)}) refused: {why}")
                 continue
             self.forming = [t for t in self.forming if t.is_alive()]
             self.forming.append(thread := threading.Thread(target=self._form, args=(int(rank) + 1, n, int(world)),
                                                            name=f"smb-link-{n}", daemon=True))
             thread.start()
+
+    def _announced(self, rank: str) -> str:
+        """``rank R, announced address A`` of a connection (the address the client wrote)."""
+        key = f"smb/peer/{rank}"
+        try:
+            address = self.watch.get(key).decode(errors="replace")[:64] if rank.isdigit() and \
+                self.watch.check([key]) else "unknown"
+        except RuntimeError:
+            address = "unknown"
+        return f"rank {rank[:20]}, announced address {address}"
 
     def _form(self, client: int, n: int, world: int) -> None:
         try:

@@ -2,12 +2,13 @@
 
 :class:`RemoteBufferService` reaches a :class:`~shmtrain.fabric.smb.server.MemoryServer`
 behind the same :class:`~shmtrain.fabric.smb.api.BufferService` interface as the local
-shared-memory service, so no strategy changes to use it; its board is a
-:class:`~shmtrain.fabric.smb.board.StoreProgressBoard` in the server's store (sealed with
-the shared secret); buffer names go over the authenticated link (``create``, ``lookup``). :func:`read_secret` finds the
-shared
-secret a client proves (and a server asks for); :func:`start_memory_server` starts a
-job's memory server next to its global rank 0 when the job was given none.
+shared-memory service, so no strategy changes to use it; it and the server prove the
+shared secret to each other on connecting (:mod:`~shmtrain.fabric.smb.handshake`); its
+board is a :class:`~shmtrain.fabric.smb.board.StoreProgressBoard` in the server's store
+(sealed with the shared secret); buffer names go over the authenticated link
+(``create``, ``lookup``). :func:`read_secret` finds the shared secret a client proves
+(and a server asks for); :func:`start_memory_server` starts a job's memory server next
+to its global rank 0 when the job was given none.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.control import PeerFailure, PeerTimeout, first_line
+from shmtrain.fabric.smb import handshake
 from shmtrain.fabric.smb.api import STATE_DONE, Buffer, BufferKey, BufferService, Ticket
 from shmtrain.fabric.smb.board import DEAD, LEFT, StoreProgressBoard
 from shmtrain.fabric.smb.links import join
@@ -51,7 +53,6 @@ from shmtrain.fabric.smb.wire import (
     TAG_REQUEST,
     TAG_TO_SERVER,
     TAKEN,
-    _proof,
     _tag,
     route_address,
     unseal,
@@ -106,18 +107,25 @@ class RemoteBufferService(BufferService):
         self._await_earlier_lost(secret)
         self.store.set(f"smb/peer/{rank}", route_address(host))  # what the server's log names this client by
         self.store.add("smb/joined", 1)
-        self.pg = self._call(lambda: join(self.store, rank, world, route_address(host), delta), "connecting")
-        nonce = self.store.get("smb/nonce").decode()
+        self._abandoned = False  # a server that failed the handshake: no goodbye waited for
+        self.connection, self.pg = self._call(lambda: join(self.store, rank, world, route_address(host), delta),
+                                              "connecting")
+        nonce = self.store.get("smb/nonce").decode()  # the server's identity: checked by the handshake
         sealed = self.store.get("smb/secret") == b"1"
-        if sealed:
-            try:
-                if secret is None:
-                    raise PermissionError(f"the memory server at {address} requires a shared secret: pass "
-                                          f"--secret-file FILE or set {SECRET_ENV}")
-                self._hello(secret, nonce)  # the nonce is the server's: a replaced one fails the proof
-            except PermissionError:
-                self.close()  # leave, so the server does not wait for this client
-                raise
+        try:
+            if sealed and secret is None:
+                raise PermissionError(f"the memory server at {address} requires a shared secret: pass "
+                                      f"--secret-file FILE or set {SECRET_ENV}")
+            if secret is not None and not sealed:
+                raise PermissionError(
+                    f"worker {rank} refused the memory server at {address}: it asks for no shared secret, but this "
+                    f"worker was given one (--secret-file or {SECRET_ENV}), so it cannot prove it is the server "
+                    "that secret belongs to; start the server with that secret, or give the workers none")
+            if secret is not None:
+                self._hello(secret, nonce)
+        except PermissionError:
+            self.close()  # leave, so the server does not wait for this client
+            raise
         self.board = StoreProgressBoard(self.store, rank, world, self._lost,
                                         secret=secret if sealed else None, nonce=nonce)
 
@@ -205,14 +213,39 @@ class RemoteBufferService(BufferService):
             self._drain_one()
 
     def _hello(self, secret: bytes, nonce: str) -> None:
+        """The client's side of the handshake (:mod:`~shmtrain.fabric.smb.handshake`) on
+        this connection: its fresh nonce, the server's challenge and proof (checked first:
+        a server that does not hold the secret is refused), then this client's proof."""
+        mine = handshake.fresh()
+        challenge = torch.zeros(2 * handshake.SIZE, dtype=torch.uint8)
         with self._lock:
-            seq, posted, _ = self._request(OP_HELLO)
+            seq, posted, received = self._request(OP_HELLO, landing=challenge)
+            sent = self._call(lambda: self.pg.send([torch.frombuffer(bytearray(mine), dtype=torch.uint8)], 0,
+                                                   _tag(seq, _PAYLOAD_IN)), "sending the greeting")
             self._status(seq, posted, "the greeting")
+            self._call(received.wait, "receiving the server's proof of the shared secret")
+            self._call(sent.wait, "sending the greeting")
+            data = bytes(challenge.tolist())
+            ns, theirs = data[:handshake.SIZE], data[handshake.SIZE:]
+            expected = handshake.proof(secret, handshake.SERVER, nonce, self.connection, self.rank, ns, mine)
+            trusted = handshake.matches(theirs, expected)
+            proof = (handshake.proof(secret, handshake.CLIENT, nonce, self.connection, self.rank, ns, mine)
+                     if trusted else bytes(handshake.SIZE))  # zeros: never a proof, to a server that is not trusted
             second = torch.zeros(REPLY_WORDS, dtype=torch.int64)
             verdict = (self._call(lambda: self.pg.recv([second], 0, _tag(seq, _VERDICT)),
                                   "posting a receive"), second)
-            proof = _proof(secret, nonce)
-            self._call(lambda: self.pg.send([proof], 0, TAG_TO_SERVER).wait(), "proving the secret")
+            self._call(lambda: self.pg.send([torch.frombuffer(bytearray(proof), dtype=torch.uint8)], 0,
+                                            TAG_TO_SERVER).wait(), "proving the secret")
+            if not trusted:
+                try:  # a real server with another secret answers at once; a fake one may never
+                    verdict[0].wait(datetime.timedelta(seconds=10))
+                except RuntimeError:
+                    self._abandoned = True
+                raise PermissionError(
+                    f"worker {self.rank} refused the memory server at {self.address}: its proof of the shared secret "
+                    "is wrong, so it does not hold this worker's secret (a server started with another secret, or "
+                    "someone else's server at that address); nothing was sent to it; give the server and every "
+                    "worker the same secret, and check --smb-server")
             self._status(seq, verdict, "the proof of the shared secret")
 
     # -- the SMB API -----------------------------------------------------------------
@@ -330,6 +363,8 @@ class RemoteBufferService(BufferService):
 
     def close(self) -> None:
         """Say goodbye (after the accumulates in flight); the server stops when all have."""
+        if self._abandoned:
+            return
         with self._lock:
             try:
                 self._drain()

@@ -7,10 +7,11 @@ one next to a job's global rank 0), the messages :mod:`~shmtrain.fabric.smb.wire
 :mod:`~shmtrain.fabric.smb.compressed`'s); ``shmtrain smb-server`` runs one stand-alone.
 
 Security: the server listens on loopback unless told otherwise, its store and its links
-on the bind address alone (:func:`~shmtrain.fabric.trust.bound_store`); a non-loopback bind
-needs a shared secret, and then every client proves it (HMAC-SHA256 of a nonce the
-server publishes) before its first buffer operation; a client that has not is refused
-with a logged line (its rank, its announced address, the operation) and nothing changes.
+on the bind address alone (:func:`~shmtrain.fabric.trust.bound_store`); a non-loopback
+bind needs a shared secret, and then every client and the server prove it to each other
+on each connection before its first buffer operation (:mod:`~shmtrain.fabric.smb.handshake`);
+a client that has not is refused with a logged line (its rank, its announced address,
+the operation, the fix) and nothing changes.
 Buffer names and ids live here, given out on the authenticated link only; the board's
 entries in the store are sealed with the secret, and :class:`~shmtrain.fabric.smb.board.StoreAudit`
 logs every entry of the store a party without the secret wrote (docs/async.md, "Security").
@@ -190,7 +191,10 @@ class MemoryServer(Gate):
         """Why a connection for ``client`` is refused (None: it is not; a rank whose link
         is up cannot be taken over: it must be lost or gone first)."""
         with self._state:
-            return f"rank {client - 1} is connected" if client in self._links and client not in self._left else None
+            if client in self._links and client not in self._left:
+                return (f"rank {client - 1} is connected already; a rank has one connection at a time: end its "
+                        "earlier process first (if none runs, someone else is using its rank)")
+            return None
 
     def _joined(self, client: int, generation: int, detail: tuple[dist.ProcessGroup, int]) -> None:
         """A (new) link for ``client``: it starts untrusted, with nothing in flight; a lost
@@ -377,7 +381,8 @@ class MemoryServer(Gate):
         if client not in self._trusted:
             self.refused += 1
             what = OP_NAMES.get(op, f"op {op}") + (f" of {name!r}" if name is not None else f" (buffer {a})")
-            self.log(f"shmtrain smb-server: {self._who(client)} refused {what}: it has not proven the shared secret")
+            self.log(f"shmtrain smb-server: {self._who(client)} refused {what}: it has not proven the shared secret; "
+                     f"give it the server's secret (--secret-file FILE or {SECRET_ENV})")
             drained = (op == OP_WRITE and self._drop_payload(client, seq, a, b)) or name is not None
             self._reply(client, REFUSED, seq, int(drained))
             return

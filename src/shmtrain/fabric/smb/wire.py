@@ -17,11 +17,12 @@ Names: ``create`` and ``lookup`` are requests too (the name follows the header a
 payload), so the server alone gives out buffer ids and names, and only to clients that
 proved the secret; nothing about a buffer is read from the store.
 
-Security: a client proves the shared secret with HMAC-SHA256 of a nonce the server
-publishes (:func:`_proof`); ``SHMTRAIN_SECRET`` holds the secret where no file does. What
-still goes through the store (progress, state and liveness marks) is sealed with the same
-secret and the server's nonce (:func:`seal`, :func:`unseal`): an entry written without the
-secret is refused by every reader.
+Security: a client and the server prove the shared secret to each other once per
+connection (:mod:`~shmtrain.fabric.smb.handshake`: fresh nonces on both sides, proofs
+bound to the connection and the direction); ``SHMTRAIN_SECRET`` holds the secret where
+no file does. What still goes through the store (progress, state and liveness marks) is
+sealed with the same secret and the server's identity, its nonce (:func:`seal`,
+:func:`unseal`): an entry written without the secret is refused by every reader.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import hmac
 import ipaddress
 import time
 
-import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.netif import route_source
@@ -58,13 +58,16 @@ OP_NAMES = {OP_HELLO: "hello", OP_READ: "read", OP_WRITE: "write", OP_ACCUMULATE
             OP_BYE: "goodbye", OP_CREATE: "create", OP_LOOKUP: "lookup", OP_CREAD: "compressed read",
             OP_CACCUMULATE: "compressed accumulate"}
 OK, REFUSED, BAD_REQUEST, NOT_FOUND, TAKEN = 0, 1, 2, 3, 4
-_STATUS = {REFUSED: "refused: this client has not proven the shared secret",
+_STATUS = {REFUSED: "refused: this client has not proven the shared secret (give it the server's secret: "
+                     "--secret-file FILE or SHMTRAIN_SECRET)",
            BAD_REQUEST: "malformed request", NOT_FOUND: "no such buffer name", TAKEN: "the name is already taken"}
 #: a buffer name's longest UTF-8 form (create and lookup send it after the header)
 NAME_BYTES = 512
 #: the element types a buffer may have, by their code on the wire
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8")
 SECRET_ENV = "SHMTRAIN_SECRET"
+#: the prefix of a store entry's seal (the handshake's proofs have their own)
+SEAL = "shmtrain-smb-seal/2"
 
 
 def is_loopback(address: str) -> bool:
@@ -83,19 +86,19 @@ def route_address(peer: str) -> str:
     return "127.0.0.1" if is_loopback(peer) else route_source(peer)
 
 
-def _proof(secret: bytes, nonce: str) -> torch.Tensor:
-    digest = hmac.new(secret, nonce.encode(), hashlib.sha256).digest()
-    return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-
-
 def seal(secret: bytes | None, nonce: str, key: str, value: str) -> str:
     """``value`` for store entry ``key`` with the time it was written and, when there is a
-    secret, HMAC-SHA256 over the server's nonce, the key, the value and that time (so an
-    entry cannot be forged, moved to another key or carried over from another server)."""
+    secret, HMAC-SHA256 over :data:`SEAL`, the server's nonce, the key, the value and that
+    time (so an entry cannot be forged, moved to another key or carried over from another
+    server)."""
     stamp = str(time.time_ns())
-    tag = "" if secret is None else hmac.new(secret, f"{nonce}\n{key}\n{value}\n{stamp}".encode(),
-                                               hashlib.sha256).hexdigest()
+    tag = "" if secret is None else _seal_tag(secret, nonce, key, value, stamp)
     return f"{value};{stamp};{tag}"
+
+
+def _seal_tag(secret: bytes, nonce: str, key: str, value: str, stamp: str) -> str:
+    # its own prefix: no seal is ever a handshake's proof, nor one a proof
+    return hmac.new(secret, f"{SEAL}\n{nonce}\n{key}\n{value}\n{stamp}".encode(), hashlib.sha256).hexdigest()
 
 
 def unseal(secret: bytes | None, nonce: str, key: str, text: str) -> tuple[str, int] | None:
@@ -106,7 +109,7 @@ def unseal(secret: bytes | None, nonce: str, key: str, text: str) -> tuple[str, 
     if not stamp.isdigit():
         return None
     if secret is not None:
-        expected = hmac.new(secret, f"{nonce}\n{key}\n{value}\n{stamp}".encode(), hashlib.sha256).hexdigest()
+        expected = _seal_tag(secret, nonce, key, value, stamp)
         if not hmac.compare_digest(rest.encode(), expected.encode()):
             return None
     return value, int(stamp)
