@@ -2,7 +2,9 @@
 
 - another host reaches a server bound to loopback (network namespaces, ``two_hosts``);
 - a proof of the shared secret captured on the network is replayed;
-- a worker is pointed at a fake server (one without the job's secret).
+- a worker is pointed at a fake server (one without the job's secret);
+- another local user (``nobody``) plants the job's own server's address file in /tmp;
+- someone who can read torchrun's store looks for the job's own server's secret there.
 
 Each attack is refused with one line naming it (or has no effect), and the victim's
 buffers and board are what it wrote. The proof "captured from the network" is the bytes
@@ -20,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -31,6 +34,8 @@ from shmtrain.fabric.smb import remote
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.server import MemoryServer
 from shmtrain.fabric.smb.wire import TAG_TO_SERVER
+from shmtrain.fabric.transports import Transports
+from shmtrain.runtime.launch.launcher import launch
 from test_smb_remote import _finish, _server
 
 NOBODY = 65534
@@ -222,3 +227,141 @@ def test_a_worker_refuses_a_server_that_cannot_prove_the_secret(fake_secret: byt
     assert not fake.buffers, "the worker sent the fake server a buffer"
     if fake_secret is not None:
         assert any("it found this server's proof wrong" in line for line in lines), lines
+
+
+# -- 3. the job's own server's files, and another local user ----------------------------
+
+def _start_job_server(ctx: SimpleNamespace) -> tuple[str, bytes]:
+    return Transports(ctx).memory_server()  # type: ignore[arg-type]
+
+
+def _plant(path: Path, text: str) -> None:
+    """``nobody`` writes ``text`` into ``path`` (another local user, before the job does)."""
+    subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sh", "-c",
+                    f"printf %s '{text}' > '{path}'"], check=True, timeout=10)
+    assert path.stat().st_uid == NOBODY
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_another_users_address_file_does_not_point_the_job_at_its_server() -> None:
+    """``nobody`` writes the address of its own server where rank 0 looked for its server's
+    address (``/tmp/shmtrain-smb-<pid>.log.addr``, a name anyone can predict): before, the
+    job took it (a two-host job then gave the attacker 6,001 accumulations); now rank 0
+    reads its server's address from a directory only it can enter, and leaves nothing in
+    /tmp once the server has ended."""
+    before = _smb_entries()
+    planted = TMP / f"shmtrain-smb-{os.getpid()}.log.addr"
+    attacker = "127.0.0.66:29666"
+    _plant(planted, attacker)
+    try:
+        servers = set()
+        ctx = SimpleNamespace(store=dist.HashStore(), rank=0, world_size=1, timeout=30.0, rejoined=False)
+        address, secret = _start_job_server(ctx)
+        servers = {p.pid for p in psutil.Process().children() if "smb-server" in " ".join(p.cmdline())}
+        assert address != attacker
+        service = RemoteBufferService(address, 0, 1, secret=secret, timeout=20)
+        weights = service.attach(service.create("W_global", 2))
+        service.write(weights, torch.ones(2))
+        assert service.read(weights, torch.zeros(2)).tolist() == [1.0, 1.0]
+        service.close()
+        _wait_gone(list(servers))
+        assert _smb_entries() - before == {planted.name}, "a memory server's file or folder was left in /tmp"
+    finally:
+        planted.unlink(missing_ok=True)
+        for pid in servers:
+            if psutil.pid_exists(pid):
+                psutil.Process(pid).kill()
+
+
+_PREFORKED = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+from types import SimpleNamespace
+from shmtrain.runtime.launch.smb_server import prefork
+from shmtrain.fabric.smb.remote import RemoteBufferService
+from shmtrain.fabric.transports import Transports
+sys.stdin.readline()  # the attacker has planted its file
+prefork(1, 30.0)
+ctx = SimpleNamespace(store=dist.HashStore(), rank=0, world_size=1, timeout=30.0, rejoined=False)
+address, secret = Transports(ctx).memory_server()
+record = {"address": address}
+try:
+    service = RemoteBufferService(address, 0, 1, secret=secret, timeout=10)
+    service.close()
+except Exception as exc:
+    record["error"] = str(exc)
+deadline = time.monotonic() + 15
+while time.monotonic() < deadline and os.waitpid(-1, os.WNOHANG) == (0, 0):
+    time.sleep(0.05)  # the forked server ends with its client
+print(json.dumps(record), flush=True)
+"""
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_another_users_address_file_does_not_reach_a_forked_server() -> None:
+    """The same for the server rank 0 forks before it joins (``prefork``, torchrun's path)."""
+    before = _smb_entries()
+    child = subprocess.Popen([sys.executable, "-c", _PREFORKED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    planted = TMP / f"shmtrain-smb-{child.pid}.log.addr"
+    attacker = "127.0.0.66:29666"
+    try:
+        _plant(planted, attacker)
+        out, err = child.communicate("planted\n", timeout=50)
+    finally:
+        planted.unlink(missing_ok=True)
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    record = json.loads(out.splitlines()[-1]) if out.strip() else {}
+    assert record.get("address") not in (None, attacker) and "error" not in record, out + err
+    assert _smb_entries() == before, "a memory server's file or folder was left in /tmp"
+
+
+# -- 4. the job's own server's secret and the job's store -------------------------------
+
+class _Recorder:
+    """A store that keeps every value written to it (what a reader of the store could see)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.written = store, []
+
+    def set(self, key: str, value) -> None:
+        self.written.append((key, value if isinstance(value, bytes) else str(value).encode()))
+        self.store.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def secret_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    recorder = _Recorder(ctx.store)
+    job = SimpleNamespace(store=recorder, rank=ctx.rank, world_size=ctx.world_size, timeout=30.0, rejoined=False)
+    address, secret = _start_job_server(job)
+    service = RemoteBufferService(address, ctx.rank, ctx.world_size, secret=secret, timeout=20)
+    if ctx.rank == 0:
+        service.write(service.attach(service.create("W_global", 2)), torch.ones(2))
+    dist.barrier()
+    service.close()
+    if ctx.rank == 0:  # the server ends once both have said goodbye
+        servers = [p.pid for p in psutil.Process().children() if "smb-server" in " ".join(p.cmdline())]
+        _wait_gone(servers)
+    return {"secret": secret.decode(), "written": [(k, v.decode(errors="replace")) for k, v in recorder.written]}
+
+
+@pytest.mark.timeout(90)
+def test_the_job_servers_secret_never_goes_through_the_jobs_store() -> None:
+    """torchrun's store authenticates no one: anyone who reaches its port can read every
+    key. Before, rank 0 wrote the secret there (``smb/auto``) for the other hosts; now it
+    sends it over the job's gloo group: the store sees the address, never the secret."""
+    before = _smb_entries()
+    results = launch("test_security_smb:secret_worker", 2, {}, timeout=80)
+    secrets = {r["secret"] for r in results}
+    assert len(secrets) == 1 and len(next(iter(secrets))) == 64, secrets
+    secret = next(iter(secrets))
+    written = [entry for r in results for entry in r["written"]]
+    assert any(key == "smb/auto" for key, _ in written), written
+    assert not [key for key, value in written if secret in value], "the secret was written to the job's store"
+    assert _smb_entries() == before, "a memory server's file or folder was left in /tmp"

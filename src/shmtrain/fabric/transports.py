@@ -203,9 +203,10 @@ class Transports:
     def memory_server(self) -> tuple[str, bytes]:
         """Start this job's memory server next to global rank 0 (collective); its
         ``HOST:PORT`` and the secret the clients prove."""
-        from shmtrain.fabric.smb.remote import start_memory_server
+        from shmtrain.fabric.smb.job_server import start_memory_server
 
-        return start_memory_server(self.ctx.store, self.ctx.rank, self.ctx.world_size, timeout=self.ctx.timeout)
+        return start_memory_server(self.ctx.store, self.ctx.rank, self.ctx.world_size, timeout=self.ctx.timeout,
+                                   rejoined=getattr(self.ctx, "rejoined", False))
 
     def host_combiner(self, order: Sequence[int], tensor, done, *, ready=None,
                       name: str = "combiner") -> HostCombiner | None:

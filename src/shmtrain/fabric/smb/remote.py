@@ -7,20 +7,18 @@ shared secret to each other on connecting (:mod:`~shmtrain.fabric.smb.handshake`
 board is a :class:`~shmtrain.fabric.smb.board.StoreProgressBoard` in the server's store
 (sealed with the shared secret); buffer names go over the authenticated link
 (``create``, ``lookup``). :func:`read_secret` finds the shared secret a client proves
-(and a server asks for); :func:`start_memory_server` starts a job's memory server next
-to its global rank 0 when the job was given none.
+(and a server asks for); :mod:`~shmtrain.fabric.smb.job_server` starts a job's own
+memory server when the job was given none.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +27,7 @@ from shmtrain.fabric.control import PeerFailure, PeerTimeout, first_line
 from shmtrain.fabric.smb import handshake
 from shmtrain.fabric.smb.api import STATE_DONE, Buffer, BufferKey, BufferService, Ticket
 from shmtrain.fabric.smb.board import DEAD, LEFT, StoreProgressBoard
+from shmtrain.fabric.smb.job_server import forget
 from shmtrain.fabric.smb.links import join
 from shmtrain.fabric.smb.wire import (
     _PAYLOAD_IN,
@@ -363,6 +362,7 @@ class RemoteBufferService(BufferService):
 
     def close(self) -> None:
         """Say goodbye (after the accumulates in flight); the server stops when all have."""
+        forget(self.address)  # the secret this worker kept for its host's next start, if any
         if self._abandoned:
             return
         with self._lock:
@@ -372,68 +372,3 @@ class RemoteBufferService(BufferService):
                 self._status(seq, posted, "goodbye")
             except (PeerFailure, PermissionError, ValueError):
                 pass
-
-
-#: a memory server already forked for this job by rank 0 before it joined
-#: (``shmtrain.runtime.launch.smb_server.prefork``): (pid, address file, secret, log, world)
-PREFORKED: tuple[int, str, str, str, int] | None = None
-
-
-class _Forked:
-    """``Popen.poll`` for a forked child: its exit status once it ended, else None."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.status = pid, None
-
-    def poll(self) -> int | None:
-        if self.status is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.status = os.waitstatus_to_exitcode(status)
-        return self.status
-
-
-def start_memory_server(store: dist.Store, rank: int, world: int, *, timeout: float,
-                        log: str | None = None) -> tuple[str, bytes]:
-    """Start the job's memory server next to global rank 0 (collective; ``torchrun
-    --nnodes N ... --strategy seasgd`` needs nothing else); returns its address and the
-    secret every client proves (generated here, handed out through the job's store: the
-    same trust as the rendezvous itself).
-
-    The server runs in its own session, so it outlives the loss of rank 0; it ends when
-    every client has said goodbye, or after ``timeout`` seconds without any request (a
-    job whose workers are all gone), writing its log to ``log`` (removed when it ended
-    cleanly).
-    """
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
-    global PREFORKED
-    if rank == 0 and PREFORKED is not None and PREFORKED[4] == world:  # forked before joining: no new interpreter
-        pid, _, secret, log, _ = PREFORKED
-        PREFORKED = None
-        proc: Any = _Forked(pid)
-    elif rank == 0:
-        bind = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        secret = secrets.token_hex(32)
-        log = log or os.path.join(tempfile.gettempdir(), f"shmtrain-smb-{os.getpid()}.log")
-        with open(log, "ab") as sink:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "shmtrain", "smb-server", "--clients", str(world), "--bind", bind,
-                 "--port", "0", "--timeout", str(timeout), "--idle-exit", str(timeout), "--address-file", log + ".addr",
-                 "--log-file", log],
-                env={**os.environ, SECRET_ENV: secret}, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
-                start_new_session=True)
-    if rank == 0:
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(log + ".addr"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise PeerFailure(f"the memory server did not start (exit status {proc.poll()}); see {log}")
-            time.sleep(0.05)
-        address = Path(log + ".addr").read_text().strip()
-        os.unlink(log + ".addr")
-        store.set("smb/auto", json.dumps({"address": address, "secret": secret, "log": log}))
-    info = json.loads(store.get("smb/auto"))
-    return info["address"], info["secret"].encode()

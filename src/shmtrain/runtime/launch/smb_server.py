@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -33,6 +34,7 @@ def _handler(args: argparse.Namespace) -> int:
         raise ValueError(f"--resume {args.resume}: no such snapshot file (the server writes {SNAPSHOT} in --out)")
     from shmtrain.fabric.smb.remote import read_secret  # torch: after the checks that need none
     from shmtrain.fabric.smb.server import MemoryServer
+    from shmtrain.fabric.trust import write_private
 
     secret = read_secret(args.secret_file)
     out = Path(args.out)
@@ -40,10 +42,8 @@ def _handler(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     server = MemoryServer(args.clients, bind=args.bind, port=args.port, secret=secret, timeout=args.timeout,
                           log=lambda line: print(line, file=sys.stderr, flush=True), resume=args.resume)
-    if args.address_file:  # written whole, then renamed: a reader never sees half of it
-        tmp = f"{args.address_file}.tmp"
-        Path(tmp).write_text(server.address)
-        Path(tmp).rename(args.address_file)
+    if args.address_file:  # mode 0600, written whole, then renamed: a reader never sees half of it
+        write_private(Path(args.address_file), server.address.encode())
     print(f"shmtrain smb-server: serving up to {args.clients} workers at {server.address}"
           f"{' (shared secret required)' if secret else ''}; clients: shmtrain train --smb-server {server.address}",
           flush=True)
@@ -86,8 +86,12 @@ def _handler(args: argparse.Namespace) -> int:
           + f", {server.returned} connections again after a loss", flush=True)
     clean = server.finished and not (stopping or idle or failure or server.errors or server.refused
                                      or server.lost or server.returned)
+    if args.address_file:  # its starter read it; else no one will
+        Path(args.address_file).unlink(missing_ok=True)
     if clean and args.log_file:
         Path(args.log_file).unlink(missing_ok=True)  # nothing to tell: leave no file behind
+        if args.private_dir:
+            shutil.rmtree(args.private_dir, ignore_errors=True)
     if stopping or idle or thread.is_alive() or server.watching:  # a thread may be blocked in gloo
         sys.stdout.flush()
         sys.stderr.flush()
@@ -114,22 +118,20 @@ def prefork(world: int, timeout: float) -> None:
     """Fork the job's memory server now, from a worker that has imported torch and started
     no thread yet (the zygote's rule, ``runtime/launch/zygote.py``), so the server does not start
     a new interpreter and import torch again once the job has joined (``start_memory_server``
-    takes it from ``remote.PREFORKED``). Does nothing when a thread is running already."""
+    takes it from ``job_server.PREFORKED``). Its files (address, log) live in a new private
+    directory (``job_server.server_files``). Does nothing when a thread is running already."""
     import secrets
-    import tempfile
 
-    from shmtrain.fabric.smb import remote
+    from shmtrain.fabric.smb import job_server
 
     if threading.active_count() > 1:
         return
     secret = secrets.token_hex(32)
-    log = os.path.join(tempfile.gettempdir(), f"shmtrain-smb-{os.getpid()}.log")
-    argv = ["--clients", str(world), "--bind", remote.route_address(os.environ.get("MASTER_ADDR", "127.0.0.1")),
-            "--port", "0", "--timeout", str(timeout), "--idle-exit", str(timeout), "--address-file",
-            log + ".addr", "--log-file", log]
+    folder = job_server.server_files()
+    argv = job_server.server_argv(world, timeout, folder)
     pid = os.fork()
     if pid:
-        remote.PREFORKED = (pid, log + ".addr", secret, log, world)
+        job_server.PREFORKED = job_server.Preforked(pid, folder, secret, world)
         return
     code = 1
     try:  # the child: the server, in its own session (it outlives rank 0), its output in the log
@@ -137,11 +139,11 @@ def prefork(world: int, timeout: float) -> None:
         from shmtrain.runtime.launch.zygote import _PR_SET_NAME, _prctl
 
         _prctl(_PR_SET_NAME, SERVER_NAME)  # found by name: its command line is the worker's
-        sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        sink = os.open(folder / job_server.LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(sink, 1)
         os.dup2(sink, 2)
-        os.environ[remote.SECRET_ENV] = secret
+        os.environ[job_server.SECRET_ENV] = secret
         parser = argparse.ArgumentParser(prog="shmtrain")
         add_parser(parser.add_subparsers())
         code = _handler(parser.parse_args(["smb-server", *argv]))
@@ -174,4 +176,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "that `shmtrain train` starts for a multi-host job uses its --timeout)")
     p.add_argument("--address-file", help=argparse.SUPPRESS)  # where a starter reads HOST:PORT
     p.add_argument("--log-file", help=argparse.SUPPRESS)  # the starter's log of this server: removed on a clean end
+    p.add_argument("--private-dir", help=argparse.SUPPRESS)  # the starter's private folder of both: removed with it
     p.set_defaults(handler=_handler)
