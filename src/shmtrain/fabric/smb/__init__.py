@@ -12,17 +12,19 @@ ShmCaffe's Soft Memory Box (Section III-B, Figs. 2, 5 and 7), one module per par
     accumulations) and :class:`LocalProgressBoard`.
 :mod:`~shmtrain.fabric.smb.wire`
     SMB-REMOTE's wire format: request headers, replies, tags, ops and status codes, the
-    proof of the shared secret, the gloo link.
+    seals of store entries, the gloo link; :mod:`~shmtrain.fabric.smb.handshake` the
+    proof of the shared secret that client and server give each other per connection.
 :mod:`~shmtrain.fabric.smb.server`
     SMB-REMOTE's memory server (``MemoryServer``), which ``shmtrain smb-server`` runs;
-    :mod:`~shmtrain.fabric.smb.gate` its trust (the proof of the secret, buffer names,
+    :mod:`~shmtrain.fabric.smb.gate` its trust (its side of the handshake, buffer names,
     the audit of its store), :mod:`~shmtrain.fabric.smb.snapshot` its snapshot files.
 :mod:`~shmtrain.fabric.smb.board`
     ``StoreProgressBoard``: progress, state and liveness in the server's store, sealed
     with the shared secret; ``StoreAudit``, the server's check of that store.
 :mod:`~shmtrain.fabric.smb.remote`
-    SMB-REMOTE's client: ``RemoteBufferService``, ``read_secret``,
-    and ``start_memory_server`` (global rank 0 starts a job's server).
+    SMB-REMOTE's client: ``RemoteBufferService``, ``read_secret``;
+    :mod:`~shmtrain.fabric.smb.job_server` ``start_memory_server`` (global rank 0 starts
+    a job's server: its private files, its secret sent over the job's gloo group).
 
 This package re-exports the API and the local service; the remote modules are imported
 by their own paths. :func:`shmtrain.fabric.transports.open_buffer_service` builds a
