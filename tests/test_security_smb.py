@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,17 +37,29 @@ from shmtrain.fabric.smb.server import MemoryServer
 from shmtrain.fabric.smb.wire import TAG_TO_SERVER
 from shmtrain.fabric.transports import Transports
 from shmtrain.runtime.launch.launcher import launch
-from test_smb_remote import _finish, _server
 
 NOBODY = 65534
-TMP = Path("/tmp")
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                                 reason="acting as another local user needs root and setpriv")
 
 
-def _smb_entries() -> set[str]:
-    """What shmtrain's memory servers may have left in /tmp (files and directories)."""
-    return {p.name for p in TMP.iterdir() if p.name.startswith("shmtrain-smb")}
+def _server(clients: int, secret_file: Path) -> tuple[subprocess.Popen, str]:
+    """A stand-alone ``shmtrain smb-server`` on loopback, any free port: (process, address)."""
+    proc = subprocess.Popen([sys.executable, "-m", "shmtrain", "smb-server", "--clients", str(clients), "--port", "0",
+                             "--timeout", "30", "--secret-file", str(secret_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    assert "serving" in first, first + proc.stderr.read()
+    return proc, first.split(" at ")[1].split(" ")[0]
+
+
+def _finish(proc: subprocess.Popen) -> tuple[str, str]:
+    """The server's output once it ended (killed after 30 s: its clients never said goodbye)."""
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
 
 
 def _wait_gone(pids: list[int], seconds: float = 15) -> None:
@@ -172,7 +185,7 @@ def test_a_captured_proof_replayed_by_a_client_without_the_secret_is_refused(
     then read; now it is refused as a replay, named, and W_global is the victim's."""
     secret_file = tmp_path / "secret"
     secret_file.write_text("right-secret\n")
-    proc, address = _server(2, "--secret-file", str(secret_file))
+    proc, address = _server(2, secret_file)
     captured: list[torch.Tensor] = []
     stolen: dict[str, Any] = {}
     try:
@@ -193,7 +206,7 @@ def test_a_captured_proof_replayed_by_a_client_without_the_secret_is_refused(
         values = victim.read(weights, torch.zeros(4)).tolist()
         victim.close()
     finally:
-        code, out, err = _finish(proc)
+        out, err = _finish(proc)
     assert "read" not in stolen and "refused" in stolen, stolen
     assert values == [1.0, 2.0, 3.0, 4.0], values
     assert ("client 1 (announced address 127.0.0.1) refused: its proof of the shared secret (connection 2) is a "
@@ -231,6 +244,23 @@ def test_a_worker_refuses_a_server_that_cannot_prove_the_secret(fake_secret: byt
 
 # -- 3. the job's own server's files, and another local user ----------------------------
 
+@pytest.fixture
+def tmp_dir(monkeypatch: pytest.MonkeyPatch):
+    """A temporary folder like /tmp (every user may create files, sticky) for this test's
+    processes alone (``TMPDIR``), so what they leave there is seen, and no one else's."""
+    folder = Path(tempfile.mkdtemp(prefix="st-tmp-"))
+    folder.chmod(0o1777)
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _left(folder: Path) -> list[str]:
+    """What shmtrain left in a temporary folder (torch's own caches aside)."""
+    return sorted(name for name in os.listdir(folder) if name.startswith("shmtrain"))
+
+
 def _start_job_server(ctx: SimpleNamespace) -> tuple[str, bytes]:
     return Transports(ctx).memory_server()  # type: ignore[arg-type]
 
@@ -244,18 +274,17 @@ def _plant(path: Path, text: str) -> None:
 
 @needs_root
 @pytest.mark.timeout(60)
-def test_another_users_address_file_does_not_point_the_job_at_its_server() -> None:
+def test_another_users_address_file_does_not_point_the_job_at_its_server(tmp_dir: Path) -> None:
     """``nobody`` writes the address of its own server where rank 0 looked for its server's
-    address (``/tmp/shmtrain-smb-<pid>.log.addr``, a name anyone can predict): before, the
-    job took it (a two-host job then gave the attacker 6,001 accumulations); now rank 0
+    address (``$TMPDIR/shmtrain-smb-<pid>.log.addr``, a name anyone can predict): before,
+    the job took it (a two-host job then gave the attacker 6,001 accumulations); now rank 0
     reads its server's address from a directory only it can enter, and leaves nothing in
-    /tmp once the server has ended."""
-    before = _smb_entries()
-    planted = TMP / f"shmtrain-smb-{os.getpid()}.log.addr"
+    the temporary folder once the server has ended."""
+    planted = tmp_dir / f"shmtrain-smb-{os.getpid()}.log.addr"
     attacker = "127.0.0.66:29666"
     _plant(planted, attacker)
+    servers: set[int] = set()
     try:
-        servers = set()
         ctx = SimpleNamespace(store=dist.HashStore(), rank=0, world_size=1, timeout=30.0, rejoined=False)
         address, secret = _start_job_server(ctx)
         servers = {p.pid for p in psutil.Process().children() if "smb-server" in " ".join(p.cmdline())}
@@ -266,9 +295,8 @@ def test_another_users_address_file_does_not_point_the_job_at_its_server() -> No
         assert service.read(weights, torch.zeros(2)).tolist() == [1.0, 1.0]
         service.close()
         _wait_gone(list(servers))
-        assert _smb_entries() - before == {planted.name}, "a memory server's file or folder was left in /tmp"
+        assert _left(tmp_dir) == [planted.name], "a memory server's file or folder was left behind"
     finally:
-        planted.unlink(missing_ok=True)
         for pid in servers:
             if psutil.pid_exists(pid):
                 psutil.Process(pid).kill()
@@ -300,24 +328,22 @@ print(json.dumps(record), flush=True)
 
 @needs_root
 @pytest.mark.timeout(60)
-def test_another_users_address_file_does_not_reach_a_forked_server() -> None:
+def test_another_users_address_file_does_not_reach_a_forked_server(tmp_dir: Path) -> None:
     """The same for the server rank 0 forks before it joins (``prefork``, torchrun's path)."""
-    before = _smb_entries()
     child = subprocess.Popen([sys.executable, "-c", _PREFORKED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    planted = TMP / f"shmtrain-smb-{child.pid}.log.addr"
+    planted = tmp_dir / f"shmtrain-smb-{child.pid}.log.addr"
     attacker = "127.0.0.66:29666"
     try:
         _plant(planted, attacker)
         out, err = child.communicate("planted\n", timeout=50)
     finally:
-        planted.unlink(missing_ok=True)
         if child.poll() is None:
             child.kill()
             child.communicate()
     record = json.loads(out.splitlines()[-1]) if out.strip() else {}
     assert record.get("address") not in (None, attacker) and "error" not in record, out + err
-    assert _smb_entries() == before, "a memory server's file or folder was left in /tmp"
+    assert _left(tmp_dir) == [planted.name], "a memory server's file or folder was left behind"
 
 
 # -- 4. the job's own server's secret and the job's store -------------------------------
@@ -337,6 +363,7 @@ class _Recorder:
 
 
 def secret_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
+    tempfile.tempdir = None  # the test's TMPDIR (a zygote may have read another)
     recorder = _Recorder(ctx.store)
     job = SimpleNamespace(store=recorder, rank=ctx.rank, world_size=ctx.world_size, timeout=30.0, rejoined=False)
     address, secret = _start_job_server(job)
@@ -352,16 +379,41 @@ def secret_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(90)
-def test_the_job_servers_secret_never_goes_through_the_jobs_store() -> None:
+def test_the_job_servers_secret_never_goes_through_the_jobs_store(tmp_dir: Path) -> None:
     """torchrun's store authenticates no one: anyone who reaches its port can read every
     key. Before, rank 0 wrote the secret there (``smb/auto``) for the other hosts; now it
     sends it over the job's gloo group: the store sees the address, never the secret."""
-    before = _smb_entries()
-    results = launch("test_security_smb:secret_worker", 2, {}, timeout=80)
+    results = launch("test_security_smb:secret_worker", 2, {}, timeout=80, env={"TMPDIR": str(tmp_dir)})
     secrets = {r["secret"] for r in results}
     assert len(secrets) == 1 and len(next(iter(secrets))) == 64, secrets
     secret = next(iter(secrets))
     written = [entry for r in results for entry in r["written"]]
     assert any(key == "smb/auto" for key, _ in written), written
     assert not [key for key, value in written if secret in value], "the secret was written to the job's store"
-    assert _smb_entries() == before, "a memory server's file or folder was left in /tmp"
+    assert _left(tmp_dir) == [], "a memory server's file or folder was left behind"
+
+
+def test_a_kept_secret_is_found_by_its_rank_again_and_a_forged_folder_is_refused(tmp_dir: Path) -> None:
+    """A worker's kept secret (for its host's next start) is read back by its rank and
+    removed with its service; the store naming another folder of this user (anyone can
+    write the store) gets a refusal, and that folder is neither read nor removed."""
+    from shmtrain.fabric.control import PeerFailure
+    from shmtrain.fabric.smb import job_server
+
+    store = dist.HashStore()
+    job_server.keep_secret(store, 3, "10.0.0.1:1", b"s" * 64)
+    folder = Path(store.get("smb/stash/3").decode())
+    assert folder.parent == tmp_dir
+    assert folder.stat().st_mode & 0o777 == 0o700 and (folder / "secret").stat().st_mode & 0o777 == 0o600
+    assert job_server.kept_secret(store, 3, "10.0.0.1:1") == b"s" * 64  # rank 3 started again takes it over
+    job_server.forget("10.0.0.1:1")
+    assert _left(tmp_dir) == []
+    mine = tmp_dir / "mine"
+    mine.mkdir(mode=0o700)
+    (mine / "secret").write_bytes(b"not a kept secret")
+    (mine / "secret").chmod(0o600)
+    store.set("smb/stash/3", str(mine))
+    with pytest.raises(PeerFailure, match="rank 3 started again but cannot rejoin .* is not a folder of kept secrets"):
+        job_server.kept_secret(store, 3, "10.0.0.1:1")
+    job_server.forget("10.0.0.1:1")
+    assert (mine / "secret").read_bytes() == b"not a kept secret"

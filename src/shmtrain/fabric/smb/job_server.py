@@ -24,6 +24,7 @@ made for the job (:func:`secrets.token_hex`):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -31,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,8 @@ from shmtrain.fabric.trust import UntrustedError, private_dir, read_private, wri
 SECRET_BYTES = 64
 #: the names of the server's files in its private directory
 ADDRESS, LOG = "address", "server.log"
+#: the name prefix of a worker's folder of its kept secret (in the temporary directory)
+STASH = "shmtrain-smb-secret-"
 
 
 @dataclass
@@ -179,7 +183,7 @@ def share_secret(secret: bytes, rank: int, world: int) -> bytes:
 def keep_secret(store: dist.Store, rank: int, address: str, secret: bytes) -> None:
     """Keep ``secret`` for a later start of this worker's host (a private directory; its
     path, no secret, in the store as ``smb/stash/<rank>``); removed by :func:`forget`."""
-    folder = private_dir("shmtrain-smb-secret-")
+    folder = private_dir(STASH)
     write_private(folder / "secret", secret)
     _KEPT[address] = folder
     store.set(f"smb/stash/{rank}", str(folder))
@@ -187,12 +191,17 @@ def keep_secret(store: dist.Store, rank: int, address: str, secret: bytes) -> No
 
 def kept_secret(store: dist.Store, rank: int, address: str) -> bytes:
     """The secret this rank's earlier start kept (:func:`keep_secret`), now this
-    process's to remove; a worker on a host that does not have it cannot rejoin."""
+    process's to remove; a worker on a host that does not have it cannot rejoin. The
+    store is anyone's: the folder it names is used only if it is such a folder (its name,
+    in the temporary directory) and this user's alone (:func:`~shmtrain.fabric.trust.read_private`)."""
     key = f"smb/stash/{rank}"
-    folder = Path(store.get(key).decode()) if store.check([key]) else None
+    folder = Path(store.get(key).decode(errors="replace")) if store.check([key]) else None
     try:
         if folder is None:
             raise FileNotFoundError("the job's store names none")
+        if folder.parent != Path(tempfile.gettempdir()) or not folder.name.startswith(STASH):
+            raise FileNotFoundError(f"{str(folder)!r} is not a folder of kept secrets ({STASH}* in "
+                                    f"{tempfile.gettempdir()})")
         secret = read_private(folder / "secret", "the memory server's secret kept by this rank's earlier start")
     except (OSError, UntrustedError) as exc:
         raise PeerFailure(
@@ -207,8 +216,10 @@ def kept_secret(store: dist.Store, rank: int, address: str) -> bytes:
 def forget(address: str) -> None:
     """Remove the secret this process kept for the server at ``address`` (its service closed)."""
     folder = _KEPT.pop(address, None)
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
+    if folder is not None:  # the one file, then the folder if nothing else is in it
+        (folder / "secret").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 @atexit.register

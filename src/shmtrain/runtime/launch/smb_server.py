@@ -11,8 +11,8 @@ error naming it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -90,8 +90,9 @@ def _handler(args: argparse.Namespace) -> int:
         Path(args.address_file).unlink(missing_ok=True)
     if clean and args.log_file:
         Path(args.log_file).unlink(missing_ok=True)  # nothing to tell: leave no file behind
-        if args.private_dir:
-            shutil.rmtree(args.private_dir, ignore_errors=True)
+        if args.private_dir:  # the folder its starter made for both, if nothing else is in it
+            with contextlib.suppress(OSError):
+                os.rmdir(args.private_dir)
     if stopping or idle or thread.is_alive() or server.watching:  # a thread may be blocked in gloo
         sys.stdout.flush()
         sys.stderr.flush()
