@@ -1,4 +1,4 @@
-"""Reproductions of the CaffeGPI paper (``papers/001_f88734fd480eba64.txt``), Figs. 5 and 6.
+"""Reproductions of the CaffeGPI paper (Kuehn, Keuper and Pfreundt), Figs. 5 and 6.
 
 ``caffegpi-scaling``: AlexNet with a fixed overall mini-batch (strong scaling, as in
 Figs. 5-6: "an overall batch size of 256") on 1 and 2 workers, with ``gpi`` (the
@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from shmtrain.reproduce.core import Claim, Context, Report, reproduction
+from shmtrain.reproduce.core import PAPERS, Claim, Context, Report, reproduction
 from shmtrain.reproduce.trl import summarize
 
 MODES = ["nocomm", "ddp", "ssgd", "gpi"]
@@ -133,7 +133,7 @@ def _speedup(runs: dict[str, Any], mode: str, workers: int) -> float | None:
 
 @reproduction(
     "caffegpi-scaling",
-    "CaffeGPI (001_f88734fd480eba64.txt), Figs. 5 and 6",
+    f"{PAPERS['caffegpi']}, Figs. 5 and 6",
     "Layer-wise one-sided reduction and broadcast overlapped with backward (Figs. 3-4) makes "
     "AlexNet (overall batch 256) scale better than Caffe's standard data parallelism on one "
     "node with 4 GPUs (Fig. 5) and than MPI-based Intel Caffe across nodes (Fig. 6): "

@@ -24,6 +24,21 @@ from typing import Any
 #: imported on first use of the registry
 MODULES = ("shmcaffe", "caffegpi", "trl", "swcaffe", "shmlearn")
 
+#: the five papers, as a reproduction's ``paper`` cites them (by authors and title; the
+#: section, table or figure follows)
+PAPERS = {
+    "shmcaffe": 'ShmCaffe (Ahn et al., "ShmCaffe: A Distributed Deep Learning Platform with Shared Memory '
+                'Buffer for HPC Architecture")',
+    "caffegpi": 'CaffeGPI (Kuehn, Keuper and Pfreundt, "Using GPI-2 for Distributed Memory Paralleliziation '
+                'of the Caffe Toolbox to Speed up Deep Neural Network Training")',
+    "shmlearn": 'SHM-Learn-Dist (Biswas, "SHM-Learn-Dist: An optimized GPU-Powered C++ Distributed Deep '
+                'Learning Library")',
+    "swcaffe": 'swCaffe (You, Fang, Li et al., "swCaffe: a Parallel Framework for Accelerating Deep Learning '
+               'Applications on Sunway TaihuLight")',
+    "trl": 'IBM TRL (Le Duc, Sekiyama, Negishi, Imai and Kawachiya, "Accelerating Multi-GPU Deep Learning by '
+           'Collecting and Accumulating Gradients on CPUs")',
+}
+
 #: the verdicts a claim can get
 VERDICTS = ("reproduced", "reproduced in ratio", "not reproduced", "not reproducible here")
 
@@ -81,9 +96,9 @@ class Reproduction:
     """A registered reproduction: its name, the paper and result it re-runs, and the code."""
 
     name: str
-    paper: str  # e.g. "ShmCaffe (000_6f54c86b67543c53.txt), Table II"
+    paper: str  # e.g. f"{PAPERS['shmcaffe']}, Table II"
     claim: str  # the paper's headline, in one sentence
-    capabilities: tuple[str, ...]  # the IDs of ../shared/papers/README.md it shows
+    capabilities: tuple[str, ...]  # the capability IDs it shows (docs/capabilities.md)
     run: Callable[[Context], Report]
 
 

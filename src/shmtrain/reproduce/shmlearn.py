@@ -1,4 +1,4 @@
-"""Reproductions of the SHM-Learn-Dist paper (002_76c6fcee572979a4.txt), see
+"""Reproductions of the SHM-Learn-Dist paper (Biswas), see
 :mod:`shmtrain.reproduce.core`.
 
 ``shmlearn-table5-1`` (HP-SEARCH): Section 5's search over batch size x learning rate at a
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from shmtrain.reproduce.core import Claim, Context, Report, reproduction
+from shmtrain.reproduce.core import PAPERS, Claim, Context, Report, reproduction
 
-PAPER = "SHM-Learn-Dist (002_76c6fcee572979a4.txt)"
+PAPER = PAPERS["shmlearn"]
 #: Table 5.1: workers -> (batch size, learning rate)
 TABLE_5_1 = {1: (128, 0.5), 2: (128, 0.5), 4: (128, 0.4), 8: (64, 0.6)}
 

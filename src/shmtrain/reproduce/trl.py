@@ -1,4 +1,4 @@
-"""Reproductions of the IBM TRL paper (``papers/004_f219a2aa2ee2f612.txt``), Tables 3 and 4.
+"""Reproductions of the IBM TRL paper (Le Duc et al.), Tables 3 and 4.
 
 Both tables come from one measurement, as in the paper: AlexNet (torchvision, 10
 classes, at a reduced input) trained by 2 workers with ``cpu_acc`` (TRL/Caffe,
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmtrain.reproduce.core import Claim, Context, Report, reproduction
+from shmtrain.reproduce.core import PAPERS, Claim, Context, Report, reproduction
 
 #: Table 3 of the paper, ms per iteration, AlexNet, four P100 GPUs (None: "N/A")
 PAPER_TABLE3 = {
@@ -151,7 +151,7 @@ _WHY = ("2 CPU cores shared by 2 workers (one compute thread each) and other job
 
 @reproduction(
     "trl-table3",
-    "IBM TRL (004_f219a2aa2ee2f612.txt), Table 3",
+    f"{PAPERS['trl']}, Table 3",
     "Collecting and accumulating gradients on CPUs during backward leaves 21.8 μs of "
     "communication after backward (collectRemainingGradsFromCPU) for AlexNet on four GPUs, "
     "where BVLC/Caffe2 spends 23 ms collecting and accumulating after backward and 20 ms "
@@ -260,7 +260,7 @@ def per_paper_layer(layers: list[dict[str, Any]]) -> dict[int, dict[str, float]]
 
 @reproduction(
     "trl-table4",
-    "IBM TRL (004_f219a2aa2ee2f612.txt), Table 4",
+    f"{PAPERS['trl']}, Table 4",
     "Per layer of AlexNet, the GPU-to-CPU copy, the accumulation on CPUs and the copy back "
     "overlap backward; their times follow the layer's size (fc6, 37.8M parameters: 13.074 ms "
     "accumulation; conv1, 0.03M: 0.018 ms), and the accumulation is much shorter than backward.",

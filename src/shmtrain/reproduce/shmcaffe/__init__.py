@@ -1,4 +1,4 @@
-"""Reproductions of the ShmCaffe paper (``papers/000_6f54c86b67543c53.txt``): Table II,
+"""Reproductions of the ShmCaffe paper (Ahn et al.): Table II,
 Tables V-VI with eq. (8), and Fig. 7, one module each.
 
 ``shmcaffe-table2`` (Table II, Figs. 8, 11, 12; :mod:`.table2`): digits with ``smallcnn``,

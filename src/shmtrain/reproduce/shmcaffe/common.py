@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PAPER = "ShmCaffe (000_6f54c86b67543c53.txt)"
+from shmtrain.reproduce.core import PAPERS
+
+PAPER = PAPERS["shmcaffe"]
 NO_HOSTS = ("Multi-host runs are not available here (one machine): the buffer service is local "
             "shared memory (SMB-API), not the paper's memory server over InfiniBand (SMB-REMOTE), "
             "and every 'node' of HSGD is a group of processes on this host.")

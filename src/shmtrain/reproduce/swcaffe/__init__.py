@@ -1,4 +1,4 @@
-"""Reproductions of the swCaffe paper (003_6a8b535f0ed8c235.txt), see :mod:`shmtrain.reproduce.core`.
+"""Reproductions of the swCaffe paper (You, Fang, Li et al.), see :mod:`shmtrain.reproduce.core`.
 
 ``swcaffe-fig10-11`` (SCALE, TOPO, RHD): the speed-up (Fig. 10) and the share of
 communication in an iteration (Fig. 11) of synchronous SGD (Algorithm 1) on 1-1024

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from shmtrain.reproduce.core import Claim, Context, Report, reproduction
+from shmtrain.reproduce.core import PAPERS, Claim, Context, Report, reproduction
 from shmtrain.reproduce.swcaffe.calibration import calibrate
 from shmtrain.reproduce.swcaffe.scaling import (
     ALGORITHMS,
@@ -51,7 +51,7 @@ def _speedups(rows: list[dict[str, Any]]) -> str:
 
 
 @reproduction(
-    "swcaffe-fig10-11", "swCaffe (003_6a8b535f0ed8c235.txt), Figs. 10-11, Section V-A",
+    "swcaffe-fig10-11", f"{PAPERS['swcaffe']}, Figs. 10-11, Section V-A",
     "Synchronous SGD with the topology-aware allreduce scales AlexNet and ResNet-50 to 1024 nodes: "
     "715.45x, 561.58x, 409.50x for AlexNet at sub-mini-batch 256, 128, 64 and 928.15x, 828.32x for "
     "ResNet-50 at 32, 64; ResNet-50 scales better for its higher computation-to-communication ratio.",
