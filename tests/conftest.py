@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from shmtrain.fabric.segment import leftover
+from shmtrain.fabric.shm.segment import leftover
 
 TESTS = Path(__file__).parent
 os.environ["PYTHONPATH"] = os.pathsep.join(

@@ -12,8 +12,8 @@ import torch
 
 from shmtrain.backend.reducer import FLOATS
 from shmtrain.fabric import native
-from shmtrain.fabric.allreduce_plan import Machine
-from shmtrain.fabric.pipeline_allreduce import PAGE, PipelinedAllreduce
+from shmtrain.fabric.allreduce.pipeline import PAGE, PipelinedAllreduce
+from shmtrain.fabric.allreduce.plan import Machine
 from shmtrain.runtime.launch.launcher import launch
 
 #: two NUMA nodes of one core each, so that the two-level plan has two groups of ranks

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shmtrain.fabric import machine_model
-from shmtrain.fabric.allreduce_plan import Machine, Plan, choose, predict, rank_groups
+from shmtrain.fabric.allreduce import machine_model
+from shmtrain.fabric.allreduce.plan import Machine, Plan, choose, predict, rank_groups
 
 #: one socket, 16 cores, 32 MiB of shared cache (the many-core host of the benchmark)
 HOST16 = Machine(nodes=(tuple(range(16)),), copy_one_Bps=20e9, copy_all_Bps=120e9, handoff_s=0.5e-6,
@@ -142,7 +142,7 @@ def test_this_machine_is_measured() -> None:
 
 
 def test_a_bad_forced_algorithm_is_named_before_any_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
+    from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
 
     monkeypatch.setenv("SHMTRAIN_ALLREDUCE_ALGORITHM", "ring")
     with pytest.raises(ValueError, match=r"SHMTRAIN_ALLREDUCE_ALGORITHM='ring': choose one of all-read, split, "

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shmtrain.api import DataParallel
-from shmtrain.fabric.collectives import build_allreduce
+from shmtrain.fabric.allreduce.collectives import build_allreduce
 from shmtrain.runtime.launch.launcher import launch
 
 BATCH = 4

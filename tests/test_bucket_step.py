@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.fabric.staging import STAGING_ENV
 from shmtrain.runtime.launch.launcher import launch
+from shmtrain.strategies.layout.staging import STAGING_ENV
 from shmtrain.strategies.partial_step import (
     PER_PARAMETER,
     optimizer_reason,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmtrain.fabric.collectives import (
+from shmtrain.fabric.allreduce.collectives import (
     ALGORITHMS,
     CHOICES,
     CountingTransport,
@@ -22,7 +22,7 @@ from shmtrain.fabric.collectives import (
     get_algorithm,
     plan_for,
 )
-from shmtrain.fabric.collectives.executor import execute
+from shmtrain.fabric.allreduce.collectives.executor import execute
 from shmtrain.runtime.launch.launcher import launch
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]

@@ -1,4 +1,4 @@
-"""The compressed exchange's codec (``--compress topk:F,bits:B``, fabric/compress.py):
+"""The compressed exchange's codec (``--compress topk:F,bits:B``, fabric/compress/codec.py):
 the option's parser, the exact top-k of its two-stage selection, the payload's layout,
 error feedback, and why it is there (a quadratic that plain top-k never solves)."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from shmtrain.fabric.compress import (
+from shmtrain.fabric.compress.codec import (
     CHUNK,
     GROUP,
     Codec,

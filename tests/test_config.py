@@ -49,7 +49,7 @@ def test_a_bad_choice_is_an_argparse_error_listing_the_choices(flag: str, choice
 
 
 def test_choices_are_the_literals_of_the_strategy_configs() -> None:
-    from shmtrain.fabric.collectives.reducers import CHOICES
+    from shmtrain.fabric.allreduce.collectives.reducers import CHOICES
     from shmtrain.strategies.parts import PS_TRANSPORTS
     from shmtrain.strategies.termination import POLICIES
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
-from shmtrain.fabric.staging import STAGING_ENV
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
+from shmtrain.strategies.layout.staging import STAGING_ENV
 
 STEPS, BATCH, CLIP = 20, 8, 0.5
 

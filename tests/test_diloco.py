@@ -6,7 +6,7 @@ and the refusals.
 Most tests run the strategies on in-process peers (threads) through a fake
 ``Transports`` that also plays the hosts: ``allreduce`` averages over every peer and
 counts the bytes a host's leader sends to the other hosts (the hierarchical allreduce's
-only link traffic: the host's reduced buffer, ``fabric/shm_allreduce.py``), and
+only link traffic: the host's reduced buffer, ``fabric/allreduce/shared.py``), and
 ``group_allreduce`` averages inside a host.
 """
 
@@ -139,7 +139,7 @@ class FakeTransports:
         """fabric's CompressedAllreduce on in-process pieces: the host's mean, a board
         (a tensor and a barrier per host) and the leaders' all-gather, which counts the
         payload each leader sends across."""
-        from shmtrain.fabric.compressed_allreduce import CompressedAllreduce
+        from shmtrain.fabric.compress.allreduce import CompressedAllreduce
 
         world, host = self.world, self.rank // self.world.local
         members = list(range(host * world.local, (host + 1) * world.local))
@@ -492,7 +492,7 @@ def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
     import subprocess
     import sys
 
-    from shmtrain.fabric.segment import leftover
+    from shmtrain.fabric.shm.segment import leftover
     from test_torchrun import _same_weights, _two_hosts, env
 
     common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress"]

@@ -1,4 +1,4 @@
-"""DiLoCo with ``--compress`` (the compressed exchange of fabric/compressed_allreduce.py)
+"""DiLoCo with ``--compress`` (the compressed exchange of fabric/compress/allreduce.py)
 and its outer step's defaults, derived from the inner optimizer: on the in-process peers
 of test_diloco (whose fake transports build the real CompressedAllreduce from in-process
 pieces and count each leader's payload), and a resume through real processes."""
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from shmtrain.fabric.compress import Codec, parse_compress
+from shmtrain.fabric.compress.codec import Codec, parse_compress
 from shmtrain.strategies.base import build_config
 from shmtrain.strategies.diloco import OUTER_DILOCO, OUTER_UNDER_MOMENTUM, outer_defaults
 from test_diloco import _flat, _net, _relative, run_peers
@@ -157,7 +157,7 @@ def test_two_hosts_through_the_leaders_all_gather(tmp_path) -> None:
     import subprocess
     import sys
 
-    from shmtrain.fabric.segment import leftover
+    from shmtrain.fabric.shm.segment import leftover
     from test_torchrun import _same_weights, _two_hosts, env
 
     common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress", "--batch-size", "8",

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import descendants, worker_process
-from shmtrain.fabric.segment import leftover
+from shmtrain.fabric.shm.segment import leftover
 
 
 def start_long_run(out: Path) -> subprocess.Popen:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from shmtrain import strategies
-from shmtrain.fabric.accumulator import SharedAccumulator
+from shmtrain.fabric.exchanges.accumulator import SharedAccumulator
 from shmtrain.strategies.base import build_config
 from test_seams import FakeTransports, _net, on_threads, train_steps
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import at_once
-from shmtrain.fabric.segment import leftover
+from shmtrain.fabric.shm.segment import leftover
 from test_torchrun import FORK, TORCHRUN, env, free_port
 
 PROBE = """\

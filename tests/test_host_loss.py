@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shmtrain.fabric.segment import leftover
+from shmtrain.fabric.shm.segment import leftover
 from test_smb_remote import _smb_servers
 from test_torchrun import start_hosts
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shmtrain import strategies
-from shmtrain.fabric import context
-from shmtrain.fabric.control import PeerFailure
-from shmtrain.fabric.segment import leftover
+from shmtrain.fabric.job import context
+from shmtrain.fabric.shm.control import PeerFailure
+from shmtrain.fabric.shm.segment import leftover
 from test_host_loss import _rows, _workers
 from test_smb_remote import _smb_servers
 from test_torchrun import env, free_port, host_command

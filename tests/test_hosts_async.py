@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shmtrain.fabric.segment import leftover
+from shmtrain.fabric.shm.segment import leftover
 from test_torchrun import _two_hosts, env
 
 pytestmark = pytest.mark.timeout(300)

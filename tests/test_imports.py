@@ -114,7 +114,7 @@ def test_imports_flow_up_the_layers():
     assert not upward, "\n".join(upward)
 
 
-@pytest.mark.parametrize("module", ["shmtrain.strategies.ssgd", "shmtrain.fabric.collectives.autotune"])
+@pytest.mark.parametrize("module", ["shmtrain.strategies.ssgd", "shmtrain.fabric.allreduce.collectives.autotune"])
 def test_the_checker_sees_real_edges(module):
     """The graph is not empty by mistake: known edges are found."""
     graph = import_graph()

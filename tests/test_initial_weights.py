@@ -1,5 +1,5 @@
 """The initial weights: every worker starts from rank 0's, and they cross the link only
-when some worker built different ones (``fabric/flat.py``'s ``broadcast_parameters``:
+when some worker built different ones (``strategies/layout/flat.py``'s ``broadcast_parameters``:
 an all-gather of SHA-256 digests first, the dense broadcast only on a mismatch)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.fabric.flat import FlatLayout, broadcast_parameters, weights_digest
+from shmtrain.fabric.exchanges.weights import broadcast_parameters, weights_digest
 from shmtrain.runtime.launch.launcher import launch
+from shmtrain.strategies.layout.flat import FlatLayout
 
 #: digest bytes per worker
 DIGEST = 32

@@ -99,7 +99,7 @@ def test_shmtrains_own_rendezvous_names_the_address_and_the_fix(monkeypatch) -> 
     # no namespace needed: rank 1 of a job whose rank 0 never listens, on loopback (in this process)
     import socket
 
-    from shmtrain.fabric.context import from_env
+    from shmtrain.fabric.job.context import from_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,7 +21,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from conftest import run_main
 from shmtrain.cli import main
-from shmtrain.fabric.segment import leftover
+from shmtrain.fabric.shm.segment import leftover
 from shmtrain.runtime.outputs.report import read_evals, read_metrics
 from shmtrain.runtime.outputs.trace import LEAVES, OTHER, build_trace
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from shmtrain.api import DataParallel
-from shmtrain.fabric.staging import STAGING_ENV
-from shmtrain.fabric.tree_window import tree_children, tree_parent
+from shmtrain.fabric.exchanges.tree_window import tree_children, tree_parent
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
+from shmtrain.strategies.layout.staging import STAGING_ENV
 from shmtrain.timing import PhaseTimer
 
 STEPS, BATCH = 50, 6
@@ -179,8 +179,8 @@ def test_cpu_acc_reports_per_layer_times() -> None:
 def onesided_worker(ctx, payload: Any) -> dict[str, Any]:
     """Rank 1 writes a chunk into rank 0's area and notifies; rank 0 tests without
     blocking, then waits; then rank 0 waits for a notification nobody sends."""
-    from shmtrain.fabric.control import PeerTimeout
-    from shmtrain.fabric.onesided import OneSidedWindow
+    from shmtrain.fabric.exchanges.onesided import OneSidedWindow
+    from shmtrain.fabric.shm.control import PeerTimeout
 
     window = OneSidedWindow(ctx.host, [4096, 64], notifications=3, tag="test-onesided")
     ctx.host.barrier("window ready")

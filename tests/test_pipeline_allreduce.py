@@ -14,10 +14,10 @@ import torch
 
 from conftest import at_once
 from shmtrain.fabric import native
-from shmtrain.fabric.affinity import share
-from shmtrain.fabric.control import PeerTimeout, _reached
-from shmtrain.fabric.pipeline_allreduce import PAGE, PipelinedAllreduce, split
-from shmtrain.fabric.shm_allreduce import ShmAllreduce
+from shmtrain.fabric.allreduce.pipeline import PAGE, PipelinedAllreduce, split
+from shmtrain.fabric.allreduce.shared import ShmAllreduce
+from shmtrain.fabric.shm.affinity import share
+from shmtrain.fabric.shm.control import PeerTimeout, _reached
 from shmtrain.runtime.launch.launcher import launch
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "int64": torch.int64}

@@ -75,8 +75,8 @@ def test_no_strategy_builds_a_fabric_object_or_imports_a_private_name() -> None:
 def test_the_check_catches_a_strategy_that_builds_its_own_transport(tmp_path: Path) -> None:
     bad = STRATEGIES / "_seam_probe.py"
     try:
-        bad.write_text("from shmtrain.fabric.onesided import OneSidedWindow\n"
-                       "from shmtrain.fabric.control import _alive\n"
+        bad.write_text("from shmtrain.fabric.exchanges.onesided import OneSidedWindow\n"
+                       "from shmtrain.fabric.shm.control import _alive\n"
                        "import torch.distributed as dist\n"
                        "def f(ctx):\n    ctx.host.allocate('x', 1)\n    dist.new_group()\n"
                        "    return OneSidedWindow(ctx.host, 1, 1)\n")

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shmtrain.fabric.segment import SHM_DIR
+from shmtrain.fabric.shm.segment import SHM_DIR
 from shmtrain.fabric.trust import UntrustedError
 from shmtrain.runtime.launch.launcher import launch
 
@@ -124,7 +124,7 @@ def test_a_segment_another_user_planted_is_not_attached(attack: str) -> None:
 
     import torch.distributed as dist
 
-    from shmtrain.fabric.host import HostGroup
+    from shmtrain.fabric.shm.host import HostGroup
 
     prefix = f"shmtrain-{secrets.token_hex(4)}-h0"
     ours = f"{prefix}-0-control"

@@ -397,7 +397,7 @@ def test_a_kept_secret_is_found_by_its_rank_again_and_a_forged_folder_is_refused
     """A worker's kept secret (for its host's next start) is read back by its rank and
     removed with its service; the store naming another folder of this user (anyone can
     write the store) gets a refusal, and that folder is neither read nor removed."""
-    from shmtrain.fabric.control import PeerFailure
+    from shmtrain.fabric.shm.control import PeerFailure
     from shmtrain.fabric.smb import job_server
 
     store = dist.HashStore()

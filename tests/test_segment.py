@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shmtrain.fabric.segment import SharedSegment, leftover, sweep
-from shmtrain.fabric.stitch import PAGE, StitchedView
+from shmtrain.fabric.shm.segment import SharedSegment, leftover, sweep
+from shmtrain.fabric.shm.stitch import PAGE, StitchedView
 
 
 def test_segment_is_private_zero_copy_and_unlinks() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from shmtrain.fabric.shm_allreduce import ShmAllreduce, split
+from shmtrain.fabric.allreduce.shared import ShmAllreduce, split
 from shmtrain.runtime.launch.launcher import launch
 
 

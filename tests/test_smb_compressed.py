@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shmtrain.fabric.compress import Codec, parse_compress
+from shmtrain.fabric.compress.codec import Codec, parse_compress
 from shmtrain.fabric.smb.compressed import CompressedGlobal, codec_of, spec_code
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.server import MemoryServer

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import PeerFailure
+from shmtrain.fabric.shm.control import PeerFailure
 from shmtrain.fabric.smb.api import STATE_DONE, STATE_TRAINING
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.wire import unseal

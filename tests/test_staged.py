@@ -2,7 +2,7 @@
 
 With ``SHMTRAIN_STAGING=copy`` a strategy on CPU parameters takes the path it takes on a
 GPU: the parameters and gradients stay in private tensors and every transfer to and
-from the host buffers is a real copy through :class:`shmtrain.fabric.staging.HostStaging`
+from the host buffers is a real copy through :class:`shmtrain.strategies.layout.staging.HostStaging`
 (on a GPU the same calls run on copy streams; ``tests/test_cuda.py`` runs them there).
 Checked here: the synchronous strategies still equal single-process SGD, the others give
 bit for bit the weights they give unstaged, and no parameter or gradient is left in
@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.fabric.flat import FlatLayout
-from shmtrain.fabric.staging import STAGING_ENV, HostStaging, force_copies, staged
 from shmtrain.runtime.launch.launcher import launch
+from shmtrain.strategies.layout.flat import FlatLayout
+from shmtrain.strategies.layout.staging import STAGING_ENV, HostStaging, force_copies, staged
 
 pytestmark = pytest.mark.timeout(180)
 

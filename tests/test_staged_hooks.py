@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.fabric.staging import STAGING_ENV
 from shmtrain.runtime.launch.launcher import launch
+from shmtrain.strategies.layout.staging import STAGING_ENV
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,7 +57,7 @@ def _gate(obj: Any, name: str, gate: threading.Event, events: list[tuple]) -> No
 
 
 def test_the_courier_runs_calls_in_order_off_the_caller_and_hands_errors_back() -> None:
-    from shmtrain.fabric.staging_courier import Courier
+    from shmtrain.strategies.layout.courier import Courier
 
     courier, seen = Courier(torch.device("cpu"), "test-courier"), []
     for i in range(5):

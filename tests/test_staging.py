@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.fabric.flat import FlatLayout
-from shmtrain.fabric.staging import Copy, HostStaging
+from shmtrain.strategies.layout.flat import FlatLayout
+from shmtrain.strategies.layout.staging import Copy, HostStaging
 
 
 def _params(device: str) -> list[nn.Parameter]:

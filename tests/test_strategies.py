@@ -38,7 +38,7 @@ def test_a_one_host_transport_refuses_a_job_across_hosts() -> None:
 # hsgd lays out its groups from the job before the base constructor checks the device
 @pytest.mark.parametrize("name", sorted(set(strategies.registry()) - {"hsgd"}))
 def test_strategies_refuse_parameters_on_a_device_they_do_not_stage(name: str) -> None:
-    supported = "cpu, cuda"  # every strategy stages through host memory (fabric/staging.py)
+    supported = "cpu, cuda"  # every strategy stages through host memory (strategies/layout/staging.py)
     cls = strategies.get(name)
     model = nn.Linear(2, 2, device="meta")
     ctx = SimpleNamespace(num_nodes=1)

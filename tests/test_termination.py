@@ -13,8 +13,8 @@ from torch import nn
 
 from reference import batches, tiny_model, worker_batch
 from shmtrain.api import DataParallel
-from shmtrain.fabric.control import LINE, ControlBlock, PeerFailure
-from shmtrain.fabric.segment import SharedSegment
+from shmtrain.fabric.shm.control import LINE, ControlBlock, PeerFailure
+from shmtrain.fabric.shm.segment import SharedSegment
 from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.termination import Termination
@@ -310,7 +310,7 @@ class _Host:
 def test_a_notification_just_before_the_sender_ends_is_no_failure(rang_first: bool) -> None:
     """The one-sided window's wait: sender 0 notifies (rings the doorbell), then finishes,
     between the receiver's test and its liveness check."""
-    from shmtrain.fabric.onesided import OneSidedWindow
+    from shmtrain.fabric.exchanges.onesided import OneSidedWindow
 
     block, seg = _racing_block(post_first=False)
     host = _Host(block, 5.0)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shmtrain.cli import main
-from shmtrain.fabric.segment import leftover
+from shmtrain.fabric.shm.segment import leftover
 from shmtrain.runtime.data.tensors import load_digits_data
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -159,7 +159,7 @@ def test_dataparallel_waits_for_peers_as_long_as_the_timeout_says(monkeypatch) -
     import torch
 
     import shmtrain
-    from shmtrain.fabric import context
+    from shmtrain.fabric.job import context
 
     asked: list[float] = []
     real = context.from_env

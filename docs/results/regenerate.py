@@ -111,7 +111,7 @@ def compress_runs() -> dict[str, list[str]]:
 
 
 def render_compress(data: dict) -> str:
-    from shmtrain.fabric.compress import Codec, parse_compress
+    from shmtrain.fabric.compress.codec import Codec, parse_compress
 
     params = 151_306  # smallcnn on digits (tests/test_docs.py checks it)
     lines = ["| `--compress` | held-out accuracy | bytes per outer step (`smallcnn`) |", "|---|---|---|"]

@@ -25,8 +25,8 @@ from torch import nn
 
 from shmtrain import strategies
 from shmtrain.ddp_style import DDPStyle
-from shmtrain.fabric import context as fabric_context
-from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.job import context as fabric_context
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.transports import Transports
 from shmtrain.memory import keep_freed_memory
 from shmtrain.strategies.base import StrategyConfig, plan
@@ -64,7 +64,7 @@ class DataParallel(nn.Module):
         transports: where the strategy's transports come from (default: built from ``ctx``).
         device: move ``module`` there first (``"cuda"``, ``"cuda:1"``, ``"cpu"``); by
             default the device is the one its parameters are on. On a GPU the strategy's
-            buffers stay in host memory and its copies are staged (``fabric/staging.py``).
+            buffers stay in host memory and its copies are staged (``strategies/layout/staging.py``).
         grad_clip: clip the global L2 norm of the gradient the optimizer steps with (the
             averaged one, for synchronous strategies) to this, before every step
             (``--grad-clip``; refused by the strategies that cannot, with the reason).

@@ -389,7 +389,7 @@ def _main(argv: list[str] | None) -> int:
 
 #: the failures that end a command with status 1 and their one line (a worker's, a peer's,
 #: the disk's, a diverged loss), by module: looked up only once that module was imported
-_FAILURES = (("shmtrain.fabric.control", "PeerFailure"), ("shmtrain.fabric.control", "PeerTimeout"),
+_FAILURES = (("shmtrain.fabric.shm.control", "PeerFailure"), ("shmtrain.fabric.shm.control", "PeerTimeout"),
              ("shmtrain.runtime.checkpoint.files", "CheckpointError"), ("shmtrain.runtime.files", "OutputError"),
              ("shmtrain.runtime.launch.failures", "WorkerFailed"),
              ("shmtrain.runtime.train.finite", "TrainingDiverged"))

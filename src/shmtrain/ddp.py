@@ -3,7 +3,7 @@
 ``DistributedDataParallel.register_comm_hook`` is DDP's own extension point: DDP calls
 the hook once per gradient bucket, in bucket order on every rank, and waits for the
 future it returns at the end of backward. :func:`ddp_comm_hook` averages the bucket with
-shmtrain's shared-memory allreduce (:class:`shmtrain.fabric.shm_allreduce.ShmAllreduce`:
+shmtrain's shared-memory allreduce (:class:`shmtrain.fabric.allreduce.shared.ShmAllreduce`:
 split reduction inside a host, PAR-SUM of swCaffe Section V-A; hierarchical over gloo
 among the hosts' leaders when the job spans hosts) instead of gloo::
 
@@ -24,11 +24,11 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.context import DEFAULT_TIMEOUT_S, ProcessContext, _env_int
-from shmtrain.fabric.control import MAX_CHANNELS
-from shmtrain.fabric.host import HostGroup
-from shmtrain.fabric.segment import PREFIX
-from shmtrain.fabric.shm_allreduce import ShmAllreduce
+from shmtrain.fabric.allreduce.shared import ShmAllreduce
+from shmtrain.fabric.job.context import DEFAULT_TIMEOUT_S, ProcessContext, env_int
+from shmtrain.fabric.shm.control import MAX_CHANNELS
+from shmtrain.fabric.shm.host import HostGroup
+from shmtrain.fabric.shm.segment import PREFIX
 
 _states = count()  # one store namespace per state built in this process (same order on every rank)
 
@@ -123,7 +123,7 @@ def _join(local_world_size: int | None, timeout: float, tag: str) -> tuple[HostG
     """This worker's host group (and the hosts' leaders' gloo group across hosts), set up
     through the default process group's store under a namespace of its own."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = local_world_size or _env_int("LOCAL_WORLD_SIZE", world)
+    local_world = local_world_size or env_int("LOCAL_WORLD_SIZE", world)
     if local_world < 1 or world % local_world:
         raise ValueError(f"ShmHookState: local_world_size={local_world} must divide the world size "
                          f"{world} (every host runs the same number of workers)")

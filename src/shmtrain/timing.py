@@ -66,7 +66,7 @@ class PhaseTimer:
         self.current[name] = self.current.get(name, 0.0) + seconds
 
     def add_copies(self, name: str, copies: list[Any]) -> None:
-        """Add the seconds of ``copies`` (:class:`shmtrain.fabric.staging.Copy`, still in
+        """Add the seconds of ``copies`` (:class:`shmtrain.strategies.layout.staging.Copy`, still in
         flight) to ``name`` when the iteration closes, so nobody waits for them before."""
         if copies:
             self._copies.append((name, copies))

@@ -1,6 +1,6 @@
 """The ``shm`` backend's allreduce through the host's shared memory, and its failures.
 
-:class:`HostReducer` runs :class:`~shmtrain.fabric.pipeline_allreduce.PipelinedAllreduce`
+:class:`HostReducer` runs :class:`~shmtrain.fabric.allreduce.pipeline.PipelinedAllreduce`
 inside a host (each private byte through DRAM once in and once out); across hosts it is
 hierarchical (the host sum, then gloo among the hosts' local rank 0s, then the result back
 inside each host). It reduces on the caller's thread where the host has no core to spare,
@@ -32,16 +32,16 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.backend.work import ShmBackendError, ShmWork
-from shmtrain.fabric.affinity import allowed_cores
-from shmtrain.fabric.control import DIED, PeerFailure, PeerTimeout, first_line
-from shmtrain.fabric.host import HostGroup
-from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
-from shmtrain.fabric.segment import PREFIX
-from shmtrain.fabric.stitch import PAGE
+from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
+from shmtrain.fabric.shm.affinity import allowed_cores
+from shmtrain.fabric.shm.control import DIED, PeerFailure, PeerTimeout, first_line
+from shmtrain.fabric.shm.host import HostGroup
+from shmtrain.fabric.shm.segment import PREFIX
+from shmtrain.fabric.shm.stitch import PAGE
 
 #: dtypes reduced in shared memory (the header's dtype code is the index)
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-#: abort codes beside :data:`~shmtrain.fabric.control.DIED`: the rank named did not answer
+#: abort codes beside :data:`~shmtrain.fabric.shm.control.DIED`: the rank named did not answer
 #: within the timeout (recorded by the peer that gave up on it), or failed on its own
 TIMED_OUT, FAILED = 254, 1
 _WHAT_TO_DO = "Destroy it (dist.destroy_process_group) and create a new one"

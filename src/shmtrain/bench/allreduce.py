@@ -4,7 +4,7 @@ For each process count and size (float32 sum; each sample the slowest rank's tim
 median and p90): shmtrain zero-copy (``ShmAllreduce``: the inputs already in shared
 slots, how shmtrain's strategies use it), shmtrain with private tensors
 (``reduce_private``: a tensor in, the sum back in it, as ``all_reduce``, DDP, MPI and
-DeepSpeed offer; the pipelined path of :mod:`shmtrain.fabric.pipeline_allreduce`), and
+DeepSpeed offer; the pipelined path of :mod:`shmtrain.fabric.allreduce.pipeline`), and
 the peers of :mod:`shmtrain.bench.peers` (gloo, MPICH, DeepSpeed's shared-memory op),
 with ratios against the best peer, beside two floors:
 
@@ -30,7 +30,7 @@ with ratios against the best peer, beside two floors:
 Every row also carries ``cpu_s``, the CPU seconds per call summed over the ranks (the
 process time of every thread, around the call only: a rank that busy-waits pays for it
 here), and the private path's rows the algorithm its plan chose
-(:mod:`shmtrain.fabric.allreduce_plan`: all-read, split or two-level, and the block).
+(:mod:`shmtrain.fabric.allreduce.plan`: all-read, split or two-level, and the block).
 Every peer's rows are checked (:func:`shmtrain.bench.peers.validate`: a world of
 ``--procs`` ranks, the exact sum at every size); one that fails is reported invalid with
 the reason and never ranked.
@@ -63,12 +63,13 @@ from shmtrain.bench.peers import (
     summarize,
     validate,
 )
-from shmtrain.fabric import machine_model, native
-from shmtrain.fabric.affinity import bind
-from shmtrain.fabric.context import ProcessContext
-from shmtrain.fabric.control import MAX_CHANNELS
-from shmtrain.fabric.pipeline_allreduce import PipelinedAllreduce
-from shmtrain.fabric.shm_allreduce import ShmAllreduce
+from shmtrain.fabric import native
+from shmtrain.fabric.allreduce import machine_model
+from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
+from shmtrain.fabric.allreduce.shared import ShmAllreduce
+from shmtrain.fabric.job.context import ProcessContext
+from shmtrain.fabric.shm.affinity import bind
+from shmtrain.fabric.shm.control import MAX_CHANNELS
 from shmtrain.runtime.launch.launcher import launch
 
 

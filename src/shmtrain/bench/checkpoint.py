@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from shmtrain.bench.common import table, write_json
-from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.runtime.launch.launcher import launch
 
 DEFAULT_MODELS = ["smallcnn", "resnet18", "resnet50"]

@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 from shmtrain.argtypes import comma_list
 from shmtrain.bench.common import median, parse_size, table, timed_collective, write_json
-from shmtrain.fabric.collectives.algorithms import ALGORITHMS
-from shmtrain.fabric.collectives.reducers import GlooAllreduce, ScheduledAllreduce
-from shmtrain.fabric.collectives.schedule import Topology
-from shmtrain.fabric.collectives.transport import GlooTransport
-from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.allreduce.collectives.algorithms import ALGORITHMS
+from shmtrain.fabric.allreduce.collectives.reducers import GlooAllreduce, ScheduledAllreduce
+from shmtrain.fabric.allreduce.collectives.schedule import Topology
+from shmtrain.fabric.allreduce.collectives.transport import GlooTransport
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.runtime.launch.launcher import launch
 
 IMPLEMENTATIONS = ("shm", "gloo", *ALGORITHMS)
@@ -35,7 +35,7 @@ IMPLEMENTATIONS = ("shm", "gloo", *ALGORITHMS)
 
 def _build(name: str, ctx: ProcessContext, numel: int, topology: Topology, tag: str):
     if name == "shm":
-        from shmtrain.fabric.shm_allreduce import ShmAllreduce
+        from shmtrain.fabric.allreduce.shared import ShmAllreduce
 
         return ShmAllreduce(ctx.host, numel, op="sum", tag=tag)
     if name == "gloo":

@@ -1,9 +1,9 @@
 """``shmtrain bench compress``: how fast ``--compress`` compresses and decompresses on the CPU.
 
 For each spec, a float32 vector of ``--numel`` normal values goes through
-:meth:`~shmtrain.fabric.compress.Compressor.encode` (the top-k selection, the B-bit
+:meth:`~shmtrain.fabric.compress.codec.Compressor.encode` (the top-k selection, the B-bit
 values, the packing and the error feedback: what a host's leader does per exchange) and
-through :meth:`~shmtrain.fabric.compress.Compressor.mean` of one payload (what every
+through :meth:`~shmtrain.fabric.compress.codec.Compressor.mean` of one payload (what every
 leader does per host and exchange), on ``--threads`` torch threads. The rate is the
 dense vector's bytes over the best of ``--repeats`` calls, timed in the calling
 thread's CPU seconds (``cpu GB/s``: what a core does, whatever else the machine runs;
@@ -21,7 +21,7 @@ import torch
 
 from shmtrain.bench.common import table, write_json
 from shmtrain.fabric import native
-from shmtrain.fabric.compress import Compressor, CompressSpec, parse_compress
+from shmtrain.fabric.compress.codec import Compressor, CompressSpec, parse_compress
 
 DEFAULT_SPECS = ["topk:0.01,bits:4", "topk:0.01,bits:2", "topk:0.1,bits:8"]
 

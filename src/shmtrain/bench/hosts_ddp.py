@@ -19,7 +19,7 @@ the held-out evaluation on rank 0 (:class:`shmtrain.runtime.monitor.Monitor`). O
 the engine differs: :class:`shmtrain.bench.common.DDPEngine` with torch's own
 DistributedDataParallel over the default gloo group of all the job's workers (flat:
 every bucket is a gloo allreduce among all ranks, no shared memory), the group set up
-by :func:`shmtrain.fabric.context.from_env` (which picks the interface that routes to
+by :func:`shmtrain.fabric.job.context.from_env` (which picks the interface that routes to
 ``MASTER_ADDR``, as ``shmtrain train`` does).
 
 Every rank writes ``DIR/metrics/rank-<r>.jsonl`` in ``shmtrain train``'s format (rank 0
@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """This worker's share of the DDP run; rank 0 returns the summary it writes."""
     from shmtrain.bench.common import DDPEngine
-    from shmtrain.fabric.context import from_env
+    from shmtrain.fabric.job.context import from_env
     from shmtrain.models import build_model
     from shmtrain.runtime.config import resolve
     from shmtrain.runtime.data.class_split import shard_sampler

@@ -57,9 +57,9 @@ from shmtrain.bench.overlap_copies import (
 
 # mode -> (strategy, options): the same table as ``shmtrain bench step``; ``ddp``, ``ddp-shm`` apart.
 from shmtrain.bench.step import MODES
-from shmtrain.fabric.context import ProcessContext
-from shmtrain.fabric.staging import force_copies
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.runtime.launch.launcher import launch
+from shmtrain.strategies.layout.staging import force_copies
 
 DEFAULT_MODES = ["nocomm", "ddp", "gpi", "cpu_acc", "ssgd_overlap"]
 #: a mode name ending so runs the mode's staged path on the CPU (``SHMTRAIN_STAGING=copy``
@@ -80,7 +80,7 @@ def check_modes(modes: list[str]) -> None:
                          f"(a strategy mode may end in {STAGED})")
 
 
-def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
+def overlap_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
     from shmtrain.bench.common import build_engine, worker_setup
     from shmtrain.models import build_model
     from shmtrain.runtime.data.tensors import parse_shape
@@ -151,7 +151,7 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
     """Run ``modes`` (names in ``specs``, default :data:`MODES`, or in ``DDP_MODES``) in one launch."""
     specs = {m: (specs or OVERLAP_MODES)[m.removesuffix(STAGED)] for m in modes
              if m not in DDP_MODES and m != DDP_GLOO}
-    results = launch("shmtrain.bench.overlap:_worker", workers, dict(payload, modes=modes, specs=specs),
+    results = launch("shmtrain.bench.overlap:overlap_worker", workers, dict(payload, modes=modes, specs=specs),
                      threads=payload["threads"], timeout=payload.get("timeout", 600))
     rows = []
     for mode in modes:
@@ -178,7 +178,7 @@ def run(modes: list[str], workers: int, payload: dict[str, Any],
         })
         per_layer = [it for r in results for it in r["layers"].get(mode, [])]
         if per_layer:
-            rows[-1]["layers"] = _layer_medians(per_layer)
+            rows[-1]["layers"] = layer_medians(per_layer)
     base = next((r for r in rows if r["mode"] == "nocomm"), None)
     for row in rows:
         row["vs_nocomm"] = row["median_s"] / base["median_s"] if base else None
@@ -244,7 +244,7 @@ def format_tables(rows: list[dict[str, Any]], device: str) -> str:
     return text
 
 
-def _layer_medians(iterations: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def layer_medians(iterations: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Median over iterations and workers of each layer's times, in milliseconds."""
     order = [entry["layer"] for entry in iterations[0]]
     by_layer: dict[str, list[dict[str, Any]]] = {}

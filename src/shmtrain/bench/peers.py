@@ -178,7 +178,7 @@ def run_peer(peer: str, procs: int, sizes: list[int], reps: int, timeout: float 
     """Run one external peer; ``{"rows": [...]}``, or ``{"reason": "..."}`` where it could
     not run or its rows fail :func:`validate` (then also ``"invalid": True`` and the
     rejected ``"rows"``). ``bind``: each rank pinned to its share of the cores, as
-    shmtrain's ranks (:mod:`shmtrain.fabric.affinity`)."""
+    shmtrain's ranks (:mod:`shmtrain.fabric.shm.affinity`)."""
     reason = _why_not(peer)
     if reason:
         return {"reason": reason}
@@ -232,7 +232,7 @@ def main(argv: list[str]) -> int:
     PROCS: the world size the benchmark started, which the sums are checked against)."""
     peer, out, reps, procs, *sizes = argv
     if os.environ.get("SHMTRAIN_BIND") == "core":  # as shmtrain's own ranks (bench allreduce --bind)
-        from shmtrain.fabric.affinity import bind
+        from shmtrain.fabric.shm.affinity import bind
 
         # the local rank: MPICH's hydra sets MPI_LOCALRANKID / MPI_LOCALNRANKS, torchrun LOCAL_*
         names = ("MPI_LOCALRANKID", "MPI_LOCALNRANKS") if peer == "mpich" else ("LOCAL_RANK", "LOCAL_WORLD_SIZE")

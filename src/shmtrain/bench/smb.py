@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from shmtrain.bench.common import bench_buffers, median, parse_size, table, timed_rounds, write_json
-from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.smb import LocalBufferService
 from shmtrain.runtime.launch.launcher import launch
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.bench.common import bench_buffers, median, timed_rounds
-from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.server import MemoryServer
 from shmtrain.runtime.launch.launcher import launch

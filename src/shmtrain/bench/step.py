@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from shmtrain.bench.common import DDP_MODES, bench_device, table, write_json
-from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.runtime.launch.launcher import launch
 
 #: mode -> (strategy, options); ``ddp`` and ``ddp-shm`` (:data:`DDP_MODES`) are handled apart.

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from shmtrain.bench.common import table, write_json
-from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.runtime.launch.launcher import launch
 
 ONE, THREADS, PROCESSES = "1 thread", "threads", "processes"

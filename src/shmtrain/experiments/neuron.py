@@ -13,7 +13,7 @@ Two engines, one set of equations:
 
 * ``in-process`` (default): the workers' update equations in one process, vectorised
   over the workers, with the strategies' own server arithmetic
-  (:func:`shmtrain.fabric.star.average_`) and the worker processes' own data
+  (:func:`shmtrain.fabric.exchanges.star.average_`) and the worker processes' own data
   streams. Measured here (2 shared cores), real worker processes need ~21 s per 1,000
   steps at 16 workers and ~6 s at 2, so 16 x 10,000 steps alone would take ~3.5 minutes
   per averaging mode. Every run therefore also starts the real strategies in
@@ -142,7 +142,7 @@ def simulate(cfg: NeuronConfig, workers: int, mode: str, steps: int | None = Non
     of the L2 loss of ``sigmoid(w x + b)`` is written out (autograd per worker and step
     would cost ~15 s per run here); the data streams are the worker processes' own.
     """
-    from shmtrain.fabric.star import average_
+    from shmtrain.fabric.exchanges.star import average_
 
     steps = cfg.steps if steps is None else steps
     data = [samples(cfg.seed, r, steps, cfg.batch_size) for r in range(workers)]

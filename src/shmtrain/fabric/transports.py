@@ -24,19 +24,19 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.context import ProcessContext
-from shmtrain.fabric.segment import SharedSegment
+from shmtrain.fabric.job.context import ProcessContext
+from shmtrain.fabric.shm.segment import SharedSegment
 from shmtrain.fabric.smb import BufferService, LocalBufferService
 from shmtrain.fabric.smb.remote import RemoteBufferService, read_secret
 
 if TYPE_CHECKING:
-    from shmtrain.fabric.accumulator import SharedAccumulator
-    from shmtrain.fabric.compress import CompressSpec
-    from shmtrain.fabric.compressed_allreduce import CompressedAllreduce
-    from shmtrain.fabric.group_host import GroupHost
-    from shmtrain.fabric.host_combiner import HostCombiner
-    from shmtrain.fabric.nccl_group import NcclGroup
-    from shmtrain.fabric.tree_window import TreeWindow
+    from shmtrain.fabric.compress.allreduce import CompressedAllreduce
+    from shmtrain.fabric.compress.codec import CompressSpec
+    from shmtrain.fabric.exchanges.accumulator import SharedAccumulator
+    from shmtrain.fabric.exchanges.combiner import HostCombiner
+    from shmtrain.fabric.exchanges.tree_window import TreeWindow
+    from shmtrain.fabric.job.group_host import GroupHost
+    from shmtrain.fabric.job.nccl_group import NcclGroup
 
 
 class Allreduce(Protocol):
@@ -75,7 +75,7 @@ class StarExchange(Protocol):
 
 
 class Control(Protocol):
-    """Sequence words of a control block (:class:`~shmtrain.fabric.control.ControlBlock`):
+    """Sequence words of a control block (:class:`~shmtrain.fabric.shm.control.ControlBlock`):
     one per channel and rank, written only by its rank, waited on with a futex."""
 
     def post(self, channel: int, rank: int, value: int) -> None: ...
@@ -125,7 +125,7 @@ class Transports:
     ) -> Allreduce:
         """The allreduce ``name`` (a value of ``--allreduce``) with ShmAllreduce's interface:
         ``input(step)``, ``__call__()``, ``result(step)``, ``count``, ``close()``."""
-        from shmtrain.fabric.collectives.factory import build_allreduce
+        from shmtrain.fabric.allreduce.collectives.factory import build_allreduce
 
         return build_allreduce(name, self.ctx, numel, dtype, op, tag=tag)
 
@@ -134,7 +134,7 @@ class Transports:
         hosts (``--compress``): dense in each host's shared memory, then each host's
         leader all-gathers its compressed host mean (with error feedback) with the other
         leaders over gloo (:class:`CompressedAllreduce`)."""
-        from shmtrain.fabric.compressed_allreduce import shm_compressed_allreduce
+        from shmtrain.fabric.compress.allreduce import shm_compressed_allreduce
 
         return shm_compressed_allreduce(self.ctx.host, self.ctx.leaders, numel, spec, tag=tag)
 
@@ -156,7 +156,7 @@ class Transports:
     ) -> Allreduce:
         """The shared-memory allreduce among a group of one host's workers (``group``: a
         :class:`HostGroup` or a sub-group with its interface, e.g. HSGD's groups)."""
-        from shmtrain.fabric.shm_allreduce import ShmAllreduce
+        from shmtrain.fabric.allreduce.shared import ShmAllreduce
 
         return ShmAllreduce(group, numel, dtype=dtype, op=op, tag=tag)
 
@@ -184,7 +184,7 @@ class Transports:
     ) -> BucketReducer:
         """A bucketed allreduce started from gradient hooks: ``shm`` (shared memory in a
         host, gloo between hosts) or ``gloo`` (DDP's transport), one interface."""
-        from shmtrain.fabric.bucket_allreduce import BucketAllreduce, GlooBucketAllreduce
+        from shmtrain.fabric.allreduce.buckets import BucketAllreduce, GlooBucketAllreduce
 
         if name == "shm":
             return BucketAllreduce(self.ctx.host, numel, buckets, dtype=dtype, op=op,
@@ -214,7 +214,7 @@ class Transports:
         host's leader, a thread that sums ``tensor(layer, round)`` with the other hosts'
         leaders in ``order`` on a gloo group of its own; None on the other ranks and on
         one host (collective: every rank of the job calls it)."""
-        from shmtrain.fabric.host_combiner import HostCombiner
+        from shmtrain.fabric.exchanges.combiner import HostCombiner
 
         ctx = self.ctx
         if ctx.num_nodes <= 1:
@@ -228,7 +228,7 @@ class Transports:
     def star(self, name: Literal["shm", "gloo"], tag: str, numel: int, dtype: torch.dtype,
              init: torch.Tensor) -> StarExchange:
         """The parameter server's gather / broadcast exchange (rank 0 the server)."""
-        from shmtrain.fabric.star import open_star
+        from shmtrain.fabric.exchanges.star import open_star
 
         return open_star(self.ctx, name, tag, numel, dtype, init)
 
@@ -239,8 +239,8 @@ class Transports:
         every local rank (collective on the host; ``init`` runs once, on its creator); with
         ``group`` (a :meth:`group_host`), one segment per group of the host, this worker's
         group's returned (still collective on the whole host)."""
-        from shmtrain.fabric.segment import align
-        from shmtrain.fabric.stitch import PAGE
+        from shmtrain.fabric.shm.segment import align
+        from shmtrain.fabric.shm.stitch import PAGE
 
         return (group or self.ctx.host).allocate(tag, align(nbytes, PAGE), init)
 
@@ -264,7 +264,7 @@ class Transports:
     def group_host(self, group_size: int) -> GroupHost:
         """This worker's group of ``group_size`` consecutive local ranks, with a host's
         interface (HSGD's groups, ShmCaffe Fig. 4)."""
-        from shmtrain.fabric.group_host import GroupHost
+        from shmtrain.fabric.job.group_host import GroupHost
 
         host = self.ctx.host
         return GroupHost(host, host.local_world // group_size, group_size)
@@ -272,18 +272,18 @@ class Transports:
     def accumulator(self, numel: int, dtype: torch.dtype, layers: int, *, tag: str = "cpu_acc") -> SharedAccumulator:
         """The host's two alternating gradient sums with a critical counter per layer
         (TRL Algorithm 5's ``g_grads`` and ``Critical``, :class:`SharedAccumulator`)."""
-        from shmtrain.fabric.accumulator import SharedAccumulator
+        from shmtrain.fabric.exchanges.accumulator import SharedAccumulator
 
         return SharedAccumulator(self.ctx.host, numel, dtype, layers, tag=tag)
 
     def tree_window(self, layer_bytes: int, layers: int, *, across_hosts: bool, tag: str = "gpi") -> TreeWindow:
         """CaffeGPI's one-sided window over the host's reduction tree (:class:`TreeWindow`)."""
-        from shmtrain.fabric.tree_window import TreeWindow
+        from shmtrain.fabric.exchanges.tree_window import TreeWindow
 
         return TreeWindow(self.ctx.host, layer_bytes, layers, across_hosts=across_hosts, tag=tag)
 
     def nccl_group(self, device: torch.device) -> NcclGroup:
         """NCCL among every worker of the job, one GPU each (:class:`NcclGroup`; collective)."""
-        from shmtrain.fabric.nccl_group import NcclGroup
+        from shmtrain.fabric.job.nccl_group import NcclGroup
 
         return NcclGroup(device, self.ctx.world_size)

@@ -41,7 +41,7 @@ def _timings(setting: dict[str, Any], workers: int, modes: list[str], log) -> di
     payload = {"model": "alexnet", "input_shape": setting["input_shape"], "batch_size": batch,
                "rounds": setting["rounds"], "warmup": setting["warmup"], "threads": 1,
                "modes": modes, "specs": {m: SPECS[m] for m in modes if m != "ddp"}}
-    results = launch("shmtrain.bench.overlap:_worker", workers, payload, threads=1, timeout=900)
+    results = launch("shmtrain.bench.overlap:overlap_worker", workers, payload, threads=1, timeout=900)
     summary = summarize(results, modes, setting["rounds"])
     for row in summary.values():
         row["samples_per_s"] = setting["overall_batch"] / (row["iteration_ms"] / 1e3)

@@ -55,10 +55,11 @@ def _worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     every iteration, Table 3's first column), then run bench overlap's rounds."""
     import torch
 
-    from shmtrain.bench.overlap import _worker as overlap_worker
-    from shmtrain.fabric.flat import FlatLayout, send_parameters
+    from shmtrain.bench.overlap import overlap_worker
+    from shmtrain.fabric.exchanges.weights import send_parameters
     from shmtrain.models import build_model
     from shmtrain.runtime.data.tensors import parse_shape
+    from shmtrain.strategies.layout.flat import FlatLayout
 
     torch.manual_seed(ctx.rank)  # different weights, so the broadcast moves real data
     model = build_model(payload["model"], parse_shape(payload["input_shape"]), 10)
@@ -101,7 +102,7 @@ def summarize(results: list[dict[str, Any]], modes: list[str], rounds: int) -> d
     slowest worker per round, median over rounds), each phase's median over workers and
     rounds, the samples behind them (per worker, per round) and ``cpu_acc``'s per-layer
     medians (TRL Table 4)."""
-    from shmtrain.bench.overlap import _layer_medians
+    from shmtrain.bench.overlap import layer_medians
 
     summary: dict[str, Any] = {}
     for mode in modes:
@@ -118,7 +119,7 @@ def summarize(results: list[dict[str, Any]], modes: list[str], rounds: int) -> d
         }
         per_layer = [it for r in results for it in r["layers"].get(mode, [])]
         if per_layer:
-            summary[mode]["layers"] = _layer_medians(per_layer)
+            summary[mode]["layers"] = layer_medians(per_layer)
     return summary
 
 
@@ -305,7 +306,7 @@ def table4(ctx: Context) -> Report:
         "(one measurement for both tables, as in the paper, when both run in one process).",
         "Hand-off ('GPU-to-CPU copy') is a queue entry here (the gradient is already in host memory) and "
         "copy-back a re-binding of the gradient to the shared sum; on a GPU both are copies "
-        "(shmtrain.fabric.staging), so only the accumulation column compares with the paper's.",
+        "(shmtrain.strategies.layout.staging), so only the accumulation column compares with the paper's.",
         "Our layer 8 (fc8) has 10 classes: 41k parameters instead of 4M. 'Lock wait' is the time the "
         "accumulator waited for the other worker's accumulation of the same layer (Algorithm 7's "
         "critical section).",

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shmtrain.api import DataParallel
-from shmtrain.fabric.context import ProcessContext
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.models import build_model
 from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
 from shmtrain.runtime.config import TrainConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
-from shmtrain.fabric.control import PeerFailure, first_line
+from shmtrain.fabric.shm.control import PeerFailure, first_line
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launch import failures, runlock, smb_server
@@ -29,7 +29,7 @@ def run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from shmtrain.fabric.context import from_env
+    from shmtrain.fabric.job.context import from_env
 
     torch.set_num_threads(config.threads)
     start = time.perf_counter()

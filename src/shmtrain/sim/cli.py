@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from shmtrain.argtypes import comma_list
-from shmtrain.fabric.collectives.algorithms import ALGORITHMS
+from shmtrain.fabric.allreduce.collectives.algorithms import ALGORITHMS
 from shmtrain.sim.model import CostModel
 from shmtrain.sim.simulate import format_table, parse_bytes, simulate_all
 

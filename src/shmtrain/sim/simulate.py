@@ -1,7 +1,7 @@
 """Simulate an allreduce at scales this machine cannot run (SCALE, swCaffe Figs. 10-11).
 
 The simulator builds the algorithm's real schedule (the code that trains, from
-:mod:`shmtrain.fabric.collectives.algorithms`) for ``nodes`` ranks in contiguous
+:mod:`shmtrain.fabric.allreduce.collectives.algorithms`) for ``nodes`` ranks in contiguous
 groups of ``group_size`` and runs it on the counting transport, which tallies steps
 and bytes per link class and runs the alpha-beta-gamma clock. No buffer is allocated.
 """
@@ -13,9 +13,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from shmtrain.fabric.collectives.algorithms import ALGORITHMS, get_algorithm
-from shmtrain.fabric.collectives.counting import CountingTransport
-from shmtrain.fabric.collectives.schedule import Topology
+from shmtrain.fabric.allreduce.collectives.algorithms import ALGORITHMS, get_algorithm
+from shmtrain.fabric.allreduce.collectives.counting import CountingTransport
+from shmtrain.fabric.allreduce.collectives.schedule import Topology
 from shmtrain.sim.model import CostModel
 
 #: the units of ``shmtrain bench`` sizes: KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024

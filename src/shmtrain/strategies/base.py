@@ -27,7 +27,7 @@ Three seams (docs/architecture.md):
 - **Device**: ``devices`` lists the parameter devices the strategy supports (cpu and
   cuda for every strategy); the base constructor refuses others with one message. The
   buffers stay in host memory; copies between a device and them go through
-  :class:`shmtrain.fabric.staging.HostStaging` (``self.staged`` says whether the
+  :class:`shmtrain.strategies.layout.staging.HostStaging` (``self.staged`` says whether the
   strategy copies: on a GPU, or with ``SHMTRAIN_STAGING=copy`` on the CPU).
   ``step_optimizer`` runs the optimizer through a GradScaler when one is attached
   (``--amp fp16``), ``fp16`` says whether the strategy supports it.
@@ -44,11 +44,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shmtrain.fabric.context import ProcessContext
-from shmtrain.fabric.flat import FlatLayout
-from shmtrain.fabric.staging import HostStaging, staged
+from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.transports import Transports
 from shmtrain.strategies.grad_safety import writes_gradients
+from shmtrain.strategies.layout.flat import FlatLayout
+from shmtrain.strategies.layout.staging import HostStaging, staged
 from shmtrain.timing import PhaseTimer
 
 
@@ -73,7 +73,7 @@ class Strategy:
     #: across hosts: a lost host started again rejoins the running job (item 5;
     #: it has no job-wide gloo group: the strategies whose hosts meet at a memory server)
     rejoins: ClassVar[bool] = False
-    #: parameter devices the strategy supports (its buffers' staging, ``fabric/staging.py``)
+    #: parameter devices the strategy supports (its buffers' staging, ``strategies/layout/staging.py``)
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     #: why ``--amp fp16`` (a GradScaler) cannot run with this strategy; None: it can
     fp16_reason: ClassVar[str | None] = None

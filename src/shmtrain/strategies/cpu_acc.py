@@ -15,7 +15,7 @@ is dropped after the update so no later backward accumulates into shared memory)
 Algorithm 7 (accumulation): one accumulator thread per worker ("a CPU thread per GPU")
 adds its worker's partial gradient, scaled by 1/N so the result is the mean, into the
 host's global gradient of that layer, a shared segment, inside the layer's critical
-section with a counter (:mod:`shmtrain.fabric.critical`); the first arrival of an
+section with a counter (:mod:`shmtrain.fabric.exchanges.critical`); the first arrival of an
 iteration writes instead of adding, so nothing is zeroed. ``isUpdated(u)`` is
 ``counter[u] >= workers * k`` in this process's k-th exchange (counters are cumulative,
 never reset). The global gradients alternate between two sets by parity: a worker
@@ -25,7 +25,7 @@ process, starting at 0 with the fresh counters), not by ``iteration``, which a r
 run restores.
 
 Every device-specific copy (pinned buffers, the D2H and H2D streams, CUDA events,
-page-locking the shared segment) goes through :class:`shmtrain.fabric.staging.HostStaging`.
+page-locking the shared segment) goes through :class:`shmtrain.strategies.layout.staging.HostStaging`.
 
 Hand-offs are queued in batches: a large layer goes to the accumulator thread at once,
 small ones (a BatchNorm's 64 weights) together once ``HANDOFF_BATCH`` elements are
@@ -50,8 +50,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
+from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
+from shmtrain.strategies.layout.flat import FlatLayout
 
 #: small layers are handed to the accumulator thread together once this many elements wait
 HANDOFF_BATCH = 1 << 18

@@ -40,10 +40,11 @@ from typing import Any, Literal
 
 import torch
 
-from shmtrain.fabric.compress import parse_compress
-from shmtrain.fabric.control import PeerTimeout
-from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
+from shmtrain.fabric.compress.codec import parse_compress
+from shmtrain.fabric.exchanges.weights import broadcast_parameters
+from shmtrain.fabric.shm.control import PeerTimeout
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
+from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.parts import SlotGradients
 
 #: the dtypes of the pseudo-gradient exchange

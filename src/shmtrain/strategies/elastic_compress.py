@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from shmtrain.fabric.compress import parse_compress
+from shmtrain.fabric.compress.codec import parse_compress
 from shmtrain.fabric.smb import Buffer, BufferService
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.wire import is_loopback, route_address

@@ -23,7 +23,7 @@ ResNet-18 with 2 workers the root spent 9 ms per iteration writing weights into 
 child's parameters while the child slept 17 ms in the finalization (cProfile).
 
 Sends are triggered, never awaited (a write into a peer's shared memory plus a
-notification, :mod:`shmtrain.fabric.onesided`); a notification carries the exchange's
+notification, :mod:`shmtrain.fabric.exchanges.onesided`); a notification carries the exchange's
 number, ``steps + 1`` (the exchanges of this process: the notification words start at 0
 with the window, also after a resumed run restored ``iteration``). A finalization phase
 (``collect_remaining``) ties the loose ends: it sleeps on this rank's doorbell until
@@ -52,11 +52,11 @@ gradient is complete; small layers (a BatchNorm's 64 weights) are updated togeth
 critical path cost 3% of an iteration (measured with cProfile, 1 worker). Optimizers
 whose step couples parameters (L-BFGS) are not supported.
 
-Staged (GPU parameters, :class:`shmtrain.fabric.staging.HostStaging`): the window keeps
+Staged (GPU parameters, :class:`shmtrain.strategies.layout.staging.HostStaging`): the window keeps
 each rank's weights and gradient slots in host memory, the model stays on the GPU. A
 gradient hook only starts the copy of its gradient into a pinned host buffer on the
 device-to-host stream and hands the layer to a host thread
-(:class:`shmtrain.fabric.staging_courier.Courier`), so backward's kernels keep coming: the
+(:class:`shmtrain.strategies.layout.courier.Courier`), so backward's kernels keep coming: the
 turns run there, on a GPU the compute is the device's and a host thread takes nothing
 from it. The courier waits for the copy (a CUDA event), marks the layer's own gradient
 ready and takes a turn. The root copies a layer's mean into ``param.grad`` on the
@@ -77,8 +77,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
+from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
+from shmtrain.strategies.layout.flat import FlatLayout
 
 #: the root updates ready layers once they hold this many elements (or at finalization)
 UPDATE_BATCH = 1 << 18
@@ -110,7 +111,7 @@ class GPI(Strategy):
         numel, dtype = layout.numel, layout.dtype
         self.layer_bytes = numel * torch.empty((), dtype=dtype).element_size()
         self.num_layers = n = len(self.params)
-        # Area of rank r: its parameters, then one gradient slot per child (fabric/tree_window.py)
+        # Area of rank r: its parameters, then one gradient slot per child (fabric/exchanges/tree_window.py)
         hosts = ctx.num_nodes > 1
         self.tree = tree = self.transports.tree_window(self.layer_bytes, n, across_hosts=hosts, tag="gpi")
         self.window = tree.window

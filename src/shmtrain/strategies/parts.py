@@ -36,10 +36,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from shmtrain.fabric.flat import FlatLayout
-from shmtrain.fabric.staging import Copy, HostStaging
-from shmtrain.fabric.star import TRANSPORTS, StarTransport
+from shmtrain.fabric.exchanges.star import TRANSPORTS, StarTransport
 from shmtrain.strategies.base import Strategy, StrategyConfig
+from shmtrain.strategies.layout.flat import FlatLayout
+from shmtrain.strategies.layout.staging import Copy, HostStaging
 from shmtrain.timing import PhaseTimer
 
 
@@ -158,7 +158,7 @@ class CastSlotGradients(SlotGradients):
         super(SlotGradients, self).after_update()  # type: ignore[misc]
 
 
-#: the values of ``--ps-transport`` (:func:`shmtrain.fabric.star.open_star`)
+#: the values of ``--ps-transport`` (:func:`shmtrain.fabric.exchanges.star.open_star`)
 PS_TRANSPORTS = TRANSPORTS
 #: the phases a parameter-server round reports (PS-TIMING, SHM-Learn-Dist Figs. 6.4-6.6)
 PS_PHASES = ("gather", "average", "broadcast")

@@ -32,7 +32,7 @@ optimizer on the GPU and copies its weights into ``server`` before the broadcast
 worker then copies ``server`` into its parameters (``copy_to_device``).
 
 The exchange itself (slots, sequence words, gloo among hosts, or the gloo star) is
-:mod:`shmtrain.fabric.star`, asked of the transports with ``--ps-transport``; what both
+:mod:`shmtrain.fabric.exchanges.star`, asked of the transports with ``--ps-transport``; what both
 parameter servers share (their configuration, the release of the star, the phase timer
 :func:`ps_phase`) is :class:`~shmtrain.strategies.parts.ParameterServer` in ``parts.py``.
 """
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from shmtrain.fabric.flat import FlatLayout
 from shmtrain.strategies.base import register
+from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.parts import ParameterServer, ParameterServerConfig, ps_phase
 
 

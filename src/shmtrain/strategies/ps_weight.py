@@ -13,7 +13,7 @@ After the last iteration, if it did not end on an averaging round, ``finish()`` 
 more round so every worker ends with the same (averaged) weights.
 
 Transports as for :mod:`shmtrain.strategies.ps_grad` (the exchange is
-:mod:`shmtrain.fabric.star`): each worker's ``param.data`` are views of its own buffer for
+:mod:`shmtrain.fabric.exchanges.star`): each worker's ``param.data`` are views of its own buffer for
 the server (``mine``: with ``ps_transport="shm"`` its slot of one host segment); the
 server averages them into its ``server`` buffer, which reaches every worker and which every
 worker copies into its own (``broadcast``). With ``shm`` the host leader averages the
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from shmtrain.fabric.flat import FlatLayout
 from shmtrain.strategies.base import Strategy, register
+from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.parts import ParameterServer, ParameterServerConfig, ps_phase
 
 

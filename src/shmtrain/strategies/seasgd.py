@@ -21,7 +21,7 @@ not hidden behind computation (staleness hurts learning, Section III-G).
 Eq. (8): T_iter = max[T_comp, T_wwi + T_ugw] + T_rgw + T_ulw; :func:`check_eq8`
 checks it on the metrics rows.
 
-Staged (GPU parameters, :class:`shmtrain.fabric.staging.HostStaging`): the main thread
+Staged (GPU parameters, :class:`shmtrain.strategies.layout.staging.HostStaging`): the main thread
 reads W_g into the GPU (T1), applies eq. (6) there (T2) and starts the copy of the
 difference into a pinned host buffer on the device-to-host stream; the update thread
 waits for that copy, then scales, writes and accumulates dW_x in host memory only
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shmtrain.fabric.control import PeerTimeout
+from shmtrain.fabric.shm.control import PeerTimeout
 from shmtrain.fabric.smb import Buffer, BufferService
 from shmtrain.fabric.smb.compressed import CompressedGlobal
-from shmtrain.fabric.staging import HostStaging
 from shmtrain.strategies.base import register
 from shmtrain.strategies.eq8 import Eq8Metrics
+from shmtrain.strategies.layout.staging import HostStaging
 from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
 from shmtrain.timing import PhaseTimer
 

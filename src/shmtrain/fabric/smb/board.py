@@ -35,7 +35,7 @@ class StoreProgressBoard(ProgressBoard):
     """Progress, state and liveness of the remote service's clients, in the server's store,
     sealed with the shared secret (none when the server has none: then the store is
     trusted, as on a loopback-only server). A failure to reach the store is the
-    :class:`~shmtrain.fabric.control.PeerFailure` ``lost`` makes (naming the server).
+    :class:`~shmtrain.fabric.shm.control.PeerFailure` ``lost`` makes (naming the server).
 
     Args:
         store: the memory server's store; rank, world: this worker and the job's workers.

@@ -3,11 +3,11 @@ instead of whole buffers (``--compress`` for easgd, seasgd and hsgd).
 
 A worker whose memory server is across a slow link moved the whole W_g each way per
 exchange (4.5 MB for wide_mlp: 15 iterations to the near host's 785 on 100 Mbit/s). With
-``--compress topk:F,bits:B`` (:mod:`shmtrain.fabric.compress`'s C and D, its fixed-size
+``--compress topk:F,bits:B`` (:mod:`shmtrain.fabric.compress.codec`'s C and D, its fixed-size
 payload) it exchanges compressed differences instead:
 
 - **up** (``OP_CACCUMULATE``): the increment dW_x (eq. (5)) as ``C(dW_x + e_x)`` with the
-  worker's own error feedback e_x (:class:`~shmtrain.fabric.compress.Compressor`); the
+  worker's own error feedback e_x (:class:`~shmtrain.fabric.compress.codec.Compressor`); the
   server adds ``D(payload)`` into W_g, exclusively, as it applies an accumulate (eq. (7)).
 - **down** (``OP_CREAD``): the server keeps, per client and buffer, the copy of W_g that
   client holds (its *mirror* m_c); a read sends ``c = C(W_g − m_c)`` and both sides do
@@ -22,10 +22,10 @@ payload) it exchanges compressed differences instead:
 
 Framing is the wire's (:mod:`~shmtrain.fabric.smb.wire`): header ``[op, seq, buffer id,
 numel, code, dense]`` with ``code = k << 8 | B`` (k kept per chunk of
-:data:`~shmtrain.fabric.compress.CHUNK`); the status reply comes before any payload. An
+:data:`~shmtrain.fabric.compress.codec.CHUNK`); the status reply comes before any payload. An
 accumulate's payload is sent only after an OK (a refused one leaves nothing in flight),
 received by a watcher thread off the serving loop and applied once whole; the
-notification that it was applied is a second reply (tag kind ``_VERDICT``).
+notification that it was applied is a second reply (tag kind ``VERDICT``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any  # the server: server.py's MemoryServer, w
 
 import torch
 
-from shmtrain.fabric.compress import BITS, CHUNK, Codec, Compressor, CompressSpec
+from shmtrain.fabric.compress.codec import BITS, CHUNK, Codec, Compressor, CompressSpec
 from shmtrain.fabric.smb.api import Buffer
-from shmtrain.fabric.smb.wire import _PAYLOAD_IN, _TO_CLIENT, _VERDICT, OK, OP_CACCUMULATE, OP_CREAD, REPLY_WORDS, _tag
+from shmtrain.fabric.smb.wire import OK, OP_CACCUMULATE, OP_CREAD, PAYLOAD_IN, REPLY_WORDS, TO_CLIENT, VERDICT, tag
 
 if TYPE_CHECKING:
     from shmtrain.fabric.smb.remote import RemoteBufferService
@@ -74,7 +74,7 @@ def serve_compressed(server: Any, client: int, header: torch.Tensor) -> None:
     if op == OP_CREAD:
         return _read(server, client, seq, buffer_id, codec, bool(dense))
     payload = torch.empty(codec.nbytes, dtype=torch.uint8)
-    work = server._links[client].recv([payload], 1, _tag(seq, _PAYLOAD_IN))
+    work = server._links[client].recv([payload], 1, tag(seq, PAYLOAD_IN))
     _apply_when_whole(server, client, seq, work, payload, buffer_id, codec)
     server._reply(client, OK, seq)
 
@@ -115,7 +115,7 @@ def _read(server: Any, client: int, seq: int, buffer_id: int, codec: Codec, dens
         codec.compress(difference, payload)
         codec.decode_add(payload, mirror)  # m_c += D(c), as the client does
     server._reply(client, OK, seq)
-    server._track(client, "read", server._links[client].send([payload], 1, _tag(seq, _TO_CLIENT)), payload,
+    server._track(client, "read", server._links[client].send([payload], 1, tag(seq, TO_CLIENT)), payload,
                   buffer_id)
 
 
@@ -135,7 +135,7 @@ def _apply_when_whole(server: Any, client: int, seq: int, work, payload: torch.T
                 server.buffers[buffer_id].add_(dense[:codec.numel])  # eq. (7), one at a time
                 server.applied += 1
                 applied = server.applied
-            server._reply(client, OK, seq, applied, kind=_VERDICT)
+            server._reply(client, OK, seq, applied, kind=VERDICT)
         except RuntimeError as exc:
             failure.append(exc)
         finally:
@@ -198,10 +198,10 @@ class CompressedGlobal:
         with service._lock:
             service._drain()
             seq, posted, _ = service._request(OP_CACCUMULATE, buffer.key.id, buffer.numel, spec_code(self.codec))
-            applied = (service._call(lambda: service.pg.recv([verdict], 0, _tag(seq, _VERDICT)), "posting a receive"),
+            applied = (service._call(lambda: service.pg.recv([verdict], 0, tag(seq, VERDICT)), "posting a receive"),
                        verdict)
             service._status(seq, posted, what)  # an error: nothing more moves (the verdict is never sent)
-            service._call(lambda: service.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)).wait(), what)
+            service._call(lambda: service.pg.send([payload], 0, tag(seq, PAYLOAD_IN)).wait(), what)
             service._status(seq, applied, what)
         self.bytes_up += payload.numel()
         return int(verdict[2])

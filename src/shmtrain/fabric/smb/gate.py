@@ -25,20 +25,20 @@ from shmtrain.fabric.smb import handshake
 from shmtrain.fabric.smb.api import BufferKey
 from shmtrain.fabric.smb.board import StoreAudit
 from shmtrain.fabric.smb.wire import (
-    _PAYLOAD_IN,
-    _TO_CLIENT,
-    _VERDICT,
     BAD_REQUEST,
     DTYPES,
     NAME_BYTES,
     NOT_FOUND,
     OK,
     OP_LOOKUP,
+    PAYLOAD_IN,
     REFUSED,
     SECRET_ENV,
     TAG_TO_SERVER,
     TAKEN,
-    _tag,
+    TO_CLIENT,
+    VERDICT,
+    tag,
 )
 
 #: how long the server waits for a client's nonce or proof (the serving thread waits)
@@ -106,7 +106,7 @@ class Gate:
         client's nonce, then the server's challenge and proof, then the client's proof."""
         link, wait = self._links[client], min(self._bound, HANDSHAKE_WAIT)
         nonce = torch.zeros(handshake.SIZE, dtype=torch.uint8)
-        link.recv([nonce], 1, _tag(seq, _PAYLOAD_IN)).wait(wait)
+        link.recv([nonce], 1, tag(seq, PAYLOAD_IN)).wait(wait)
         if not self.secret:
             self.refused += 1
             self.log(f"shmtrain smb-server: {self._who(client)}: its greeting refused: this server has no shared "
@@ -118,7 +118,7 @@ class Gate:
         mine = handshake.proof(self.secret, handshake.SERVER, self.nonce, n, rank, challenge, nc)
         self._reply(client, OK, seq)  # then the challenge and this server's proof
         link.send([torch.frombuffer(bytearray(challenge + mine), dtype=torch.uint8)], 1,
-                  _tag(seq, _TO_CLIENT)).wait(self._bound)
+                  tag(seq, TO_CLIENT)).wait(self._bound)
         got = torch.zeros(handshake.SIZE, dtype=torch.uint8)
         link.recv([got], 1, TAG_TO_SERVER).wait(wait)
         theirs = bytes(got.tolist())
@@ -127,7 +127,7 @@ class Gate:
         if earlier is None and handshake.matches(theirs, expected):
             self._proofs[theirs] = n
             self._trusted.add(client)
-            return self._reply(client, OK, seq, kind=_VERDICT)
+            return self._reply(client, OK, seq, kind=VERDICT)
         self.refused += 1
         fix = f"give it the server's secret (--secret-file FILE or {SECRET_ENV}, the same on every host)"
         if earlier is not None:
@@ -140,7 +140,7 @@ class Gate:
         else:
             why = f"its proof of the shared secret is wrong (connection {n}); {fix}"
         self.log(f"shmtrain smb-server: {self._who(client)} refused: {why}")
-        self._reply(client, REFUSED, seq, kind=_VERDICT)
+        self._reply(client, REFUSED, seq, kind=VERDICT)
 
     def _name(self, client: int, seq: int, length: int) -> str | None:
         """The buffer name that follows a create or lookup header (None: a length out of
@@ -148,7 +148,7 @@ class Gate:
         if not 0 < length <= NAME_BYTES:
             return None
         data = torch.zeros(length, dtype=torch.uint8)
-        self._links[client].recv([data], 1, _tag(seq, _PAYLOAD_IN)).wait(
+        self._links[client].recv([data], 1, tag(seq, PAYLOAD_IN)).wait(
             min(self._bound, datetime.timedelta(seconds=10))
         )
         return bytes(data.tolist()).decode(errors="replace")

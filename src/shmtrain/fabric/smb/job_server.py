@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import PeerFailure
+from shmtrain.fabric.shm.control import PeerFailure
 from shmtrain.fabric.smb.wire import SECRET_ENV, route_address
 from shmtrain.fabric.trust import UntrustedError, private_dir, read_private, write_private
 

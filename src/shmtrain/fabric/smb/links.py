@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import first_line
-from shmtrain.fabric.smb.wire import HEADER, OP_BYE, TAG_REQUEST, _gloo
+from shmtrain.fabric.shm.control import first_line
+from shmtrain.fabric.smb.wire import HEADER, OP_BYE, TAG_REQUEST, gloo_link
 
 #: a link's timeout for its waits: a request's receive must never time out (gloo loses a
 #: link's later messages after a timed-out receive: measured); payloads have their own bound
@@ -35,7 +35,7 @@ def join(store: dist.Store, rank: int, world: int, host: str,
     the link."""
     n = store.add("smb/joins", 1)
     store.set(f"smb/join/{n}", f"{rank}/{world}")
-    return n, _gloo(dist.PrefixStore(f"smb/pg/{n}/", store), 1, 2, host, timeout)
+    return n, gloo_link(dist.PrefixStore(f"smb/pg/{n}/", store), 1, 2, host, timeout)
 
 
 def receive_requests(link: dist.ProcessGroup, client: int, generation: int, inbox: queue.Queue) -> None:
@@ -126,7 +126,7 @@ class Acceptor:
 
     def _form(self, client: int, n: int, world: int) -> None:
         try:
-            link = _gloo(dist.PrefixStore(f"smb/pg/{n}/", self.store), 0, 2, self.bind, FOREVER)
+            link = gloo_link(dist.PrefixStore(f"smb/pg/{n}/", self.store), 0, 2, self.bind, FOREVER)
         except RuntimeError as exc:
             self.log(f"shmtrain smb-server: client {client - 1}'s connection {n} did not complete "
                      f"({first_line(exc)})")

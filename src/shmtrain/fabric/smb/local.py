@@ -38,10 +38,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from shmtrain.fabric.control import DIED, ControlBlock, PeerFailure, PeerTimeout
-from shmtrain.fabric.futex import futex_wait, futex_wake
-from shmtrain.fabric.host import HostGroup
-from shmtrain.fabric.segment import SharedSegment, align
+from shmtrain.fabric.shm.control import DIED, ControlBlock, PeerFailure, PeerTimeout
+from shmtrain.fabric.shm.futex import futex_wait, futex_wake
+from shmtrain.fabric.shm.host import HostGroup
+from shmtrain.fabric.shm.segment import SharedSegment, align
 from shmtrain.fabric.smb.api import Buffer, BufferKey, BufferService, ProgressBoard, Ticket
 from shmtrain.fabric.trust import UntrustedError
 

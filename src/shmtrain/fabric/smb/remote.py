@@ -23,18 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import PeerFailure, PeerTimeout, first_line
+from shmtrain.fabric.shm.control import PeerFailure, PeerTimeout, first_line
 from shmtrain.fabric.smb import handshake
 from shmtrain.fabric.smb.api import STATE_DONE, Buffer, BufferKey, BufferService, Ticket
 from shmtrain.fabric.smb.board import DEAD, LEFT, StoreProgressBoard
 from shmtrain.fabric.smb.job_server import forget
 from shmtrain.fabric.smb.links import join
 from shmtrain.fabric.smb.wire import (
-    _PAYLOAD_IN,
-    _REPLY,
-    _STATUS,
-    _TO_CLIENT,
-    _VERDICT,
     DTYPES,
     NAME_BYTES,
     NOT_FOUND,
@@ -46,14 +41,19 @@ from shmtrain.fabric.smb.wire import (
     OP_LOOKUP,
     OP_READ,
     OP_WRITE,
+    PAYLOAD_IN,
     REFUSED,
+    REPLY,
     REPLY_WORDS,
     SECRET_ENV,
+    STATUS,
     TAG_REQUEST,
     TAG_TO_SERVER,
     TAKEN,
-    _tag,
+    TO_CLIENT,
+    VERDICT,
     route_address,
+    tag,
     unseal,
 )
 
@@ -181,10 +181,10 @@ class RemoteBufferService(BufferService):
         self._seq += 1
         seq = self._seq
         reply = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-        posted = (self._call(lambda: self.pg.recv([reply], 0, _tag(seq, _REPLY)), "posting a receive"), reply)
+        posted = (self._call(lambda: self.pg.recv([reply], 0, tag(seq, REPLY)), "posting a receive"), reply)
         payload = None
         if landing is not None:
-            payload = self._call(lambda: self.pg.recv([landing], 0, _tag(seq, _TO_CLIENT)), "posting a receive")
+            payload = self._call(lambda: self.pg.recv([landing], 0, tag(seq, TO_CLIENT)), "posting a receive")
         header = torch.tensor([op, seq, a, b, c, d, 0, 0], dtype=torch.int64)
         self._call(lambda: self.pg.send([header], 0, TAG_REQUEST).wait(), f"sending request #{seq}")
         return seq, posted, payload
@@ -201,10 +201,10 @@ class RemoteBufferService(BufferService):
             raise PeerFailure(f"the memory server at {self.address} answered request #{echoed} "
                               f"while this worker expected #{seq} ({what})")
         if status == REFUSED:
-            raise PermissionError(f"the memory server at {self.address} refused {what}: {_STATUS[REFUSED]}")
+            raise PermissionError(f"the memory server at {self.address} refused {what}: {STATUS[REFUSED]}")
         if status != OK:
             raise ValueError(f"the memory server at {self.address} rejected {what}: "
-                             f"{_STATUS.get(status, f'status {status}')} (see the server's log)")
+                             f"{STATUS.get(status, f'status {status}')} (see the server's log)")
 
     def _drain(self) -> None:
         """Collect the answers of accumulates in flight (before any other answer)."""
@@ -220,7 +220,7 @@ class RemoteBufferService(BufferService):
         with self._lock:
             seq, posted, received = self._request(OP_HELLO, landing=challenge)
             sent = self._call(lambda: self.pg.send([torch.frombuffer(bytearray(mine), dtype=torch.uint8)], 0,
-                                                   _tag(seq, _PAYLOAD_IN)), "sending the greeting")
+                                                   tag(seq, PAYLOAD_IN)), "sending the greeting")
             self._status(seq, posted, "the greeting")
             self._call(received.wait, "receiving the server's proof of the shared secret")
             self._call(sent.wait, "sending the greeting")
@@ -231,7 +231,7 @@ class RemoteBufferService(BufferService):
             proof = (handshake.proof(secret, handshake.CLIENT, nonce, self.connection, self.rank, ns, mine)
                      if trusted else bytes(handshake.SIZE))  # zeros: never a proof, to a server that is not trusted
             second = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-            verdict = (self._call(lambda: self.pg.recv([second], 0, _tag(seq, _VERDICT)),
+            verdict = (self._call(lambda: self.pg.recv([second], 0, tag(seq, VERDICT)),
                                   "posting a receive"), second)
             self._call(lambda: self.pg.send([torch.frombuffer(bytearray(proof), dtype=torch.uint8)], 0,
                                             TAG_TO_SERVER).wait(), "proving the secret")
@@ -259,7 +259,7 @@ class RemoteBufferService(BufferService):
         with self._lock:
             self._drain()
             seq, (work, reply), _ = self._request(op, numel, code, len(data))
-            sent = self._call(lambda: self.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)), "sending a name")
+            sent = self._call(lambda: self.pg.send([payload], 0, tag(seq, PAYLOAD_IN)), "sending a name")
             self._call(work.wait, f"waiting for the answer to the {what}")
             self._call(sent.wait, f"sending the name of the {what}")  # the server always receives it
         if int(reply[0]) not in (NOT_FOUND, TAKEN):
@@ -325,7 +325,7 @@ class RemoteBufferService(BufferService):
             seq, posted, _ = self._request(OP_WRITE, buffer.key.id, buffer.numel)
             # the payload right behind the header: the server posts its receive before the
             # status, and receives (then drops) the payload of a write it refuses
-            sent = self._call(lambda: self.pg.send([payload], 0, _tag(seq, _PAYLOAD_IN)), "sending a payload")
+            sent = self._call(lambda: self.pg.send([payload], 0, tag(seq, PAYLOAD_IN)), "sending a payload")
             try:
                 self._status(seq, posted, f"write of {buffer.key.name!r}")
             except (PermissionError, ValueError):

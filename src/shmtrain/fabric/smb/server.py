@@ -30,16 +30,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shmtrain.fabric.control import PeerTimeout, first_line
+from shmtrain.fabric.shm.control import PeerTimeout, first_line
 from shmtrain.fabric.smb.board import ALIVE, DEAD, LEFT
 from shmtrain.fabric.smb.compressed import COMPRESSED_OPS, serve_compressed
 from shmtrain.fabric.smb.gate import Gate
 from shmtrain.fabric.smb.links import Acceptor, receive_requests
 from shmtrain.fabric.smb.snapshot import read_snapshot, write_snapshot
 from shmtrain.fabric.smb.wire import (
-    _PAYLOAD_IN,
-    _REPLY,
-    _TO_CLIENT,
     BAD_REQUEST,
     NAME_BYTES,
     OK,
@@ -51,11 +48,14 @@ from shmtrain.fabric.smb.wire import (
     OP_NAMES,
     OP_READ,
     OP_WRITE,
+    PAYLOAD_IN,
     REFUSED,
+    REPLY,
     SECRET_ENV,
-    _tag,
+    TO_CLIENT,
     is_loopback,
     seal,
+    tag,
 )
 from shmtrain.fabric.trust import bound_store
 
@@ -362,10 +362,10 @@ class MemoryServer(Gate):
             if entry[5]:
                 raise entry[5][0]
 
-    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = _REPLY,
+    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = REPLY,
                extra: tuple[int, int] = (0, 0)) -> None:
         self._links[client].send([torch.tensor([status, seq, value, *extra, 0], dtype=torch.int64)], 1,
-                      _tag(seq, kind)).wait(self._bound)
+                      tag(seq, kind)).wait(self._bound)
 
     def _handle(self, client: int, header: torch.Tensor) -> None:
         op, seq, a, b, c = (int(x) for x in header[:5])
@@ -407,10 +407,10 @@ class MemoryServer(Gate):
             # whose receive is posted before the status, so the payload follows at once
             if op == OP_READ:
                 self._reply(client, OK, seq)
-                self._track(client, "read", pg.send([tensor], 1, _tag(seq, _TO_CLIENT)), tensor, a)
+                self._track(client, "read", pg.send([tensor], 1, tag(seq, TO_CLIENT)), tensor, a)
             else:
                 slot, copy = self._copy(client, tensor)  # a slot whose last transfer was settled
-                self._track(client, "write", pg.recv([copy], 1, _tag(seq, _PAYLOAD_IN)), copy, a, slot)
+                self._track(client, "write", pg.recv([copy], 1, tag(seq, PAYLOAD_IN)), copy, a, slot)
                 self._reply(client, OK, seq)
             return
         if op == OP_ACCUMULATE:
@@ -435,7 +435,7 @@ class MemoryServer(Gate):
         known = self.buffers.get(buffer_id)
         if known is None or not 0 < numel <= max(t.numel() for t in self.buffers.values() if t.dtype == known.dtype):
             return False
-        work = self._links[client].recv([torch.empty(numel, dtype=known.dtype)], 1, _tag(seq, _PAYLOAD_IN))
+        work = self._links[client].recv([torch.empty(numel, dtype=known.dtype)], 1, tag(seq, PAYLOAD_IN))
 
         def drop() -> None:
             try:

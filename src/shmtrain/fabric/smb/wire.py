@@ -35,14 +35,14 @@ import time
 
 import torch.distributed as dist
 
-from shmtrain.fabric.netif import route_source
+from shmtrain.fabric.job.netif import route_source
 
 HEADER, REPLY_WORDS = 8, 6
 TAG_REQUEST, TAG_TO_SERVER = 1, 3
-_REPLY, _TO_CLIENT, _PAYLOAD_IN, _VERDICT = 0, 1, 2, 3
+REPLY, TO_CLIENT, PAYLOAD_IN, VERDICT = 0, 1, 2, 3
 
 
-def _tag(seq: int, kind: int) -> int:
+def tag(seq: int, kind: int) -> int:
     """The tag of request ``seq``'s reply, payload to the client, or payload to the server:
     one per request, so a client posts its receives before it sends the header (no
     round trip waits for a receive to be posted) and a receive left posted after a
@@ -58,7 +58,7 @@ OP_NAMES = {OP_HELLO: "hello", OP_READ: "read", OP_WRITE: "write", OP_ACCUMULATE
             OP_BYE: "goodbye", OP_CREATE: "create", OP_LOOKUP: "lookup", OP_CREAD: "compressed read",
             OP_CACCUMULATE: "compressed accumulate"}
 OK, REFUSED, BAD_REQUEST, NOT_FOUND, TAKEN = 0, 1, 2, 3, 4
-_STATUS = {REFUSED: "refused: this client has not proven the shared secret (give it the server's secret: "
+STATUS = {REFUSED: "refused: this client has not proven the shared secret (give it the server's secret: "
                      "--secret-file FILE or SHMTRAIN_SECRET)",
            BAD_REQUEST: "malformed request", NOT_FOUND: "no such buffer name", TAKEN: "the name is already taken"}
 #: a buffer name's longest UTF-8 form (create and lookup send it after the header)
@@ -92,8 +92,8 @@ def seal(secret: bytes | None, nonce: str, key: str, value: str) -> str:
     time (so an entry cannot be forged, moved to another key or carried over from another
     server)."""
     stamp = str(time.time_ns())
-    tag = "" if secret is None else _seal_tag(secret, nonce, key, value, stamp)
-    return f"{value};{stamp};{tag}"
+    mac = "" if secret is None else _seal_tag(secret, nonce, key, value, stamp)
+    return f"{value};{stamp};{mac}"
 
 
 def _seal_tag(secret: bytes, nonce: str, key: str, value: str, stamp: str) -> str:
@@ -115,7 +115,7 @@ def unseal(secret: bytes | None, nonce: str, key: str, text: str) -> tuple[str, 
     return value, int(stamp)
 
 
-def _gloo(store: dist.Store, rank: int, size: int, host: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
+def gloo_link(store: dist.Store, rank: int, size: int, host: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]

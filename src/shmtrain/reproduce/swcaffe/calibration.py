@@ -30,7 +30,7 @@ def calibration_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     from torch import nn
 
     from shmtrain.bench.common import build_engine, median, synthetic_setup, timed_collective
-    from shmtrain.fabric.shm_allreduce import ShmAllreduce
+    from shmtrain.fabric.allreduce.shared import ShmAllreduce
     from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 

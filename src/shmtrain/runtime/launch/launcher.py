@@ -42,8 +42,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shmtrain.fabric.control import ControlBlock, process_state
-from shmtrain.fabric.segment import PREFIX, SharedSegment, sweep
+from shmtrain.fabric.shm.control import ControlBlock, process_state
+from shmtrain.fabric.shm.segment import PREFIX, SharedSegment, sweep
 from shmtrain.fabric.trust import bound_store
 from shmtrain.runtime.launch import job_dir, reaping
 from shmtrain.runtime.launch.failures import (

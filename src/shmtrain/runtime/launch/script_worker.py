@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from shmtrain.fabric.control import ControlBlock
-from shmtrain.fabric.segment import SharedSegment
+from shmtrain.fabric.shm.control import ControlBlock
+from shmtrain.fabric.shm.segment import SharedSegment
 
 
 @dataclass

@@ -137,9 +137,9 @@ def prefork(world: int, timeout: float) -> None:
     code = 1
     try:  # the child: the server, in its own session (it outlives rank 0), its output in the log
         os.setsid()
-        from shmtrain.runtime.launch.zygote import _PR_SET_NAME, _prctl
+        from shmtrain.runtime.launch.zygote import name_process
 
-        _prctl(_PR_SET_NAME, SERVER_NAME)  # found by name: its command line is the worker's
+        name_process(SERVER_NAME)  # found by name: its command line is the worker's
         sink = os.open(folder / job_server.LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(sink, 1)

@@ -38,7 +38,7 @@ def _terminate(signum, frame):  # noqa: ARG001
 def _plain_errors() -> tuple[type[BaseException], ...]:
     """shmtrain's own errors whose message alone names the cause: a peer's failure, a
     checkpoint file, a diverged loss (one line; a traceback would say nothing more)."""
-    from shmtrain.fabric.control import PeerFailure, PeerTimeout
+    from shmtrain.fabric.shm.control import PeerFailure, PeerTimeout
     from shmtrain.runtime.checkpoint.files import CheckpointError
     from shmtrain.runtime.train.finite import TrainingDiverged
 
@@ -78,7 +78,7 @@ def where(exc: BaseException) -> tuple[str | None, bool]:
 def _report(job, rank: int, exc: BaseException) -> None:
     """One line for the launcher: the cause (with the last frame of an error that is not
     shmtrain's own one-line kind), and the peer waited for when it timed out."""
-    from shmtrain.fabric.control import PeerTimeout
+    from shmtrain.fabric.shm.control import PeerTimeout
 
     cause = str(exc) if _says_it_all(exc) else f"{type(exc).__name__}: {exc}"
     location, raised_by_user = where(exc)
@@ -106,7 +106,7 @@ def _join(timeout: float):
         from shmtrain.runtime.launch.script_worker import ScriptContext
 
         return ScriptContext.from_env(timeout)
-    from shmtrain.fabric import context
+    from shmtrain.fabric.job import context
 
     return context.from_env(timeout)
 

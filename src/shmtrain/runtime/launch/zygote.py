@@ -69,6 +69,11 @@ def enabled() -> bool:
 
 
 # -- the zygote process ----------------------------------------------------------------------
+def name_process(name: bytes) -> None:
+    """Name this process (``/proc/<pid>/comm``, 15 bytes at most), so it is found by name."""
+    _prctl(_PR_SET_NAME, name)
+
+
 def _prctl(option: int, value: Any) -> None:
     try:
         ctypes.CDLL(None).prctl(option, value, 0, 0, 0)

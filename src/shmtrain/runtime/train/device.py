@@ -4,7 +4,7 @@ The launcher checks the value (:func:`resolve_device`) before any worker starts,
 imports torch for that only when a GPU is asked for; each worker then picks its device
 (:func:`worker_device`): ``cuda`` puts local rank ``r`` on GPU ``r % device_count``,
 ``cuda:N`` puts every worker on GPU N (workers may share a GPU: the strategies stage
-through host memory, ``fabric/staging.py``), and ``auto`` is ``cuda`` where a GPU is
+through host memory, ``strategies/layout/staging.py``), and ``auto`` is ``cuda`` where a GPU is
 present, else ``cpu``. The buffers the strategies share stay in host memory either way.
 """
 

@@ -2,7 +2,7 @@
 
 **Request.** A worker's first SIGINT or SIGTERM does not interrupt it: the handler
 records the signal and sets the host's stop word in the control block
-(:meth:`shmtrain.fabric.control.ControlBlock.request_stop`), which every worker of the
+(:meth:`shmtrain.fabric.shm.control.ControlBlock.request_stop`), which every worker of the
 host reads once per iteration (one shared-memory load: no system call, no message).
 shmtrain's launcher sets the same word when it gets the signal itself (a SIGTERM sent to
 the launcher alone). In a job across hosts, the first rank to see a request also sets
@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-from shmtrain.fabric.control import PeerFailure, PeerTimeout, alive
+from shmtrain.fabric.shm.control import PeerFailure, PeerTimeout, alive
 
 #: seconds between polls of the store's ``stop`` key, in jobs across hosts only
 POLL_S = 0.5

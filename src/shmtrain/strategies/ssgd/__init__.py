@@ -21,9 +21,10 @@ from typing import ClassVar, Literal
 
 import torch
 
-from shmtrain.fabric.collectives.reducers import AllreduceChoice
-from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
+from shmtrain.fabric.allreduce.collectives.reducers import AllreduceChoice
+from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
+from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.parts import CastSlotGradients, SlotGradients
 from shmtrain.strategies.ssgd.nccl import NcclSSGD
 from shmtrain.strategies.ssgd.overlap import OverlapSSGD
@@ -48,7 +49,7 @@ class SSGD(SlotGradients, Strategy):
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):
         #: allreduce algorithm: "shm" (shared memory in a host, gloo among hosts) or one of
-        #: shmtrain.fabric.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto), or
+        #: shmtrain.fabric.allreduce.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto), or
         #: "nccl" on GPUs, one per worker (the DDP baseline: shmtrain.strategies.ssgd.nccl)
         allreduce: AllreduceName = "shm"
         #: start the allreduce bucket by bucket from gradient hooks during backward, the
@@ -68,7 +69,7 @@ class SSGD(SlotGradients, Strategy):
                     "slots and between hosts; the weights and the optimizer stay float32; docs/collectives.md)"})
 
         def __post_init__(self) -> None:
-            from shmtrain.fabric.collectives.reducers import check_name
+            from shmtrain.fabric.allreduce.collectives.reducers import check_name
 
             if self.allreduce != "nccl":
                 check_name(self.allreduce)

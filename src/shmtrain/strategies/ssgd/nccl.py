@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
+from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy
+from shmtrain.strategies.layout.flat import FlatLayout
 
 
 class NcclSSGD(Strategy):

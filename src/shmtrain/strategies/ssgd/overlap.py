@@ -6,7 +6,7 @@ does it: parameters in reverse registration order are grouped into buckets of at
 hook copies its gradient into the bucket and, when the bucket is complete, launches
 its allreduce, buckets strictly in order; after backward only the unfinished buckets
 are waited for (``collect_remaining``). With ``--allreduce shm`` (default) the buckets
-go through :class:`shmtrain.fabric.bucket_allreduce.BucketAllreduce` (shared memory,
+go through :class:`shmtrain.fabric.allreduce.buckets.BucketAllreduce` (shared memory,
 gloo between hosts; its progress runs in these hooks, on the training thread: every hook
 reduces this worker's share of each launched bucket whose peers' gradients have arrived,
 without waiting); with ``--allreduce gloo`` through
@@ -17,8 +17,8 @@ iteration; a parameter that backward did not reach is filled with zeros after ba
 (DDP's ``find_unused_parameters`` result, found without a graph walk).
 
 Staged (GPU parameters): a hook only starts the copy of its gradient into the bucket on
-the device-to-host stream (:class:`shmtrain.fabric.staging.HostStaging`) and, when that
-completes its bucket, hands the bucket to a :class:`shmtrain.fabric.staging_courier.Courier`:
+the device-to-host stream (:class:`shmtrain.strategies.layout.staging.HostStaging`) and, when that
+completes its bucket, hands the bucket to a :class:`shmtrain.strategies.layout.courier.Courier`:
 that host thread waits for the bucket's copies (CUDA events), launches complete buckets in
 order and reduces (the hook never waits and never reduces: backward's kernels keep
 coming). Pipelined: each time the courier has launched or progressed, it starts the copy
@@ -49,9 +49,10 @@ import time
 import numpy as np
 import torch
 
-from shmtrain.fabric.bucket_allreduce import assign_buckets
-from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
+from shmtrain.fabric.allreduce.buckets import assign_buckets
+from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy
+from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.partial_step import split_groups, step_part, whole_step_reason
 
 MIB = 1 << 20

@@ -2,7 +2,7 @@
 
 The weights live once per host, in a shared-memory segment that every
 local rank maps (the model's parameters are views of it). After the shared-memory
-reduction (:class:`shmtrain.fabric.shm_allreduce.ShmAllreduce`; across hosts its
+reduction (:class:`shmtrain.fabric.allreduce.shared.ShmAllreduce`; across hosts its
 leaders allreduce the host sums first, so each host holds the global mean), local rank
 ``r`` applies SGD to chunk ``r`` of the flat parameters only -- the same chunk it just
 reduced, still in its own slot and in cache -- with momentum buffers for that chunk
@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from shmtrain.fabric.flat import FlatLayout, broadcast_parameters
+from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy
+from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.parts import SlotGradients
 
 

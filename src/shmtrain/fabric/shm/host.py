@@ -1,0 +1,144 @@
+"""The workers of one host: collective allocation of shared segments, channels, barriers.
+
+Set-up is a collective among the host's local ranks, in the same order on each: local
+rank 0 creates a segment, announces its name through the torch.distributed store, the
+others attach and acknowledge, and rank 0 unlinks the name at once (see
+:mod:`shmtrain.fabric.shm.segment` for why that makes leaks impossible after set-up). Every
+rank knows the name (the run's prefix, the segment's index and tag): a different name
+in the store is refused, and the segment is attached only if this user alone can open it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from shmtrain.fabric.shm.control import ControlBlock, PeerTimeout
+from shmtrain.fabric.shm.segment import SharedSegment
+from shmtrain.fabric.trust import UntrustedError
+
+
+class HostGroup:
+    """The ``local_world`` workers of one host and their control block.
+
+    Args:
+        store: a torch.distributed store private to this host (a PrefixStore).
+        local_rank: this worker's rank on the host.
+        local_world: number of workers on the host.
+        prefix: segment-name prefix of this run and host (``shmtrain-<run>-h<node>``).
+        control: the host's control block (already attached).
+        timeout: seconds any blocking call waits for a peer.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        local_rank: int,
+        local_world: int,
+        prefix: str,
+        control: ControlBlock | None,
+        timeout: float,
+    ) -> None:
+        self.store = store
+        self.local_rank = local_rank
+        self.local_world = local_world
+        self.prefix = prefix
+        self.control = control
+        self.timeout = timeout
+        self._segments = 0
+        self._channels: dict[str, int] = {}
+        self._barrier_channel = self.channel("host.barrier")
+        if self.control is None:
+            self.control = ControlBlock(
+                self.allocate("control", ControlBlock.nbytes(local_world), _init_control(local_world)),
+                local_world,
+                init=False,
+            )
+        self._barrier_count = 0
+        self.keep: list[SharedSegment] = []
+
+    @property
+    def allocated(self) -> int:
+        """Segments allocated so far (every local rank counts the same)."""
+        return self._segments
+
+    @property
+    def ranks(self) -> range:
+        return range(self.local_world)
+
+    def channel(self, name: str) -> int:
+        """A channel id for ``name``; every local rank must ask in the same order.
+
+        A name asked for again (a second training, or a second allreduce of the same tag,
+        on the same context) gets its channel back with every word at zero, since its new
+        user counts from 1 and a word left at the old user's count would pass every wait:
+        the ranks meet (all are past the old user), local rank 0 zeroes the words, and
+        they meet again before anyone posts."""
+        if name not in self._channels:
+            self._channels[name] = len(self._channels)
+            return self._channels[name]
+        channel = self._channels[name]
+        self.barrier(f"the reuse of channel {name!r}")
+        if self.local_rank == 0:
+            self.control.reset_channel(channel)
+        self.barrier(f"the reuse of channel {name!r}")
+        return channel
+
+    def allocate(
+        self, tag: str, nbytes: int, init: Callable[[SharedSegment], None] | None = None
+    ) -> SharedSegment:
+        """Collectively create one shared segment of ``nbytes`` mapped by every local rank.
+
+        ``init`` runs on the creator before any peer can see the segment.
+        """
+        index = self._segments
+        self._segments += 1
+        name = f"{self.prefix}-{index}-{tag}"[:200]
+        key = f"segment/{index}"
+        if self.local_rank == 0:
+            segment = SharedSegment(name, nbytes, create=True)
+            try:
+                if init is not None:
+                    init(segment)
+                if self.local_world == 1:
+                    return segment
+                self.store.set(key, name)
+                self._await_count(f"{key}/attached", self.local_world - 1, f"attach of {name}")
+            finally:
+                segment.unlink()
+        else:
+            announced = self.store.get(key).decode(errors="replace")
+            if announced != name:  # every rank knows the name: the store only says it is ready
+                raise UntrustedError(
+                    f"the job's store announced segment {announced[:80]!r} where this run's is {name!r}: "
+                    "someone other than local rank 0 wrote the store; refused (run on a host and a store "
+                    "that only this user reaches: docs/security.md)")
+            segment = SharedSegment(name, nbytes, create=False)
+            self.store.add(f"{key}/attached", 1)
+        return segment
+
+    def _await_count(self, key: str, count: int, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while self.store.add(key, 0) < count:
+            if time.monotonic() > deadline:
+                raise PeerTimeout(
+                    f"{what}: only {self.store.add(key, 0)} of {count} peers answered within {self.timeout:.0f} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def barrier(self, what: str = "barrier") -> None:
+        """Sleep until every local rank has reached this barrier (futex, no spinning)."""
+        self._barrier_count += 1
+        self.control.post(self._barrier_channel, self.local_rank, self._barrier_count)
+        self.control.wait(self._barrier_channel, self.ranks, self._barrier_count, timeout=self.timeout, what=what)
+
+
+def _init_control(local_world: int) -> Callable[[SharedSegment], None]:
+    def init(segment: SharedSegment) -> None:
+        ControlBlock(segment, local_world, init=True)
+
+    return init
