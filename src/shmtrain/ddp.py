@@ -18,17 +18,16 @@ launcher, ``mp.spawn``); a :class:`ShmHookState` can also be passed as the state
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's
 # annotations with the real dist.GradBucket and Future types, not with strings.
 import os
-import secrets
 from itertools import count
 
 import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.allreduce.shared import ShmAllreduce
+from shmtrain.fabric.job import hosts
 from shmtrain.fabric.job.context import DEFAULT_TIMEOUT_S, ProcessContext, env_int
 from shmtrain.fabric.shm.control import MAX_CHANNELS
 from shmtrain.fabric.shm.host import HostGroup
-from shmtrain.fabric.shm.segment import PREFIX
 
 _states = count()  # one store namespace per state built in this process (same order on every rank)
 
@@ -129,15 +128,8 @@ def _join(local_world_size: int | None, timeout: float, tag: str) -> tuple[HostG
                          f"{world} (every host runs the same number of workers)")
     node, local_rank = divmod(rank, local_world)
     store = dist.PrefixStore(f"shmtrain-{tag}/", dist.distributed_c10d._get_default_store())
-    if rank == 0:
-        store.set("run_id", secrets.token_hex(4))
-    run_id = store.get("run_id").decode()
-    host = HostGroup(dist.PrefixStore(f"host{node}/", store), local_rank, local_world,
-                     f"{PREFIX}-{run_id}-h{node}-{tag}", None, timeout)
-    host.control.set_pid(local_rank, os.getpid())
-    leaders = None
-    if world > local_world:
-        leaders = dist.new_group([n * local_world for n in range(world // local_world)], backend="gloo")
+    host = hosts.form_host(store, str(node), local_rank, local_world, hosts.run_id(store, rank), timeout, name=tag)
+    leaders = hosts.form_leaders(local_world, world)
     host.barrier("the DDP hook's set-up")
     return host, leaders
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import queue
-import secrets
 import socket
 import threading
 from collections.abc import Callable
@@ -33,10 +32,9 @@ import torch.distributed as dist
 
 from shmtrain.backend.work import ShmBackendError, ShmWork
 from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
+from shmtrain.fabric.job import hosts
 from shmtrain.fabric.shm.affinity import allowed_cores
 from shmtrain.fabric.shm.control import DIED, PeerFailure, PeerTimeout, first_line
-from shmtrain.fabric.shm.host import HostGroup
-from shmtrain.fabric.shm.segment import PREFIX
 from shmtrain.fabric.shm.stitch import PAGE
 
 #: dtypes reduced in shared memory (the header's dtype code is the index)
@@ -102,20 +100,16 @@ class HostReducer:
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, who: str,
                  rank_name: Callable[[int], str]) -> None:
         node, local_rank, local_world = layout(store, rank, size, "shm")
-        if rank == 0:
-            store.set("run_id", secrets.token_hex(4))
-        run_id = store.get("run_id").decode()
         self.timeout = timeout.total_seconds()
-        self.host = HostGroup(dist.PrefixStore(f"host{node}/", store), local_rank, local_world,
-                              f"{PREFIX}-{run_id}-h{node}-pg", None, self.timeout)
+        self.host = hosts.form_host(store, str(node), local_rank, local_world, hosts.run_id(store, rank),
+                                    self.timeout, name="pg")
         self.control = self.host.control
-        self.control.set_pid(local_rank, os.getpid())
         self.who, self._rank_name = who, rank_name
         self.node, self.local_world, self.size = node, local_world, size
         self.hosts = size // local_world
         self.leaders = None
         if self.hosts > 1 and local_rank == 0:
-            self.leaders = dist.ProcessGroupGloo(dist.PrefixStore("leaders/", store), node, self.hosts, timeout)
+            self.leaders = hosts.leaders_from_store(store, node, self.hosts, timeout)
         self.inline = inline(local_world)
         # on a thread its waits sleep at once: spinning would take the core from the backward
         # pass running beside it (measured either way, the difference was noise)

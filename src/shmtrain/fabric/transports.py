@@ -18,11 +18,9 @@ whose transport were one host's would say so in ``hosts_reason``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
-import torch.distributed as dist
 
 from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.shm.segment import SharedSegment
@@ -215,12 +213,12 @@ class Transports:
         leaders in ``order`` on a gloo group of its own; None on the other ranks and on
         one host (collective: every rank of the job calls it)."""
         from shmtrain.fabric.exchanges.combiner import HostCombiner
+        from shmtrain.fabric.job import hosts
 
         ctx = self.ctx
         if ctx.num_nodes <= 1:
             return None
-        group = dist.new_group([node * ctx.local_world for node in range(ctx.num_nodes)], backend="gloo",
-                               timeout=timedelta(seconds=ctx.timeout))
+        group = hosts.form_leaders(ctx.local_world, ctx.world_size, ctx.timeout)  # a group of its own
         if not ctx.is_leader:
             return None
         return HostCombiner(group, order, tensor, done, ready=ready, name=f"shmtrain-{name}")

@@ -19,7 +19,6 @@ segment namespace. Only strategies whose hosts meet at a memory server can run s
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -27,10 +26,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from shmtrain.fabric.job import hosts
 from shmtrain.fabric.job.netif import choose_interface, rendezvous_error
 from shmtrain.fabric.shm.control import ControlBlock, PeerFailure, alive, first_line
 from shmtrain.fabric.shm.host import HostGroup
-from shmtrain.fabric.shm.segment import PREFIX, SharedSegment
+from shmtrain.fabric.shm.segment import SharedSegment
 from shmtrain.fabric.trust import check_path
 from shmtrain.startup import mark
 
@@ -134,14 +134,11 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
     _choose_gloo_interface(addr, world, local_rank)
     store = _open_store(addr, rank, world, timeout)
     mark("store")
-    if rank == 0 and not store.check(["run_id"]):  # shmtrain's launcher set it: keep it,
-        store.set("run_id", secrets.token_hex(4))  # so its sweep(prefix) finds our segments
-    run_id = store.get("run_id").decode()
+    run_id = hosts.run_id(store, rank)
     start = _host_start(store, node_rank, local_rank, num_nodes)
     if start > 1:
         _check_running(store, node_rank, addr)
     host = _host_group(store, node_rank, local_rank, local_world, run_id, timeout, start)
-    host.control.set_pid(local_rank, os.getpid())
     mark("host")
     owns_group = not dist.is_initialized()
     leaders = None if start > 1 else _join_groups(store, rank, world, local_world, num_nodes, timeout)
@@ -234,7 +231,6 @@ def _host_group(store: dist.Store, node_rank: int, local_rank: int, local_world:
     started again (``start`` > 1) under keys and segment names of its own (the lost
     start's keys are still in the store)."""
     tag = f"{node_rank}" if start == 1 else f"{node_rank}s{start}"
-    host_store = dist.PrefixStore(f"host{tag}/", store)
     control = None
     control_name = os.environ.get("SHMTRAIN_CONTROL")
     if control_name:
@@ -242,14 +238,7 @@ def _host_group(store: dist.Store, node_rank: int, local_rank: int, local_world:
         segment = SharedSegment(control_name, ControlBlock.nbytes(local_world), create=False,
                                 fd=int(fd) if fd else None)
         control = ControlBlock(segment, local_world, init=False)
-    return HostGroup(
-        host_store,
-        local_rank,
-        local_world,
-        f"{PREFIX}-{run_id}-h{tag}",
-        control,
-        timeout,
-    )
+    return hosts.form_host(store, tag, local_rank, local_world, run_id, timeout, control=control)
 
 
 def _join_groups(store: dist.Store, rank: int, world: int, local_world: int, num_nodes: int,
@@ -262,10 +251,7 @@ def _join_groups(store: dist.Store, rank: int, world: int, local_world: int, num
             dist.init_process_group(
                 "gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
             )
-        leaders = None
-        if num_nodes > 1:
-            leaders = dist.new_group([node * local_world for node in range(num_nodes)], backend="gloo",
-                                     timeout=wait)
+        leaders = hosts.form_leaders(local_world, world, timeout)
     except RuntimeError as exc:  # a peer's gloo address unreachable, or a peer that never came
         ifname = os.environ.get("GLOO_SOCKET_IFNAME", "(unset)")
         raise PeerFailure(
