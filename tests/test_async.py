@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from reference import batches, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel, make_config
 from shmtrain.fabric.smb import STATE_TRAINING, LocalBufferService
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.strategies.eq8 import check_eq8
+from support.reference import batches, flat_params, relative_error, tiny_model, worker_batch
 
 STEPS, BATCH, LR, ALPHA = 12, 8, 0.1, 0.5
 

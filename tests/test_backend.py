@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from conftest import at_once
-from test_torchrun import FORK, TORCHRUN, env, free_port
+from support.paths import SUPPORT
+from support.torchrun import FORK, TORCHRUN, env, free_port
 
 pytestmark = pytest.mark.timeout(180)
-SCRIPT = str(Path(__file__).with_name("ddp_backend_script.py"))
+SCRIPT = str(SUPPORT / "ddp_backend_script.py")
 
 
 def _run(backend: str, out: Path, nodes: int = 1, per_node: int = 2, launcher: list[str] = TORCHRUN,
@@ -75,7 +76,7 @@ def test_import_shmtrain_alone_does_not_import_torch() -> None:
 
 
 # -- failures: every surviving rank raises, naming the peer or the mismatch -----------
-FAILURE_SCRIPT = str(Path(__file__).with_name("backend_failure_script.py"))
+FAILURE_SCRIPT = str(SUPPORT / "backend_failure_script.py")
 
 
 def _scenario(name: str, timeout: float = 5.0, thread: bool = False,

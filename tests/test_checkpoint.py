@@ -21,61 +21,21 @@ import torch
 import torch.distributed as dist
 
 from conftest import descendants, worker_process
-from shmtrain.cli import main
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
 from shmtrain.runtime.checkpoint.files import CheckpointError
 from shmtrain.runtime.config import resolve
-
-#: a small job: exactness does not depend on the model, and a worker launch costs ~3-5 s
-SMALL = ["--workers", "2", "--model", "mlp", "--data", "synthetic", "--samples", "256",
-         "--input-shape", "1x8x8", "--batch-size", "8", "--no-progress"]
-#: long enough to be interrupted mid-run (about 1 ms per iteration here)
-LONG = [*SMALL, "--iterations", "3000", "--checkpoint-every", "100", "--timeout", "60"]
-
-
-def train(*args: str) -> int:
-    return main(["train", *args])
-
-
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    """model.pt, or rank 0's model state in a checkpoint folder."""
-    if path.is_dir():
-        return torch.load(path / "rank-0.pt", weights_only=False)["model"]
-    return torch.load(path)
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert float((a[key] - b[key]).norm() / b[key].norm().clamp_min(1e-12)) < 1e-6, key
-
-
-def iterations_logged(run: Path, rank: int) -> list[int]:
-    rows = [json.loads(r) for r in (run / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines()]
-    return [r["iteration"] for r in rows if "eval" not in r]
-
-
-def start(args: list[str]) -> subprocess.Popen:
-    """``shmtrain train`` in its own process group (as a terminal would run it)."""
-    return subprocess.Popen([sys.executable, "-m", "shmtrain", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, SHMTRAIN_NO_PROGRESS="1"))
-
-
-def wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        assert launcher.poll() is None, (what, launcher.communicate())
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout} s")
-
-
-def rows_written(run: Path, rank: int) -> int:
-    file = run / "metrics" / f"rank-{rank}.jsonl"
-    return file.read_text().count("\n") if file.exists() else 0
+from support.runs import (
+    LONG,
+    SMALL,
+    assert_same_weights,
+    iterations_logged,
+    rows_written,
+    start,
+    train,
+    wait_for,
+    weights,
+)
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +265,7 @@ def test_second_signal_stops_at_once_and_duplicates_do_not() -> None:
 def test_torchrun_resumes_a_run_folder_with_a_checkpoint(tmp_path: Path) -> None:
     """Under torchrun, ``--out DIR`` with a checkpoint resumes (what torchrun's own
     --max-restarts relies on): 30 iterations locally, then torchrun to 60."""
-    from test_torchrun import TORCHRUN, env, free_port
+    from support.torchrun import TORCHRUN, env, free_port
 
     common = [*SMALL, "--checkpoint-every", "10"]  # SMALL starts with --workers 2
     assert train(*common, "--iterations", "60", "--out", str(tmp_path / "straight")) == 0

@@ -20,12 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from conformance.compare import EXPLAINED, compare, run
+from support.conformance.compare import EXPLAINED, compare, run
 
 pytest.importorskip("expecttest", reason="PyTorch's test modules need expecttest: pip install -e '.[test]'")
 import torch  # noqa: E402
 
-RECORDED = Path(__file__).parent / "conformance" / "gloo_passes.json"
+from support.paths import SUPPORT
+
+RECORDED = SUPPORT / "conformance" / "gloo_passes.json"
 #: upstream tests in which shm must reduce through shared memory (SUM allreduce, DDP)
 THROUGH_SHM = ["test_all_reduce_sum", "test_DistributedDataParallelCPU", "test_ddp_create_graph"]
 

@@ -35,7 +35,7 @@ def _check_equivalence(results: list[dict], label: str, steps: int) -> None:
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_cpu_acc_on_cuda_matches_single_process_sgd(workers: int) -> None:
-    results = launch("test_overlap:equivalence_worker", workers,
+    results = launch("support.equivalence:equivalence_worker", workers,
                      {"mode": "cpu_acc", "steps": 50, "batch": 6, "device": "cuda"}, timeout=170)
     _check_equivalence(results, "cpu_acc", 50)
     last = results[0]["last"]
@@ -47,7 +47,7 @@ def test_cpu_acc_on_cuda_matches_single_process_sgd(workers: int) -> None:
 
 @pytest.mark.parametrize("mode", ["ssgd", "ssgd_overlap", "gpi", "ps_grad"])
 def test_synchronous_strategies_on_cuda_match_single_process_sgd(mode: str) -> None:
-    results = launch("test_overlap:equivalence_worker", 2,
+    results = launch("support.equivalence:equivalence_worker", 2,
                      {"mode": mode, "steps": 30, "batch": 6, "device": "cuda"}, timeout=170)
     _check_equivalence(results, mode, 30)
     assert results[0]["staged"] and results[0]["shared"] == 0
@@ -85,13 +85,13 @@ def test_fp16_on_cuda_trains(tmp_path: Path) -> None:
 
 def test_nccl_refuses_workers_that_share_a_gpu() -> None:
     with pytest.raises(WorkerFailed, match=r"--allreduce nccl needs one GPU per worker, but ranks 0, 1 share"):
-        launch("test_overlap:equivalence_worker", 2,
+        launch("support.equivalence:equivalence_worker", 2,
                {"mode": "ssgd_nccl", "steps": 2, "batch": 6, "device": "cuda:0"}, timeout=120)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per worker: 2 GPUs")
 def test_nccl_matches_single_process_sgd() -> None:
-    results = launch("test_overlap:equivalence_worker", 2,
+    results = launch("support.equivalence:equivalence_worker", 2,
                      {"mode": "ssgd_nccl", "steps": 30, "batch": 6, "device": "cuda"}, timeout=170)
     _check_equivalence(results, "nccl", 30)
 

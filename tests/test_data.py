@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from conftest import worker_process
-from data_sets import Indexed
 from shmtrain.cli import main
 from shmtrain.runtime.data.loader import LoaderBatches
 from shmtrain.runtime.data.sources import DataSource
 from shmtrain.runtime.data.tensors import ShardSampler
-from test_checkpoint import rows_written, start, wait_for
+from support.data_sets import Indexed
+from support.runs import rows_written, start, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # examples/ importable, as from the repository's root
@@ -80,8 +80,8 @@ def test_a_label_outside_the_declared_classes_is_named() -> None:
 
 # -- --data module:callable ---------------------------------------------------------------------
 @pytest.mark.parametrize(("spec", "args", "classes", "counts"), [
-    ("data_sets:blobs", [], {"0": 0, "1": 1, "2": 2}, "77 training samples, 19 held out"),
-    ("data_sets:named_pair", ["--data-args", "samples=60"], {"low": 0, "mid": 1, "high": 2},
+    ("support.data_sets:blobs", [], {"0": 0, "1": 1, "2": 2}, "77 training samples, 19 held out"),
+    ("support.data_sets:named_pair", ["--data-args", "samples=60"], {"low": 0, "mid": 1, "high": 2},
      "60 training samples, 24 held out"),
 ])
 def test_a_callable_data_set_trains(spec: str, args: list[str], classes: dict, counts: str, tmp_path: Path) -> None:
@@ -97,17 +97,17 @@ def test_a_callable_data_set_trains(spec: str, args: list[str], classes: dict, c
 
 @pytest.mark.parametrize(("flags", "words"), [
     (["--data", "nowhere_module:f"], ["--data 'nowhere_module:f'", "cannot import", "PYTHONPATH"]),
-    (["--data", "data_sets:nothing"], ["has no nothing"]),
-    (["--data", "data_sets:not_a_dataset"], ["returned a int", "not a torch.utils.data.Dataset"]),
-    (["--data", "data_sets:no_pairs"], ["not an (x, label) pair", "(tensor, int)"]),
-    (["--data", "data_sets:int_inputs"], ["torch.int64 tensor", "floating-point"]),
-    (["--data", "data_sets:float_labels"], ["0.5", "not an integer class index"]),
-    (["--data", "data_sets:stream"], ["IterableDataset", "map-style"]),
-    (["--data", "data_sets:blobs", "--data-args", "colour=1"], ["--data-args 'colour=1'", "colour"]),
-    (["--data", "data_sets:blobs", "--data-args", "samples"], ["is not k=v"]),
-    (["--data", "data_sets:blobs", "--data-args", "samples=1"], ["1 item(s)", "at least 2"]),
-    (["--data", "data_sets:named_pair", "--val-fraction", "0.1"], ["--val-fraction 0.1", "(train, val) pair"]),
-    (["--data", "data_sets:blobs", "--transform", "standard"], ["--transform 'standard'", "a folder --data"]),
+    (["--data", "support.data_sets:nothing"], ["has no nothing"]),
+    (["--data", "support.data_sets:not_a_dataset"], ["returned a int", "not a torch.utils.data.Dataset"]),
+    (["--data", "support.data_sets:no_pairs"], ["not an (x, label) pair", "(tensor, int)"]),
+    (["--data", "support.data_sets:int_inputs"], ["torch.int64 tensor", "floating-point"]),
+    (["--data", "support.data_sets:float_labels"], ["0.5", "not an integer class index"]),
+    (["--data", "support.data_sets:stream"], ["IterableDataset", "map-style"]),
+    (["--data", "support.data_sets:blobs", "--data-args", "colour=1"], ["--data-args 'colour=1'", "colour"]),
+    (["--data", "support.data_sets:blobs", "--data-args", "samples"], ["is not k=v"]),
+    (["--data", "support.data_sets:blobs", "--data-args", "samples=1"], ["1 item(s)", "at least 2"]),
+    (["--data", "support.data_sets:named_pair", "--val-fraction", "0.1"], ["--val-fraction 0.1", "(train, val) pair"]),
+    (["--data", "support.data_sets:blobs", "--transform", "standard"], ["--transform 'standard'", "a folder --data"]),
     (["--data", "digits", "--loader-workers", "2"], ["--loader-workers 2", "would be ignored"]),
     (["--data", "digits", "--data-args", "a=1"], ["--data-args", "module:callable"]),
     (["--data", "digits", "--input-shape", "3x8x8"], ["--input-shape '3x8x8'", "1x8x8"]),
@@ -141,13 +141,14 @@ def test_bad_data_options_are_refused_before_any_worker(flags: list[str], words:
 
 def test_too_many_items_without_classes_are_refused_with_the_fix(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setattr("shmtrain.runtime.data.user_data.SCAN_LIMIT", 50)
-    assert main(["train", "--data", "data_sets:blobs", "--model", "mlp", *TINY, "--out", str(tmp_path / "r")]) == 2
+    assert main(["train", "--data", "support.data_sets:blobs", "--model", "mlp", *TINY,
+                 "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "number of classes is not known" in err and "dataset.num_classes = N" in err, err
 
 
 def test_a_label_beyond_the_declared_classes_fails_the_run_by_name(tmp_path: Path, capsys) -> None:
-    code = main(["train", "--data", "data_sets:wrong_classes", "--model", "mlp", *TINY, "--iterations", "3",
+    code = main(["train", "--data", "support.data_sets:wrong_classes", "--model", "mlp", *TINY, "--iterations", "3",
                  "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 1 and "is outside 0..1" in err and "Traceback" not in err, err

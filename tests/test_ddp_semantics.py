@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.strategies.layout.staging import STAGING_ENV
+from support.reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 
 STEPS, BATCH, CLIP = 20, 8, 0.5
 
@@ -271,7 +271,7 @@ SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from torch import nn
 sys.path.insert(0, {tests!r})
-from reference import tiny_model, batches
+from support.reference import tiny_model, batches
 import shmtrain
 dist.init_process_group("gloo")
 net = tiny_model()
@@ -296,7 +296,7 @@ os._exit(0)  # torch's gloo may abort at interpreter exit ("terminate called wit
 
 @pytest.mark.timeout(150)
 def test_close_leaves_the_process_group_the_script_created(tmp_path: Path) -> None:
-    from test_torchrun import FORK, env, free_port
+    from support.torchrun import FORK, env, free_port
 
     script = tmp_path / "script.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))

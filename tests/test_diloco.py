@@ -12,212 +12,15 @@ only link traffic: the host's reduced buffer, ``fabric/allreduce/shared.py``), a
 
 from __future__ import annotations
 
-import threading
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from shmtrain.strategies.base import build_config, plan
-from shmtrain.timing import PhaseTimer
-from test_seams import train_steps
-
-IN, OUT, BATCH = 6, 3, 4
-
-
-class _Exchange:
-    """The state shared by the peers of one allreduce (a tag): slots, results, a barrier."""
-
-    def __init__(self, members: list[int], numel: int, dtype: torch.dtype) -> None:
-        self.members = members
-        self.barrier = threading.Barrier(len(members), timeout=30)
-        self.slots = {r: [torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype)] for r in members}
-        self.results = [torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype)]
-
-
-class _PeerAllreduce:
-    """One peer's end of an in-process mean allreduce (the ``Allreduce`` protocol)."""
-
-    def __init__(self, world: _World, exchange: _Exchange, rank: int, across: bool) -> None:
-        self.world, self.exchange, self.rank, self.across, self.count = world, exchange, rank, across, 0
-
-    def input(self, step: int | None = None) -> torch.Tensor:
-        return self.exchange.slots[self.rank][(self.count + 1 if step is None else step) % 2]
-
-    def result(self, step: int | None = None) -> torch.Tensor:
-        return self.exchange.results[(self.count if step is None else step) % 2]
-
-    def __call__(self) -> torch.Tensor:
-        self.count += 1
-        parity, ex = self.count % 2, self.exchange
-        ex.barrier.wait()
-        if self.rank == ex.members[0]:
-            stacked = torch.stack([ex.slots[r][parity].float() for r in ex.members])
-            ex.results[parity].copy_(stacked.mean(0))
-        if self.across and self.world.is_leader(self.rank) and self.world.hosts > 1:
-            self.world.count_across(self.rank, self.input(self.count).nbytes)
-        ex.barrier.wait()
-        return self.result()
-
-    def close(self) -> None:
-        pass
-
-
-class _World:
-    """Peers on ``hosts`` hosts (consecutive ranks per host) and the bytes each sent across."""
-
-    def __init__(self, peers: int, hosts: int = 1) -> None:
-        self.peers, self.hosts, self.local = peers, hosts, peers // hosts
-        self.lock = threading.Lock()
-        self.exchanges: dict[tuple[str, int], _Exchange] = {}
-        self.bytes_across = [0] * peers
-        self.errors: list[BaseException] = []
-
-    def is_leader(self, rank: int) -> bool:
-        return rank % self.local == 0
-
-    def count_across(self, rank: int, nbytes: int) -> None:
-        with self.lock:
-            self.bytes_across[rank] += nbytes
-
-    def exchange(self, tag: str, group: int, members: list[int], numel: int, dtype: torch.dtype) -> _Exchange:
-        with self.lock:
-            key = (tag, group)
-            if key not in self.exchanges:
-                self.exchanges[key] = _Exchange(members, numel, dtype)
-            return self.exchanges[key]
-
-    def abort(self) -> None:
-        with self.lock:
-            for ex in self.exchanges.values():
-                ex.barrier.abort()
-
-
-class _Board:
-    """A host's board in memory: the leader writes the tensor, a barrier publishes it."""
-
-    def __init__(self, exchange: _Exchange) -> None:
-        self.exchange = exchange
-
-    def tensor(self) -> torch.Tensor:
-        return self.exchange.results[0]
-
-    def post(self, step: int) -> None:
-        self.exchange.barrier.wait()
-
-    wait = post
-
-    def close(self) -> None:
-        pass
-
-
-class FakeTransports:
-    """A ``Transports`` whose allreduces run among threads; any other factory is refused."""
-
-    def __init__(self, world: _World, rank: int) -> None:
-        self.world, self.rank = world, rank
-
-    def allreduce(self, name: str, numel: int, dtype: torch.dtype = torch.float32, op: str = "mean", *,
-                  tag: str = "grads") -> _PeerAllreduce:
-        assert (name, op) == ("shm", "mean")
-        exchange = self.world.exchange(tag, 0, list(range(self.world.peers)), numel, dtype)
-        return _PeerAllreduce(self.world, exchange, self.rank, across=True)
-
-    def group_allreduce(self, group: int, numel: int, dtype: torch.dtype = torch.float32, op: str = "mean", *,
-                        tag: str = "group") -> _PeerAllreduce:
-        local = self.world.local
-        members = list(range(group * local, (group + 1) * local))
-        exchange = self.world.exchange(tag, group, members, numel, dtype)
-        return _PeerAllreduce(self.world, exchange, self.rank, across=False)
-
-    def host_allreduce(self, numel: int, dtype: torch.dtype = torch.float32, op: str = "mean", *,
-                       tag: str = "host") -> _PeerAllreduce:
-        return self.group_allreduce(self.rank // self.world.local, numel, dtype, op, tag=tag)
-    def compressed_allreduce(self, numel: int, spec, *, tag: str):
-        """fabric's CompressedAllreduce on in-process pieces: the host's mean, a board
-        (a tensor and a barrier per host) and the leaders' all-gather, which counts the
-        payload each leader sends across."""
-        from shmtrain.fabric.compress.allreduce import CompressedAllreduce
-
-        world, host = self.world, self.rank // self.world.local
-        members = list(range(host * world.local, (host + 1) * world.local))
-        board = world.exchange(f"{tag}.board", host, members, numel, torch.float32)
-        leader = world.is_leader(self.rank)
-        gather = None
-        if leader and world.hosts > 1:
-            leaders = [h * world.local for h in range(world.hosts)]
-            gathered = world.exchange(f"{tag}.gather", 0, leaders, 0, torch.uint8)
-
-            def gather(payload: torch.Tensor) -> list[torch.Tensor]:
-                gathered.slots[self.rank] = [payload.clone()]
-                world.count_across(self.rank, payload.nbytes)
-                gathered.barrier.wait()
-                out = [gathered.slots[r][0].clone() for r in leaders]
-                gathered.barrier.wait()
-                return out
-
-        return CompressedAllreduce(self.group_allreduce(host, numel, tag=f"{tag}.host"), _Board(board), numel,
-                                   spec, leader=leader, gather=gather)
-
-    def __getattr__(self, name: str):
-        raise AssertionError(f"the strategy asked the fake transports for {name}")
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, OUT))
-
-
-def _inner(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
-
-
-def _data(steps: int, peers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return (torch.randn(steps, peers, BATCH, IN, generator=gen),
-            torch.randint(0, OUT, (steps, peers, BATCH), generator=gen))
-
-
-def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, hosts: int = 1, *,
-              finish: bool = True) -> dict[str, Any]:
-    """Train ``steps`` iterations of ``strategy`` on ``peers`` threads over ``hosts`` fake
-    hosts; every peer's final weights and the bytes each peer sent across hosts (with
-    ``finish=False`` the engines are left open, their exchanges and state still there)."""
-    xs, ys = _data(steps, peers)
-    config = build_config(strategy, options)
-    cls = plan(strategy, config, peers, hosts)
-    world = _World(peers, hosts)
-    models = [_net() for _ in range(peers)]  # built one after another: torch's RNG is global
-    finals: list[torch.Tensor | None] = [None] * peers
-    engines: list[Any] = [None] * peers
-
-    def peer(rank: int) -> None:
-        try:
-            model = models[rank]
-            ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=hosts)
-            engine = cls(config, ctx, model, _inner(model), PhaseTimer(), transports=FakeTransports(world, rank))
-            engines[rank] = engine
-            train_steps(engine, model, xs, ys, rank)
-            finals[rank] = _flat(model)
-            if finish:
-                engine.finish()
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            world.errors.append(exc)
-            world.abort()
-
-    threads = [threading.Thread(target=peer, args=(r,)) for r in range(peers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not world.errors, world.errors
-    return {"finals": finals, "bytes_across": world.bytes_across, "engines": engines, "class": cls}
+from shmtrain.strategies.base import build_config
+from support.fake_hosts import inner_sgd, peer_batches, peer_model, run_peers
+from support.reference import flat_params, relative_error
 
 
 def reference(steps: int, groups: list[list[int]], sync_every: int, fragments: int, outer_lr: float,
@@ -229,10 +32,10 @@ def reference(steps: int, groups: list[list[int]], sync_every: int, fragments: i
     (Nesterov), θ_i ← α θ_i + (1 − α) θ (Streaming DiLoCo's overlap and mixing).
     Returns each group's final weights."""
     peers = sum(len(g) for g in groups)
-    xs, ys = _data(steps, peers)
-    models = [_net() for _ in groups]
-    optimizers = [_inner(m) for m in models]
-    theta = _flat(models[0])
+    xs, ys = peer_batches(steps, peers)
+    models = [peer_model() for _ in groups]
+    optimizers = [inner_sgd(m) for m in models]
+    theta = flat_params(models[0])
     numel = theta.numel()
     cuts = [numel * f // fragments for f in range(fragments + 1)]
     momentum = torch.zeros(numel)
@@ -243,7 +46,7 @@ def reference(steps: int, groups: list[list[int]], sync_every: int, fragments: i
         momentum[lo:hi] = outer_momentum * momentum[lo:hi] + delta
         theta[lo:hi] -= outer_lr * (delta + outer_momentum * momentum[lo:hi])
         for model in models:
-            flat = _flat(model)
+            flat = flat_params(model)
             flat[lo:hi] = mixing * flat[lo:hi] + (1 - mixing) * theta[lo:hi]
             torch.nn.utils.vector_to_parameters(flat, model.parameters())
 
@@ -261,16 +64,12 @@ def reference(steps: int, groups: list[list[int]], sync_every: int, fragments: i
             if done % sync_every != f * sync_every // fragments:
                 continue
             lo, hi = cuts[f], cuts[f + 1]
-            delta = torch.stack([theta[lo:hi] - _flat(m)[lo:hi] for m in models]).mean(0)
+            delta = torch.stack([theta[lo:hi] - flat_params(m)[lo:hi] for m in models]).mean(0)
             if overlap_steps:
                 pending = (f, done + overlap_steps, delta)
             else:
                 apply(f, delta)
-    return [_flat(m) for m in models]
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return [flat_params(m) for m in models]
 
 
 @pytest.mark.timeout(60)
@@ -282,8 +81,8 @@ def test_one_inner_step_with_a_unit_outer_step_equals_ssgd(peers: int) -> None:
     ssgd = run_peers("ssgd", {}, peers, steps)["finals"]
     diloco = run_peers("diloco", {"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}, peers, steps)["finals"]
     for rank in range(peers):
-        assert _relative(diloco[rank], ssgd[rank]) < 1e-5, rank
-    assert _relative(ssgd[0], _flat(_net())) > 1e-2  # the weights moved
+        assert relative_error(diloco[rank], ssgd[rank]) < 1e-5, rank
+    assert relative_error(ssgd[0], flat_params(peer_model())) > 1e-2  # the weights moved
 
 
 @pytest.mark.timeout(60)
@@ -296,10 +95,10 @@ def test_outer_steps_equal_the_equations(sync_every: int, fragments: int) -> Non
     run = run_peers("diloco", options, peers, steps)
     expected = reference(steps, [[r] for r in range(peers)], sync_every, fragments, 0.7, 0.9)
     for rank in range(peers):
-        assert _relative(run["finals"][rank], expected[rank]) < 1e-5, rank
+        assert relative_error(run["finals"][rank], expected[rank]) < 1e-5, rank
     # the outer step differs from plain averaging (outer lr 1, no momentum) by far more
     averaged = reference(steps, [[r] for r in range(peers)], sync_every, fragments, 1.0, 0.0)
-    assert _relative(averaged[0], expected[0]) > 1e-3
+    assert relative_error(averaged[0], expected[0]) > 1e-3
     assert run["engines"][0].outer_steps == 2 * fragments
 
 
@@ -314,9 +113,9 @@ def test_overlapped_fragments_equal_the_equations(overlap_steps: int, mixing: fl
     run = run_peers("diloco", options, peers, steps)
     expected = reference(steps, [[r] for r in range(peers)], H, F, 0.7, 0.9, overlap_steps, mixing)
     for rank in range(peers):
-        assert _relative(run["finals"][rank], expected[rank]) < 1e-5, rank
+        assert relative_error(run["finals"][rank], expected[rank]) < 1e-5, rank
     unlapped = reference(steps, [[r] for r in range(peers)], H, F, 0.7, 0.9, 0, mixing)
-    assert _relative(unlapped[0], expected[0]) > 1e-4  # the delay is not a no-op
+    assert relative_error(unlapped[0], expected[0]) > 1e-4  # the delay is not a no-op
     engine = run["engines"][0]
     # exchanges started at 3, 6, 9, 12; the one of 12 is applied after 12 + τ <= 14
     assert engine.outer_steps == 4 and engine.pending is None
@@ -330,9 +129,9 @@ def test_one_outer_step_after_h_steps_equals_the_equations() -> None:
     run = run_peers("diloco", {"sync_every": H, "outer_lr": 0.5, "outer_momentum": 0.9}, peers, H)
     expected = reference(H, [[0], [1]], H, 1, 0.5, 0.9)
     assert torch.equal(expected[0], expected[1])
-    assert all(_relative(f, expected[0]) < 1e-5 for f in run["finals"])
+    assert all(relative_error(f, expected[0]) < 1e-5 for f in run["finals"])
     before = run_peers("diloco", {"sync_every": H, "outer_lr": 0.5, "outer_momentum": 0.9}, peers, H - 1)
-    assert _relative(before["finals"][0], before["finals"][1]) > 1e-4
+    assert relative_error(before["finals"][0], before["finals"][1]) > 1e-4
 
 
 @pytest.mark.timeout(60)
@@ -346,15 +145,15 @@ def test_the_hybrid_is_ssgd_inside_a_host_and_diloco_between_hosts() -> None:
     assert run["class"].__name__ == "HostSyncDiLoCo"
     expected = reference(steps, [[0, 1], [2, 3]], H, 1, 0.7, 0.9)
     for rank in range(4):
-        assert _relative(run["finals"][rank], expected[rank // 2]) < 1e-5, rank
+        assert relative_error(run["finals"][rank], expected[rank // 2]) < 1e-5, rank
     mid = run_peers("diloco", options, 4, H + 1, hosts=2)["finals"]
     assert torch.equal(mid[0], mid[1]) and torch.equal(mid[2], mid[3])  # synchronous inside a host
-    assert _relative(mid[0], mid[2]) > 1e-4  # hosts apart between outer steps
+    assert relative_error(mid[0], mid[2]) > 1e-4  # hosts apart between outer steps
     # on one host with a unit outer step it is ssgd whatever H
     one = run_peers("diloco", {"inner": "host-sync", "sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
                     2, 6)["finals"]
     ssgd = run_peers("ssgd", {}, 2, 6)["finals"]
-    assert _relative(one[0], ssgd[0]) < 1e-5
+    assert relative_error(one[0], ssgd[0]) < 1e-5
 
 
 @pytest.mark.timeout(120)
@@ -362,7 +161,7 @@ def test_bytes_across_hosts_per_iteration_are_1_over_h_of_ssgd_and_half_again_in
     """Counted: what each host's leader sends to the other hosts, per iteration, on 2
     hosts x 2 workers over 12 iterations (H = 4)."""
     steps, H = 12, 4
-    numel = _flat(_net()).numel()
+    numel = flat_params(peer_model()).numel()
 
     def per_iteration(strategy: str, options: dict[str, Any]) -> float:
         sent = run_peers(strategy, options, 4, steps, hosts=2)["bytes_across"]
@@ -389,7 +188,7 @@ def test_bf16_outer_gradients_stay_close_to_fp32() -> None:
     fp32 = run_peers("diloco", options, 2, 6)["finals"][0]
     bf16 = run_peers("diloco", {**options, "outer_dtype": "bf16"}, 2, 6)["finals"]
     assert torch.equal(bf16[0], bf16[1])  # still the same θ everywhere
-    assert 0 < _relative(bf16[0], fp32) < 1e-2
+    assert 0 < relative_error(bf16[0], fp32) < 1e-2
 
 
 @pytest.mark.timeout(60)
@@ -418,7 +217,7 @@ def test_resume_mid_period_is_exact(options: dict[str, Any]) -> None:
     """Saved after 6 iterations (mid-period: fragment 1 synchronised at 6, fragment 0 due
     at 8) and resumed on a fresh fabric: the straight run's weights; the state holds
     θ^(t) and the outer momentum."""
-    from test_state import HALF, assert_exact_resume
+    from support.resume import HALF, assert_exact_resume
 
     states = assert_exact_resume({"strategy": "diloco", "options": options})
     state = states[0]["strategy"]
@@ -493,18 +292,18 @@ def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
     import sys
 
     from shmtrain.fabric.shm.segment import leftover
-    from test_torchrun import _same_weights, _two_hosts, env
+    from support.torchrun import env, same_weights, two_hosts
 
     common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress"]
     streaming = [*common, "--batch-size", "8", "--sync-every", "4", "--fragments", "2", "--overlap-steps", "1",
                  "--mixing", "0.5"]
-    _two_hosts(tmp_path / "2x2", streaming)
+    two_hosts(tmp_path / "2x2", streaming)
     subprocess.run([sys.executable, "-m", "shmtrain", "train", *streaming, "--workers", "4", "--out",
                     str(tmp_path / "1x4")], check=True, timeout=150, env=env(), capture_output=True)
-    _same_weights(tmp_path / "1x4", tmp_path / "2x2")
+    same_weights(tmp_path / "1x4", tmp_path / "2x2")
     hybrid = [*common, "--sync-every", "3"]
-    _two_hosts(tmp_path / "hybrid-2x2", [*hybrid, "--batch-size", "8", "--inner", "host-sync"])
+    two_hosts(tmp_path / "hybrid-2x2", [*hybrid, "--batch-size", "8", "--inner", "host-sync"])
     subprocess.run([sys.executable, "-m", "shmtrain", "train", *hybrid, "--batch-size", "16", "--workers", "2",
                     "--out", str(tmp_path / "lone-2")], check=True, timeout=150, env=env(), capture_output=True)
-    _same_weights(tmp_path / "lone-2", tmp_path / "hybrid-2x2")
+    same_weights(tmp_path / "lone-2", tmp_path / "hybrid-2x2")
     assert not leftover()

@@ -13,7 +13,8 @@ import torch
 from shmtrain.fabric.compress.codec import Codec, parse_compress
 from shmtrain.strategies.base import build_config
 from shmtrain.strategies.diloco import OUTER_DILOCO, OUTER_UNDER_MOMENTUM, outer_defaults
-from test_diloco import _flat, _net, _relative, run_peers
+from support.fake_hosts import peer_model, run_peers
+from support.reference import flat_params, relative_error
 
 IDENTITY = "topk:1,bits:32"  # every element kept, float32 values: D(C(x)) = x
 
@@ -33,7 +34,7 @@ def test_compression_off_is_bit_identical_to_the_exact_exchange(options: dict[st
     assert exact["engines"][0].compress is None and identity["engines"][0].compress is not None
     for a, b in zip(exact["finals"], identity["finals"], strict=True):
         assert torch.equal(a, b)
-    assert _relative(exact["finals"][0], _flat(_net())) > 1e-2  # the weights moved
+    assert relative_error(exact["finals"][0], flat_params(peer_model())) > 1e-2  # the weights moved
 
 
 @pytest.mark.timeout(60)
@@ -54,7 +55,7 @@ def test_compressed_bytes_across_hosts_are_the_payload_once_per_outer_step() -> 
     """2 hosts x 2, H = 4, 12 iterations: each host's leader sends one payload per outer
     step (its host's mean, compressed), nothing else; the members send nothing."""
     steps, H = 12, 4
-    numel = _flat(_net()).numel()
+    numel = flat_params(peer_model()).numel()
     for text in ("topk:0.1,bits:4", "topk:0.25,bits:8", "topk:0.5,bits:32"):
         run = run_peers("diloco", {"sync_every": H, "compress": text}, 4, steps, hosts=2)
         payload = Codec(numel, parse_compress(text)).nbytes
@@ -83,7 +84,7 @@ def test_resume_with_compression_is_exact() -> None:
     """Real processes (the shared-memory CompressedAllreduce on one host): saved after 6
     iterations with an exchange in flight, resumed: the straight run's weights; the
     state holds each fragment's error feedback."""
-    from test_state import assert_exact_resume
+    from support.resume import assert_exact_resume
 
     options = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "compress": "topk:0.1,bits:4"}
     states = assert_exact_resume({"strategy": "diloco", "options": options})
@@ -132,7 +133,7 @@ def test_the_flag_and_toml_key() -> None:
 def test_the_outer_defaults_follow_the_inner_optimizer(make, expected) -> None:
     """docs/diloco.md's table: under SGD with momentum, outer lr 1.0 and Nesterov 0.5
     (DiLoCo's 0.7 / 0.9 on top of it diverged); otherwise DiLoCo's."""
-    assert outer_defaults(make(_net().parameters())) == expected
+    assert outer_defaults(make(peer_model().parameters())) == expected
     assert OUTER_UNDER_MOMENTUM == (1.0, 0.5) and OUTER_DILOCO == (0.7, 0.9)
 
 
@@ -158,15 +159,15 @@ def test_two_hosts_through_the_leaders_all_gather(tmp_path) -> None:
     import sys
 
     from shmtrain.fabric.shm.segment import leftover
-    from test_torchrun import _same_weights, _two_hosts, env
+    from support.torchrun import env, same_weights, two_hosts
 
     common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress", "--batch-size", "8",
               "--sync-every", "4"]
-    _two_hosts(tmp_path / "identity-2x2", [*common, "--compress", IDENTITY])
+    two_hosts(tmp_path / "identity-2x2", [*common, "--compress", IDENTITY])
     subprocess.run([sys.executable, "-m", "shmtrain", "train", *common, "--workers", "4", "--out",
                     str(tmp_path / "exact-1x4")], check=True, timeout=150, env=env(), capture_output=True)
-    _same_weights(tmp_path / "exact-1x4", tmp_path / "identity-2x2")
-    _two_hosts(tmp_path / "hybrid-2x2", [*common, "--inner", "host-sync", "--compress", "topk:0.1,bits:4"])
+    same_weights(tmp_path / "exact-1x4", tmp_path / "identity-2x2")
+    two_hosts(tmp_path / "hybrid-2x2", [*common, "--inner", "host-sync", "--compress", "topk:0.1,bits:4"])
     summary = json.loads((tmp_path / "hybrid-2x2" / "summary.json").read_text())
     assert summary["workers"] == 4 and summary["iterations"] == 12
     assert not leftover()

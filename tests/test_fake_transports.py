@@ -24,7 +24,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from shmtrain import strategies
 from shmtrain.fabric.exchanges.accumulator import SharedAccumulator
 from shmtrain.strategies.base import build_config
-from test_seams import FakeTransports, _net, on_threads, train_steps
+from support.fake_transports import FakeTransports, on_threads, small_net, train_steps
 
 PEERS, STEPS, BATCH, LR, MOMENTUM = 3, 5, 4, 0.1, 0.9
 
@@ -299,7 +299,7 @@ def run_peers(name: str, options: dict[str, Any], peers: int, data) -> tuple[lis
     world = Peers(peers)
     # built here, one after another: threads seeding torch's global RNG at once would
     # draw each other's numbers (the peers would start from different weights)
-    models = [_net() for _ in range(peers)]
+    models = [small_net() for _ in range(peers)]
     finals: list[torch.Tensor] = [torch.empty(0)] * peers
     asked: list[list[str]] = [[] for _ in range(peers)]
 
@@ -322,7 +322,7 @@ def _union_sgd(data) -> torch.Tensor:
     """One model, SGD with momentum on every peer's batch at once (the mean of their
     equal-sized losses): what a synchronous strategy must equal."""
     xs, ys = data
-    model = _net()
+    model = small_net()
     opt = _sgd(model)
     for step in range(xs.shape[0]):
         opt.zero_grad()
@@ -335,7 +335,7 @@ def _alone(data, peers: int, average_after: Callable[[int], bool] = lambda done:
     """Each peer's own model and optimizer on its own batches; after ``done`` steps where
     ``average_after(done)``, every model's weights become their mean (momentum stays each one's)."""
     xs, ys = data
-    models = [_net() for _ in range(peers)]
+    models = [small_net() for _ in range(peers)]
     opts = [_sgd(m) for m in models]
     for step in range(xs.shape[0]):
         for r, (m, opt) in enumerate(zip(models, opts, strict=True)):
@@ -354,7 +354,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def _moved(weights: torch.Tensor) -> bool:
-    return not torch.equal(weights, parameters_to_vector(_net().parameters()).detach())
+    return not torch.equal(weights, parameters_to_vector(small_net().parameters()).detach())
 
 
 def test_nocomm_trains_each_peer_alone_and_asks_for_nothing() -> None:
@@ -408,7 +408,7 @@ def test_diloco_fragments_through_a_fake_allreduce_equal_algorithm_1_by_hand() -
     options = {"sync_every": h, "fragments": 2, "outer_lr": outer_lr, "outer_momentum": outer_m}
     finals, asked = run_peers("diloco", options, PEERS, data)
     xs, ys = data
-    models = [_net() for _ in range(PEERS)]
+    models = [small_net() for _ in range(PEERS)]
     opts = [_sgd(m) for m in models]
     theta = parameters_to_vector(models[0].parameters()).detach().clone()  # θ^(0)
     half = theta.numel() // 2

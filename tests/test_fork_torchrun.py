@@ -12,7 +12,7 @@ import torch
 
 from conftest import at_once
 from shmtrain.fabric.shm.segment import leftover
-from test_torchrun import FORK, TORCHRUN, env, free_port
+from support.torchrun import FORK, TORCHRUN, env, free_port
 
 PROBE = """\
 import json, os, signal, sys

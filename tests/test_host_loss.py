@@ -24,30 +24,10 @@ import psutil
 import pytest
 
 from shmtrain.fabric.shm.segment import leftover
-from test_smb_remote import _smb_servers
-from test_torchrun import start_hosts
+from support.memory_server import running_servers
+from support.torchrun import agent_workers, start_hosts, training_rows
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _rows(path: Path) -> int:
-    try:
-        return sum(1 for line in path.read_text().splitlines() if line.strip() and '"eval"' not in line)
-    except FileNotFoundError:
-        return 0
-
-
-def _workers(agent: psutil.Process) -> dict[int, psutil.Process]:
-    """The agent's workers by local rank."""
-    found = {}
-    for child in agent.children():  # not their own children (a memory server)
-        try:
-            rank = child.environ().get("LOCAL_RANK")
-        except psutil.Error:
-            continue
-        if rank is not None:
-            found[int(rank)] = child
-    return found
 
 
 def _lose_host_one(tmp_path: Path, strategy: str, whole_host: bool) -> tuple[list[str], list[int], Path]:
@@ -58,11 +38,11 @@ def _lose_host_one(tmp_path: Path, strategy: str, whole_host: bool) -> tuple[lis
                               "--timeout", "30", "--no-progress"], forked=(0,))
     try:
         deadline = time.monotonic() + 120
-        while min(_rows(out / "metrics" / f"rank-{r}.jsonl") for r in (2, 3)) < 10:  # host 1's workers train
+        while min(training_rows(out / "metrics" / f"rank-{r}.jsonl") for r in (2, 3)) < 10:  # host 1's workers train
             assert time.monotonic() < deadline and nodes[1].poll() is None, "host 1 never trained"
             time.sleep(0.1)
         agent = psutil.Process(nodes[1].pid)
-        workers = _workers(agent)
+        workers = agent_workers(agent)
         assert set(workers) == {0, 1}, workers
         victims = [agent, *workers.values()] if whole_host else [workers[0]]
         for victim in victims:
@@ -79,7 +59,7 @@ def _lose_host_one(tmp_path: Path, strategy: str, whole_host: bool) -> tuple[lis
                                                  ("hsgd", True)])
 def test_the_other_host_trains_on_and_names_the_lost_workers(tmp_path: Path, strategy: str,
                                                              whole_host: bool) -> None:
-    before = set(_smb_servers())
+    before = set(running_servers())
     outputs, codes, out = _lose_host_one(tmp_path, strategy, whole_host)
     assert codes[0] == 0, outputs[0]
     assert codes[1] != 0, outputs[1]  # host 1 was lost (its agent reports the failure, or was killed)
@@ -91,7 +71,7 @@ def test_the_other_host_trains_on_and_names_the_lost_workers(tmp_path: Path, str
     assert summary["iterations"] >= 120  # rank 0 reached its target
     assert "lost during the run" in outputs[0] and "rank 2 after iteration" in outputs[0], outputs[0]
     deadline = time.monotonic() + 45  # the memory server ends once every client left or was lost (a loaded host: slow)
-    while set(_smb_servers()) - before:
+    while set(running_servers()) - before:
         assert time.monotonic() < deadline, "the memory server outlived the job"
         time.sleep(0.2)
     assert not leftover()
@@ -119,11 +99,11 @@ def test_a_lost_agent_does_not_keep_the_other_host_at_its_exit_barrier(tmp_path:
     workers: dict[int, psutil.Process] = {}
     try:
         deadline = time.monotonic() + 120
-        while _rows(out / "metrics" / "rank-2.jsonl") < 5:  # host 1 is training
+        while training_rows(out / "metrics" / "rank-2.jsonl") < 5:  # host 1 is training
             assert time.monotonic() < deadline and nodes[1].poll() is None, "host 1 never trained"
             time.sleep(0.1)
         agent = psutil.Process(nodes[1].pid)
-        workers = _workers(agent)
+        workers = agent_workers(agent)
         os.kill(agent.pid, signal.SIGKILL)
         output = nodes[0].communicate(timeout=150)[0].decode()
         ended = time.time()

@@ -30,9 +30,8 @@ from shmtrain import strategies
 from shmtrain.fabric.job import context
 from shmtrain.fabric.shm.control import PeerFailure
 from shmtrain.fabric.shm.segment import leftover
-from test_host_loss import _rows, _workers
-from test_smb_remote import _smb_servers
-from test_torchrun import env, free_port, host_command
+from support.memory_server import running_servers
+from support.torchrun import agent_workers, env, free_port, host_command, training_rows
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -71,7 +70,7 @@ def test_a_strategy_whose_hosts_meet_in_gloo_refuses_a_rejoin(name: str) -> None
     assert not cls.rejoins and all(strategies.get(s).rejoins for s in ("seasgd", "easgd", "downpour", "hsgd"))
 
 #: a paced model (20 ms per forward): the run outlasts host 1's absence on a loaded machine
-ARGS = ["--model", "paced_model:PacedMLP", "--model-args", "delay=0.02", "--iterations", "1500",
+ARGS = ["--model", "support.paced_model:PacedMLP", "--model-args", "delay=0.02", "--iterations", "1500",
         "--batch-size", "16", "--timeout", "30", "--no-progress", "--lr", "0.1"]
 
 
@@ -105,23 +104,23 @@ def _start(node: int, port: int, out: Path, args: list[str]) -> subprocess.Popen
                                       pytest.param("easgd", marks=pytest.mark.slow),
                                       pytest.param("downpour", marks=pytest.mark.slow)])
 def test_a_lost_host_started_again_rejoins_and_both_train_to_the_end(tmp_path: Path, strategy: str) -> None:
-    before = set(_smb_servers())
+    before = set(running_servers())
     out, port = tmp_path / "run", free_port()
     args = ["--strategy", strategy, *ARGS]
     nodes = [_start(0, port, out, args), _start(1, port, out, args)]
     try:
         deadline = time.monotonic() + 150
-        while _rows(out / "metrics" / "rank-2.jsonl") < 40:  # host 1 is training
+        while training_rows(out / "metrics" / "rank-2.jsonl") < 40:  # host 1 is training
             assert time.monotonic() < deadline and nodes[1].poll() is None, "host 1 never trained"
             time.sleep(0.1)
         agent = psutil.Process(nodes[1].pid)
-        assert set(_workers(agent)) == {0, 1}
+        assert set(agent_workers(agent)) == {0, 1}
         job = _losses(out / "metrics" / "rank-0.jsonl")
         _kill_host(agent)
         nodes[1].communicate(timeout=10)
         time.sleep(5)
         assert nodes[0].poll() is None, "host 0 stopped when host 1 was lost"
-        assert _rows(out / "metrics" / "rank-0.jsonl") > max(job) + 50, "host 0 did not train on alone"
+        assert training_rows(out / "metrics" / "rank-0.jsonl") > max(job) + 50, "host 0 did not train on alone"
         nodes.append(_start(1, port, out, args))  # the same command
         outputs = [nodes[0].communicate(timeout=200)[0].decode(), nodes[2].communicate(timeout=60)[0].decode()]
     finally:
@@ -146,7 +145,7 @@ def test_a_lost_host_started_again_rejoins_and_both_train_to_the_end(tmp_path: P
         assert first <= before_loss + 0.3 and first < 1.5, (rank, first, before_loss)
     assert summary["iterations"] >= 1500
     deadline = time.monotonic() + 15  # the memory server ends once every client left
-    while set(_smb_servers()) - before:
+    while set(running_servers()) - before:
         assert time.monotonic() < deadline, "the memory server outlived the job"
         time.sleep(0.2)
     assert not leftover()

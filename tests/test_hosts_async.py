@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shmtrain.fabric.shm.segment import leftover
-from test_torchrun import _two_hosts, env
+from support.torchrun import env, two_hosts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,7 +36,7 @@ def test_termination_policies_across_hosts(tmp_path: Path, policy: str) -> None:
     """ShmCaffe III-E across hosts: ``master`` ends everyone when rank 0 (host 0) reaches
     its target, ``first`` when the first worker does, ``average`` when the mean count does."""
     target = 30
-    _two_hosts(tmp_path, ["--strategy", "seasgd", "--iterations", str(target), "--batch-size", "16",
+    two_hosts(tmp_path, ["--strategy", "seasgd", "--iterations", str(target), "--batch-size", "16",
                           "--terminate", policy, "--no-progress"])
     done = _per_rank(tmp_path)
     assert sorted(done) == [0, 1, 2, 3]
@@ -63,7 +63,7 @@ def test_accuracy_across_hosts_is_that_of_one_host(tmp_path: Path, strategy: str
     for seed in ("1", "2", "3"):
         args = ["--strategy", strategy, "--epochs", "20", "--batch-size", "16", "--seed", seed, "--momentum", "0",
                 "--lr", "0.1", "--no-progress"]
-        _two_hosts(tmp_path / f"two{seed}", args)
+        two_hosts(tmp_path / f"two{seed}", args)
         subprocess.run([sys.executable, "-m", "shmtrain", "train", *args, "--workers", "4", "--out",
                         str(tmp_path / f"one{seed}")], check=True, timeout=240, env=env(), capture_output=True)
         one.append(accuracy(tmp_path / f"one{seed}"))

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from data_sets import Huge
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data.permutation import PermutedRange, permute
 from shmtrain.runtime.data.tensors import EAGER_LIMIT, ShardSampler
 from shmtrain.runtime.data.user_data import split_user_data
 from shmtrain.runtime.launch import preflight
+from support.data_sets import Huge
 
 
 def resident() -> int:
@@ -26,7 +26,7 @@ def resident() -> int:
 @pytest.mark.parametrize("size", [4 * 10**6, 10**9])
 def test_a_huge_lazy_data_set_is_split_and_sharded_in_constant_memory_and_time(size: int) -> None:
     before, start = resident(), time.perf_counter()
-    train, val = split_user_data("data_sets:huge", Huge(size), None)
+    train, val = split_user_data("support.data_sets:huge", Huge(size), None)
     samplers = [ShardSampler(len(train), 64, 4, rank, seed=1) for rank in range(4)]
     batches = [s.indices(step) for s in samplers for step in (0, 1, 10**5)]
     items = [train[0], train[len(train) - 1], val[0], val[len(val) - 1]]
@@ -40,7 +40,7 @@ def test_a_huge_lazy_data_set_is_split_and_sharded_in_constant_memory_and_time(s
 
 def test_the_held_out_split_is_disjoint_from_training_and_covers_the_set() -> None:
     size = 1000
-    train, val = split_user_data("data_sets:huge", Huge(size), 0.3)
+    train, val = split_user_data("support.data_sets:huge", Huge(size), 0.3)
     seen = list(train.indices) + list(val.indices)
     assert len(val) == 300 and sorted(seen) == list(range(size))
     assert list(PermutedRange(size, 0)[:5]) != list(range(5))  # shuffled
@@ -68,7 +68,7 @@ def test_small_sets_keep_their_permutation() -> None:
 
 
 def test_the_memory_check_counts_what_opening_the_data_costs_the_launcher() -> None:
-    config = TrainConfig(data="data_sets:heavy", data_args="mb=96", model="mlp", batch_size=8, workers=2)
+    config = TrainConfig(data="support.data_sets:heavy", data_args="mb=96", model="mlp", batch_size=8, workers=2)
     facts = preflight.check_data(config)
     assert facts.open_bytes >= 90 << 20, facts
     light = preflight.DataFacts(facts.train_samples, facts.input_shape, facts.num_classes, in_memory=False)

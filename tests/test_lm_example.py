@@ -24,10 +24,10 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from reference import relative_error
 from shmtrain.cli import main
 from shmtrain.runtime.data.tensors import ShardSampler
 from shmtrain.runtime.tasks import build_task
+from support.reference import relative_error
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED, LR, WORKERS = 0, 3e-3, 2
@@ -122,7 +122,7 @@ def test_the_lm_example_trains_with_the_hybrid_across_two_hosts(tmp_path: Path, 
     import subprocess
     import sys
 
-    from test_torchrun import env, free_port
+    from support.torchrun import env, free_port
 
     port, out = str(free_port()), tmp_path / "lm-hybrid"
     args = ["train", "--task", "language-model", "--data", "examples.lm_text:stdlib_text", "--data-args",

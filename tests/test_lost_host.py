@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from test_torchrun import env, free_port
+from support.torchrun import env, free_port
 
 
 def _rows(path: Path) -> int:

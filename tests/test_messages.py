@@ -16,7 +16,7 @@ import pytest
 from conftest import descendants, worker_process
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.launch.launcher import shm_note
-from test_checkpoint import LONG, SMALL, iterations_logged, rows_written, start, train, wait_for
+from support.runs import LONG, SMALL, iterations_logged, rows_written, start, train, wait_for
 
 SHORT = [*SMALL, "--iterations", "20", "--checkpoint-every", "10", "--eval-every", "10"]
 

@@ -15,7 +15,7 @@ from shmtrain.cli import main
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data.image_folder import open_image_folder
 from shmtrain.runtime.launch import preflight
-from test_preflight import image_folder
+from support.images import image_folder
 
 
 def refused(argv: list[str], capsys) -> str:
@@ -61,9 +61,9 @@ def test_split_folders_are_refused_with_the_command_to_use(tmp_path: Path, capsy
 @pytest.mark.parametrize(("outputs", "how"), [(3, "too few"), (12, "too many")])
 def test_a_model_whose_outputs_are_not_the_class_count_is_refused(tmp_path: Path, capsys, outputs: int,
                                                                     how: str) -> None:
-    config = TrainConfig(model="odd_models:fixed", model_args=f"outputs={outputs}", data="digits")
+    config = TrainConfig(model="support.odd_models:fixed", model_args=f"outputs={outputs}", data="digits")
     with pytest.raises(ValueError, match=how):
         preflight.preflight(config, tmp_path / "run")
-    err = refused(["--model", "odd_models:fixed", "--model-args", f"outputs={outputs}", "--force",
+    err = refused(["--model", "support.odd_models:fixed", "--model-args", f"outputs={outputs}", "--force",
                    "--out", str(tmp_path / "run")], capsys)
     assert f"gives {outputs} outputs" in err and "10 classes" in err, err

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.cli import main
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.runtime.train.optimizers import build_optimizer, optimizer_kwargs
 from shmtrain.runtime.train.trainer import Trainer
 from shmtrain.timing import PhaseTimer
+from support.reference import batches, ddp_step, flat_params, relative_error, tiny_model, worker_batch
 
 STEPS, BATCH, CLIP = 12, 8, 0.5
 

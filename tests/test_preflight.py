@@ -10,23 +10,7 @@ from pathlib import Path
 import pytest
 
 from shmtrain.cli import main
-
-
-def image_folder(root: Path, classes: int = 2, per_class: int = 2, bad: bool = False,
-                 empty_class: bool = False) -> Path:
-    from PIL import Image
-
-    root.mkdir()
-    for c in range(classes):
-        folder = root / f"class{c}"
-        folder.mkdir()
-        for i in range(per_class):
-            Image.new("RGB", (8, 8), (40 * c, 10 * i, 0)).save(folder / f"{i}.png")
-    if bad:
-        (root / "class0" / "0.png").write_bytes(b"not a png at all")
-    if empty_class:
-        (root / "empty").mkdir()
-    return root
+from support.images import image_folder
 
 
 def toml(tmp: Path, text: str) -> str:

@@ -18,7 +18,7 @@ from conftest import descendants
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.files import LineLog
 from shmtrain.runtime.launch import runlock
-from test_checkpoint import LONG, SMALL, iterations_logged, rows_written, start, train, wait_for
+from support.runs import LONG, SMALL, iterations_logged, rows_written, start, train, wait_for
 
 
 def _gone(pids: list[int]) -> bool:
@@ -115,7 +115,7 @@ def test_torchrun_is_refused_a_locked_folder(tmp_path: Path) -> None:
     (here this test process) is refused before anything is written there."""
     import subprocess
 
-    from test_torchrun import TORCHRUN, env, free_port
+    from support.torchrun import TORCHRUN, env, free_port
 
     run = tmp_path / "run"
     with runlock.acquire(run, resume=False):

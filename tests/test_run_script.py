@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shmtrain.cli import main
-from test_checkpoint import wait_for
+from support.runs import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ddp_script.py"

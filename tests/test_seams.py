@@ -5,7 +5,6 @@ private name of the fabric; and a strategy runs on in-process peers through a fa
 from __future__ import annotations
 
 import ast
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +14,7 @@ from torch import nn
 import shmtrain.strategies
 from shmtrain.strategies.base import build_config
 from shmtrain.strategies.ssgd import SSGD
+from support.fake_transports import FakeTransports, World, on_threads, small_net, train_steps
 
 STRATEGIES = Path(shmtrain.strategies.__file__).parent
 #: fabric classes a strategy may build: value types with no peer behind them (a flat view
@@ -105,109 +105,19 @@ def test_the_check_catches_a_strategy_that_reaches_the_host_or_its_group_directl
                      "uses group_host.allocate instead of the transports' (line 2)"], problems
 
 
-class _PeerAllreduce:
-    """One peer's end of an in-process mean allreduce among threads (the
-    :class:`~shmtrain.fabric.transports.Allreduce` protocol): slots per peer and parity,
-    one shared result per parity, a barrier either side of the sum."""
-
-    def __init__(self, world: _World, rank: int) -> None:
-        self.world, self.rank, self.count = world, rank, 0
-
-    def input(self, step: int | None = None) -> torch.Tensor:
-        return self.world.slots[self.rank][(self.count + 1 if step is None else step) % 2]
-
-    def result(self, step: int | None = None) -> torch.Tensor:
-        return self.world.results[(self.count if step is None else step) % 2]
-
-    def __call__(self) -> torch.Tensor:
-        self.count += 1
-        self.world.barrier.wait()
-        if self.rank == 0:
-            parity = self.count % 2
-            self.world.results[parity].copy_(torch.stack([slots[parity] for slots in self.world.slots]).mean(0))
-        self.world.barrier.wait()
-        return self.result()
-
-    def close(self) -> None:
-        pass
-
-
-class _World:
-    def __init__(self, peers: int, numel: int) -> None:
-        self.barrier = threading.Barrier(peers, timeout=30)
-        self.slots = [[torch.zeros(numel), torch.zeros(numel)] for _ in range(peers)]
-        self.results = [torch.zeros(numel), torch.zeros(numel)]
-
-
-class FakeTransports:
-    """A :class:`~shmtrain.fabric.transports.Transports` whose allreduce runs among
-    threads of this process (hivemind tests its AllReduceRunner on in-process peers the
-    same way); any other factory is refused, so the test shows what ssgd asks for."""
-
-    def __init__(self, world: _World, rank: int) -> None:
-        self.world, self.rank = world, rank
-        self.asked: list[str] = []
-
-    def allreduce(self, name: str, numel: int, dtype: torch.dtype = torch.float32, op: str = "mean", *,
-                  tag: str = "grads") -> _PeerAllreduce:
-        self.asked.append(f"allreduce {name} {op}")
-        return _PeerAllreduce(self.world, self.rank)
-
-    def __getattr__(self, name: str):
-        raise AssertionError(f"the strategy asked the fake transports for {name}")
-
-
-def train_steps(strategy, model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, rank: int,
-                loss=nn.functional.cross_entropy) -> None:
-    """The loop of an in-process peer: ``xs[step, rank]`` for every step, through the
-    strategy's hooks in the order ``DataParallel`` calls them."""
-    for step in range(xs.shape[0]):
-        strategy.zero_grad()
-        strategy.before_forward()
-        loss(model(xs[step, rank]), ys[step, rank]).backward()
-        strategy.after_backward()
-        strategy.apply_update()
-        strategy.after_update()
-
-
-def on_threads(peers: int, work, barrier: threading.Barrier) -> None:
-    """Run ``work(rank)`` on ``peers`` threads (in-process peers); the first error aborts
-    ``barrier`` so no peer waits for it, and every error fails the test."""
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            work(rank)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(peers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
 def test_ssgd_on_in_process_peers_through_a_fake_transports_equals_single_process_sgd() -> None:
     peers, steps, batch = 3, 5, 4
     torch.manual_seed(1)
     xs, ys = torch.randn(steps, peers, batch, 6), torch.randint(0, 3, (steps, peers, batch))
-    numel = sum(p.numel() for p in _net().parameters())
-    world = _World(peers, numel)
+    numel = sum(p.numel() for p in small_net().parameters())
+    world = World(peers, numel)
     config = build_config("ssgd", {})
     finals: list[torch.Tensor | None] = [None] * peers
     asked: list[list[str]] = [[] for _ in range(peers)]
 
     # built here, one after another: torch's RNG is global, and threads seeding it at once
     # would draw each other's numbers (the peers would start from different weights)
-    models = [_net() for _ in range(peers)]
+    models = [small_net() for _ in range(peers)]
 
     def peer(rank: int) -> None:
         model = models[rank]
@@ -221,7 +131,7 @@ def test_ssgd_on_in_process_peers_through_a_fake_transports_equals_single_proces
         strategy.finish()
 
     on_threads(peers, peer, world.barrier)
-    reference = _net()
+    reference = small_net()
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):  # the union batch: the mean of the peers' equal-sized losses
         opt.zero_grad()
@@ -231,5 +141,5 @@ def test_ssgd_on_in_process_peers_through_a_fake_transports_equals_single_proces
     for rank in range(peers):
         assert asked[rank] == ["allreduce shm mean"]
         assert torch.allclose(finals[rank], expected, rtol=1e-5, atol=1e-6), rank
-    assert finals[0] is not None and not torch.equal(finals[0],
-                                                     torch.cat([p.detach().flatten() for p in _net().parameters()]))
+    start = torch.cat([p.detach().flatten() for p in small_net().parameters()])
+    assert finals[0] is not None and not torch.equal(finals[0], start)

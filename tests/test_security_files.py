@@ -194,7 +194,7 @@ def test_module_callables_of_the_standard_library_are_refused_before_import() ->
         with pytest.raises(ValueError, match="standard library"):
             resolve_callable(spec)
     assert "antigravity" not in sys.modules  # refused by name: importing it opens a web browser
-    assert callable(resolve_callable("odd_models:fixed"))
+    assert callable(resolve_callable("support.odd_models:fixed"))
 
 
 # -- this user's run folder works as before ------------------------------------------------------

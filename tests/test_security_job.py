@@ -24,6 +24,7 @@ import pytest
 from shmtrain.fabric.shm.segment import SHM_DIR
 from shmtrain.fabric.trust import UntrustedError
 from shmtrain.runtime.launch.launcher import launch
+from support.paths import SUPPORT
 
 NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
@@ -52,10 +53,10 @@ def test_another_local_user_cannot_plant_code_in_a_jobs_payload_or_results(share
     """The attacker writes pickles that would run code into every key of the job's store
     that a launcher or worker read them from, and into the launchers' folders: the
     workers get the real payload, the launcher the real results, and no code runs."""
-    attacker = _as_nobody([sys.executable, str(Path(__file__).with_name("security_targets.py")),
+    attacker = _as_nobody([sys.executable, str(SUPPORT / "security_targets.py"),
                            str(shared_folder), "3"])
     try:
-        results = launch("security_targets:victim", 2, {"folder": str(shared_folder), "value": 42},
+        results = launch("support.security_targets:victim", 2, {"folder": str(shared_folder), "value": 42},
                          timeout=60, listen=listen)
         out = attacker.communicate(timeout=60)[0]
     finally:

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from reference import batches, flat_params, relative_error, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.ssgd import SSGD
 from shmtrain.strategies.ssgd.sharded import check_optimizer
+from support.reference import batches, flat_params, relative_error, tiny_model, worker_batch
 
 STEPS, BATCH = 8, 8
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}
@@ -95,7 +95,7 @@ def test_each_rank_holds_momentum_for_its_chunk_only() -> None:
 
 
 def test_sharded_update_resume_is_exact() -> None:
-    from test_state import assert_exact_resume
+    from support.resume import assert_exact_resume
 
     states = assert_exact_resume({"strategy": "ssgd", "options": {"sharded_update": True}})
     for state in states:
@@ -125,11 +125,11 @@ def test_sharded_update_across_two_hosts_equals_one_host_of_four(tmp_path) -> No
     import subprocess
     import sys
 
-    from test_torchrun import _two_hosts, env
+    from support.torchrun import env, two_hosts
 
     common = ["--strategy", "ssgd", "--iterations", "10", "--batch-size", "8", "--seed", "3",
               "--no-progress"]
-    _two_hosts(tmp_path / "two", [*common, "--sharded-update"])
+    two_hosts(tmp_path / "two", [*common, "--sharded-update"])
     assert "sharded-update = true" in (tmp_path / "two" / "config.toml").read_text()
     subprocess.run([sys.executable, "-m", "shmtrain", "train", *common, "--workers", "4",
                     "--out", str(tmp_path / "one")], check=True, timeout=150, env=env(), capture_output=True)

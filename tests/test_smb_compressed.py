@@ -261,7 +261,7 @@ def test_two_hosts_compress_across_the_link_only_and_learn(tmp_path, strategy: s
     ends with every worker's work counted (TERM average) and its model learned."""
     import json
 
-    from test_torchrun import start_hosts
+    from support.torchrun import start_hosts
 
     nodes = start_hosts(tmp_path, ["--strategy", strategy, "--iterations", "20", "--batch-size", "16",
                                    "--compress", "topk:0.1,bits:4", "--host-lead", "0.1", "--no-progress"])

@@ -28,7 +28,7 @@ from shmtrain.fabric.shm.control import PeerFailure
 from shmtrain.fabric.smb.api import STATE_DONE, STATE_TRAINING
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.wire import unseal
-from test_smb_remote import _finish, _server
+from support.memory_server import finish_server, start_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +78,7 @@ def _board(store: dist.Store, key: str) -> str | None:
 
 
 def test_a_lost_client_connects_again_and_goes_on_from_the_server() -> None:
-    proc, address = _server(2)
+    proc, address = start_server(2)
     clients = []
     try:
         clients = [_start(address, 0), _start(address, 1)]
@@ -101,7 +101,7 @@ def test_a_lost_client_connects_again_and_goes_on_from_the_server() -> None:
             if c.poll() is None:
                 c.kill()
                 c.communicate()
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     assert clients[0].returncode == 0 and clients[2].returncode == 0, outputs
     first, again = (json.loads(o[0].strip().splitlines()[-1]) for o in outputs)
     assert again["again"] and again["start"] >= 60, again  # its TERM counter, from the board
@@ -119,7 +119,7 @@ def test_a_rank_still_connected_is_refused_naming_it_and_one_that_left_connects_
     """The server serves one connection per rank: a second start of a rank whose earlier
     process still trains (its host was not lost) waits for that loss, then is refused
     with a line saying what to end; after the earlier one's goodbye it connects at once."""
-    proc, address = _server(2)
+    proc, address = start_server(2)
     try:
         first = RemoteBufferService(address, 1, 2, timeout=30)
         first.board.set_progress(5, STATE_TRAINING)
@@ -135,7 +135,7 @@ def test_a_rank_still_connected_is_refused_naming_it_and_one_that_left_connects_
         again.close()
         RemoteBufferService(address, 0, 2, timeout=30).close()
     finally:
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     assert code == 0, out + err
 
 

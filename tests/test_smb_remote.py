@@ -8,7 +8,6 @@ serving, snapshots and ``--resume``, and clear errors for bad options.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -22,37 +21,10 @@ import torch.distributed as dist
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.wire import OP_ACCUMULATE
 from shmtrain.runtime.launch.launcher import launch
+from support.memory_server import finish_server, running_servers, start_server
+from support.torchrun import free_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _server(clients: int, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "shmtrain", "smb-server", "--clients", str(clients),
-                             "--port", str(port), "--timeout", "60", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    first = proc.stdout.readline()
-    assert "serving" in first, first + proc.stderr.read()
-    return proc, f"127.0.0.1:{port}"
-
-
-def _finish(proc: subprocess.Popen, wait: float = 60) -> tuple[int, str, str]:
-    """The server's exit status and output; killed when it has not ended within ``wait``
-    (a failed test's clients never said goodbye)."""
-    if sys.exc_info()[0] is not None:
-        wait = 1
-    try:
-        out, err = proc.communicate(timeout=wait)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    return proc.returncode, out, err
 
 
 def accumulate_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
@@ -81,12 +53,12 @@ def accumulate_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_every_accumulation_applied_exactly_once(tmp_path: Path) -> None:
-    proc, address = _server(3, "--snapshot-every", "0.5", "--out", str(tmp_path))
+    proc, address = start_server(3, "--snapshot-every", "0.5", "--out", str(tmp_path))
     try:
         results = launch("test_smb_remote:accumulate_worker", 3,
                          {"address": address, "numel": 300_001, "steps": 5})
     finally:
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     expected = 0.5 + 5 * (1 + 2 + 3)
     assert all(r["first"] == expected and r["last"] == expected for r in results)
     assert all(r["progress"] == [5, 5, 5] for r in results)
@@ -123,26 +95,26 @@ def stress_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 def test_eight_remote_clients_accumulating_lose_and_double_nothing() -> None:
     """The stress: 8 clients, 1,000 accumulations each, concurrently. Client r adds
     the one-hot vector e_r, so a lost or doubled increment shows in its own count."""
-    proc, address = _server(8)
+    proc, address = start_server(8)
     try:
         results = launch("test_smb_remote:stress_worker", 8, {"address": address, "steps": 1000}, timeout=200)
     finally:
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     assert all(r["counts"] == [1000.0] * 8 for r in results), results[0]
     assert code == 0 and "8000 accumulations applied, 0 requests refused, 0 errors" in out, out + err
 
 
 def test_resume_from_a_snapshot_keeps_the_buffers(tmp_path: Path) -> None:
-    proc, address = _server(2, "--snapshot-every", "30", "--out", str(tmp_path))
+    proc, address = start_server(2, "--snapshot-every", "30", "--out", str(tmp_path))
     try:
         launch("test_smb_remote:accumulate_worker", 2, {"address": address, "numel": 10, "steps": 1})
     finally:
-        _finish(proc)
-    proc, address = _server(2, "--resume", str(tmp_path / "smb-snapshot.pt"))
+        finish_server(proc)
+    proc, address = start_server(2, "--resume", str(tmp_path / "smb-snapshot.pt"))
     try:
         results = launch("test_smb_remote:resumed_worker", 2, {"address": address})
     finally:
-        code, out, _ = _finish(proc)
+        code, out, _ = finish_server(proc)
     assert results == [0.5 + 3.0 + 3.0] * 2 and code == 0
 
 
@@ -181,11 +153,11 @@ def secret_worker(ctx, payload: dict[str, Any]) -> str:
 def test_a_client_without_the_secret_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     secret_file = tmp_path / "secret"
     secret_file.write_text("right-secret\n")
-    proc, address = _server(4, "--secret-file", str(secret_file))
+    proc, address = start_server(4, "--secret-file", str(secret_file))
     try:
         results = launch("test_smb_remote:secret_worker", 4, {"address": address}, timeout=60)
     finally:
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     assert results[0] == "ok [1.0, 1.0, 1.0, 1.0]"
     assert results[1].startswith("PermissionError") and "refused" in results[1]
     assert results[2].startswith("PermissionError") and "requires a shared secret" in results[2]
@@ -255,11 +227,11 @@ def test_a_hostile_client_changes_nothing_through_the_store(tmp_path: Path) -> N
     and the server's log names each attempt (on the link: the client and the operation)."""
     secret_file = tmp_path / "secret"
     secret_file.write_text("right-secret\n")
-    proc, address = _server(3, "--secret-file", str(secret_file), "--snapshot-every", "30", "--out", str(tmp_path))
+    proc, address = start_server(3, "--secret-file", str(secret_file), "--snapshot-every", "30", "--out", str(tmp_path))
     try:
         results = launch("test_smb_remote:hostile_worker", 3, {"address": address}, timeout=90)
     finally:
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     for legit in results[:2]:
         assert legit["key"] == 0 and legit["values"] == [1.0, 2.0, 3.0, 4.0], legit
         assert legit["alive"] == [True, True] and legit["progress"] == 7 and legit["state"] == 1, legit
@@ -333,11 +305,11 @@ def malformed_worker(ctx, payload: dict[str, Any]) -> list[str]:
 
 
 def test_malformed_requests_get_errors_and_serving_goes_on() -> None:
-    proc, address = _server(2)
+    proc, address = start_server(2)
     try:
         results = launch("test_smb_remote:malformed_worker", 2, {"address": address})
     finally:
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     assert results[0] == ["16.0"]
     assert len(results[1]) == 3 and all("malformed request" in m for m in results[1][:2])
     assert results[1][2] == "16.0"
@@ -367,11 +339,11 @@ def silent_writer_worker(ctx, payload: dict[str, Any]) -> str:
 
 
 def test_a_malformed_write_whose_payload_never_comes_stalls_no_one() -> None:
-    proc, address = _server(2)
+    proc, address = start_server(2)
     try:
         results = launch("test_smb_remote:silent_writer_worker", 2, {"address": address}, timeout=60)
     finally:
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     assert results == ["0.0", "64.0"]
     assert "with 63 elements: no such buffer" in err
 
@@ -392,7 +364,7 @@ os._exit(0)
 def test_a_client_lost_in_the_middle_of_a_write_changes_nothing_and_blocks_no_one() -> None:
     # (a header of the wrong size is not tested: gloo's receive of a mismatched message
     # breaks the server's any-source receive for everyone; docs/async.md says so)
-    proc, address = _server(2)
+    proc, address = start_server(2)
     client = subprocess.Popen([sys.executable, "-c", _TRUNCATING_CLIENT, address])
     try:
         service = RemoteBufferService(address, 0, 2, timeout=30)
@@ -406,7 +378,7 @@ def test_a_client_lost_in_the_middle_of_a_write_changes_nothing_and_blocks_no_on
     finally:
         if client.poll() is None:
             client.kill()
-        code, out, err = _finish(proc)
+        code, out, err = finish_server(proc)
     assert "client 1 lost in the middle of a request" in err, err
     assert code == 0, out + err
 
@@ -426,19 +398,7 @@ def test_bad_server_options_are_named(argv: list[str], message: str) -> None:
 
 def test_a_client_names_an_unreachable_server() -> None:
     with pytest.raises(Exception, match="cannot reach the memory server at 127.0.0.1"):
-        RemoteBufferService(f"127.0.0.1:{_port()}", 0, 1, timeout=2)
-
-
-def _smb_servers() -> list[int]:
-    import psutil
-
-    found = []
-    for process in psutil.process_iter(["cmdline", "name"]):
-        cmdline = process.info["cmdline"] or []
-        # started as a command, or forked by rank 0 (runtime/launch/smb_server.py prefork: named)
-        if ("smb-server" in cmdline and "--address-file" in cmdline) or process.info["name"] == "shmtrain-smb":
-            found.append(process.pid)
-    return found
+        RemoteBufferService(f"127.0.0.1:{free_port()}", 0, 1, timeout=2)
 
 
 @pytest.mark.timeout(240)
@@ -451,10 +411,10 @@ def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Pat
     the one global rank 0 starts when the job spans hosts (hsgd, one group per host by
     default, its root the only client that accumulates). The started server ends with
     the job."""
-    from test_torchrun import start_hosts
+    from support.torchrun import start_hosts
 
-    before = set(_smb_servers())
-    proc, address = _server(4) if standalone else (None, "")
+    before = set(running_servers())
+    proc, address = start_server(4) if standalone else (None, "")
     nodes = []
     try:
         nodes = start_hosts(tmp_path, ["--strategy", strategy, "--iterations", "12", "--batch-size", "16",
@@ -465,7 +425,7 @@ def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Pat
             if p.poll() is None:
                 p.kill()
         if proc is not None:
-            code, out, err = _finish(proc)
+            code, out, err = finish_server(proc)
     assert all(p.returncode == 0 for p in nodes), outputs
     summary = __import__("json").loads((tmp_path / "summary.json").read_text())
     # the average policy (TERM): the job's work is 4 x 12 iterations, however it is shared
@@ -479,9 +439,9 @@ def test_asynchronous_strategies_span_two_hosts_through_the_server(tmp_path: Pat
         config = (tmp_path / "config.toml").read_text()
         assert 'smb-server = ""' in config  # no server was given: the job started its own
         deadline = time.monotonic() + 15
-        while set(_smb_servers()) - before and time.monotonic() < deadline:
+        while set(running_servers()) - before and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not set(_smb_servers()) - before, "the memory server the job started outlived it"
+        assert not set(running_servers()) - before, "the memory server the job started outlived it"
 
 
 def test_smb_server_option_is_checked_and_named(capsys) -> None:
@@ -493,7 +453,7 @@ def test_smb_server_option_is_checked_and_named(capsys) -> None:
 
 
 def test_losing_the_memory_server_ends_every_worker_with_its_name(tmp_path: Path) -> None:
-    proc, address = _server(2)
+    proc, address = start_server(2)
     train = subprocess.Popen([sys.executable, "-m", "shmtrain", "train", "--strategy", "seasgd", "--workers", "2",
                               "--iterations", "100000", "--smb-server", address, "--timeout", "20",
                               "--no-progress", "--out", str(tmp_path)],
@@ -510,7 +470,7 @@ def test_losing_the_memory_server_ends_every_worker_with_its_name(tmp_path: Path
     finally:
         if train.poll() is None:
             train.kill()
-        _finish(proc, wait=1)
+        finish_server(proc, wait=1)
     assert train.returncode == 1, err
     assert f"the memory server at {address} was lost" in err
     assert took < 20  # not the timeout: the closed connection is noticed at once

@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from reference import (
+from shmtrain.api import DataParallel
+from shmtrain.runtime.launch.launcher import launch
+from support.reference import (
     batches,
     flat_params,
     relative_error,
@@ -16,8 +18,6 @@ from reference import (
     tiny_model,
     worker_batch,
 )
-from shmtrain.api import DataParallel
-from shmtrain.runtime.launch.launcher import launch
 
 STEPS, BATCH = 20, 8
 

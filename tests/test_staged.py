@@ -59,7 +59,7 @@ CASES = {"easgd": 1, "downpour": 1, "seasgd": 1, "hsgd": 2, "ps_weight": 2, "ssg
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_staged_equals_unstaged(case: str) -> None:
     workers = CASES[case]
-    runs = {copies: launch("test_overlap:equivalence_worker", workers,
+    runs = {copies: launch("support.equivalence:equivalence_worker", workers,
                            {"mode": case, "steps": 12, "batch": BATCH, "staged": copies}, timeout=150)
             for copies in (False, True)}
     for rank in range(workers):  # the same arithmetic on copies: the same bits
@@ -73,7 +73,7 @@ SYNC = [("ssgd", 2), ("ssgd_ring", 3), ("ssgd_overlap", 3), ("gpi", 4), ("cpu_ac
 
 @pytest.mark.parametrize("mode,workers", SYNC)
 def test_staged_synchronous_strategies_equal_single_process_sgd(mode: str, workers: int) -> None:
-    results = launch("test_overlap:equivalence_worker", workers,
+    results = launch("support.equivalence:equivalence_worker", workers,
                      {"mode": mode, "steps": STEPS, "batch": BATCH, "staged": True}, timeout=150)
     assert all(r["staged"] for r in results)
     for step, errors in enumerate(results[0]["errors"], start=1):
@@ -92,6 +92,6 @@ def test_staged_synchronous_strategies_equal_single_process_sgd(mode: str, worke
 def test_the_shared_memory_check_sees_the_zero_copy_path() -> None:
     """Unstaged, ssgd's gradients are views of the allreduce's slots: the check above
     would see them (it is not vacuous)."""
-    results = launch("test_overlap:equivalence_worker", 2, {"mode": "ssgd", "steps": 2, "batch": BATCH},
+    results = launch("support.equivalence:equivalence_worker", 2, {"mode": "ssgd", "steps": 2, "batch": BATCH},
                      timeout=90)
     assert results[0]["staged"] is False and results[0]["shared"] > 0

@@ -61,14 +61,14 @@ def resumed_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """Train 3 steps after restoring ``iteration`` (a resumed run): the fabric's counters
     start at 0 again, so the exchange protocol must number its rounds by ``steps``."""
     from shmtrain.api import DataParallel
-    from test_overlap import STRATEGIES, Mixed, _optimizer, relative_errors
+    from support.equivalence import STRATEGIES, Mixed, relative_errors, sgd
 
     strategy, options = STRATEGIES[payload["mode"]]
     world, batch = ctx.world_size, 4
     torch.manual_seed(0)
     model, reference = Mixed(), Mixed()
     reference.load_state_dict(model.state_dict())
-    opt, ref_opt = _optimizer(model), _optimizer(reference)
+    opt, ref_opt = sgd(model), sgd(reference)
     dp = DataParallel(model, opt, strategy, ctx=ctx, **options)
     dp.strategy.load_state_dict({"iteration": 7})
     loss_fn = nn.CrossEntropyLoss()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from test_seams import FakeTransports, _World, on_threads, train_steps
+from support.fake_transports import FakeTransports, World, on_threads, train_steps
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "strategies.md"
 
@@ -34,7 +34,7 @@ def test_the_documented_strategy_averages_every_period() -> None:
     peers, steps, period = 3, 6, 3
     torch.manual_seed(2)
     xs, ys = torch.randn(steps, peers, 4, 5), torch.randint(0, 2, (steps, peers, 4))
-    world = _World(peers, sum(p.numel() for p in _net().parameters()))
+    world = World(peers, sum(p.numel() for p in _net().parameters()))
     models = [_net() for _ in range(peers)]
     finals: list[list[torch.Tensor]] = [[] for _ in range(peers)]
 

@@ -14,7 +14,13 @@ import pytest
 import torch
 from torch import nn
 
-from reference import (
+from shmtrain.cli import main
+from shmtrain.models import build_model
+from shmtrain.runtime.launch.launcher import launch
+from shmtrain.runtime.train.subbatch import SubBatch
+from shmtrain.runtime.train.trainer import Trainer
+from shmtrain.timing import PhaseTimer
+from support.reference import (
     batches,
     flat_params,
     relative_error,
@@ -22,12 +28,6 @@ from reference import (
     tiny_model,
     worker_batch,
 )
-from shmtrain.cli import main
-from shmtrain.models import build_model
-from shmtrain.runtime.launch.launcher import launch
-from shmtrain.runtime.train.subbatch import SubBatch
-from shmtrain.runtime.train.trainer import Trainer
-from shmtrain.timing import PhaseTimer
 
 #: (name, strategy, options); synchronous: the same weights as single-process SGD
 SYNCHRONOUS = [

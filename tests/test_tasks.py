@@ -13,14 +13,14 @@ import torch
 from torch.nn import functional
 from torch.utils.data import default_collate
 
-from reference import relative_error
 from shmtrain.cli import main
 from shmtrain.runtime.config import resolve
 from shmtrain.runtime.data.tensors import ShardSampler
 from shmtrain.runtime.data.user_data import split_user_data
 from shmtrain.runtime.tasks import build_task, registry
 from shmtrain.runtime.tasks.base import split_batch
-from task_data import Regressor, TwoInputs, dict_regression, regression
+from support.reference import relative_error
+from support.task_data import Regressor, TwoInputs, dict_regression, regression
 
 STEPS, BATCH, WORKERS, SEED, LR = 12, 8, 2, 0, 0.05
 
@@ -55,7 +55,7 @@ def test_regression_and_a_dict_batch_equal_a_plain_loop_under_ssgd(tmp_path: Pat
     # (x, y) items, the target a scalar against a (B, 1) output
     torch.manual_seed(SEED)
     reference = plain_loop(regression(), Regressor((6,), 1), lambda m, b: (m(b[0]), b[1]))
-    got = trained(tmp_path / "pairs", "task_data:regression", "task_data:Regressor")
+    got = trained(tmp_path / "pairs", "support.task_data:regression", "support.task_data:Regressor")
     assert relative_error(got, reference) < 1e-5
     torch.manual_seed(SEED)
     initial = torch.cat([p.detach().reshape(-1) for p in Regressor((6,), 1).parameters()])
@@ -70,7 +70,7 @@ def test_regression_and_a_dict_batch_equal_a_plain_loop_under_ssgd(tmp_path: Pat
     # dict items {"a", "b", "target"}: the model is called as model(a=..., b=...)
     torch.manual_seed(SEED)
     reference = plain_loop(dict_regression(), TwoInputs(1), lambda m, b: (m(a=b["a"], b=b["b"]), b["target"]))
-    got = trained(tmp_path / "dicts", "task_data:dict_regression", "task_data:TwoInputs")
+    got = trained(tmp_path / "dicts", "support.task_data:dict_regression", "support.task_data:TwoInputs")
     assert relative_error(got, reference) < 1e-5
     evals = [json.loads(line)["eval"] for line in (tmp_path / "dicts" / "metrics" / "rank-0.jsonl").open()
              if '"eval"' in line]
@@ -110,11 +110,12 @@ def test_a_batch_of_any_structure_is_split_for_accumulation() -> None:
     ({"task": "translation"}, r"--task 'translation' is unknown; choose one of: classification, language-model, "
                               r"regression, or module:callable"),
     ({"task": "regression"}, r"--task regression with --data digits: .* give --data module:callable"),
-    ({"task": "regression", "data": "task_data:regression", "task_args": "label_smoothing=0.1"},
+    ({"task": "regression", "data": "support.task_data:regression", "task_args": "label_smoothing=0.1"},
      r"--task-args 'label_smoothing=0.1': label_smoothing does not apply to --task regression \(it takes target\)"),
     ({"task_args": "label_smoothing=2"}, r"--task-args label_smoothing=2: must be in \[0, 1\); use e.g."),
-    ({"task": "task_data:nothing"}, r"--task 'task_data:nothing': task_data has no nothing"),
-    ({"task": "task_data:regression"}, r"--task 'task_data:regression' returned a TensorDataset, not a shmtrain Task"),
+    ({"task": "support.task_data:nothing"}, r"--task 'support.task_data:nothing': support.task_data has no nothing"),
+    ({"task": "support.task_data:regression"},
+     r"--task 'support.task_data:regression' returned a TensorDataset, not a shmtrain Task"),
 ])
 def test_task_errors_name_the_option_the_rule_and_the_fix(values: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from reference import batches, tiny_model, worker_batch
 from shmtrain.api import DataParallel
 from shmtrain.fabric.shm.control import LINE, ControlBlock, PeerFailure
 from shmtrain.fabric.shm.segment import SharedSegment
 from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.termination import Termination
+from support.reference import batches, tiny_model, worker_batch
 
 
 class FakeBoard(ProgressBoard):

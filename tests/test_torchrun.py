@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,21 +14,9 @@ from torch import nn
 from shmtrain.cli import main
 from shmtrain.fabric.shm.segment import leftover
 from shmtrain.runtime.data.tensors import load_digits_data
+from support.torchrun import TORCHRUN, env, free_port, same_weights, two_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-#: torchrun whose workers are forked from its agent (one import of torch per host)
-FORK = [sys.executable, "-m", "shmtrain", "torchrun"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", SHMTRAIN_NO_PROGRESS="1")
 
 
 def test_own_loop_example_under_torchrun_matches_single_process(tmp_path: Path) -> None:
@@ -54,33 +40,6 @@ def test_own_loop_example_under_torchrun_matches_single_process(tmp_path: Path) 
     assert not leftover()
 
 
-def start_hosts(out: Path, args: list[str], nodes: int = 2, per_node: int = 2,
-                forked: tuple[int, ...] = ()) -> list[subprocess.Popen]:
-    """Start ``nodes`` torchrun launches on this machine, each one host of ``per_node``
-    workers running ``shmtrain train ARGS --out OUT`` (output piped, not waited for); the
-    hosts in ``forked`` through ``shmtrain torchrun`` (workers forked from its agent)."""
-    port = free_port()
-    return [subprocess.Popen(host_command(node, nodes, per_node, port, [*args, "--out", str(out)],
-                                          fork=node in forked),
-                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for node in range(nodes)]
-
-
-def host_command(node: int, nodes: int, per_node: int, port: int, args: list[str], fork: bool = False) -> list[str]:
-    """The torchrun command of host ``node`` running ``shmtrain train ARGS`` on loopback
-    (``fork``: ``shmtrain torchrun``, the same options)."""
-    launcher, train = (FORK, ["train"]) if fork else (TORCHRUN, ["-m", "shmtrain", "train"])
-    return launcher + ["--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", str(per_node),
-                       "--master-addr", "127.0.0.1", "--master-port", str(port), *train, *args]
-
-
-def _two_hosts(out: Path, common: list[str], nodes: int = 2, per_node: int = 2, forked: tuple[int, ...] = ()) -> None:
-    """``nodes`` torchrun launches on this machine, each one host of ``per_node`` workers."""
-    procs = start_hosts(out, common, nodes, per_node, forked)
-    outputs = [p.communicate(timeout=170)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
-
-
 COMMON = ["--strategy", "ssgd", "--iterations", "15", "--batch-size", "8", "--seed", "3", "--no-progress"]
 
 
@@ -94,7 +53,7 @@ def test_two_hosts_equal_one_host_of_four(tmp_path: Path, overlap: bool) -> None
     common = COMMON
     runs = {"two_overlap": [*common, "--overlap", "--bucket-mb", "0.02"]} if overlap else {"two": common}
     for name, args in runs.items():
-        _two_hosts(tmp_path / name, args, forked=(1,) if overlap else ())
+        two_hosts(tmp_path / name, args, forked=(1,) if overlap else ())
     if overlap:
         assert "overlap = true" in (tmp_path / "two_overlap" / "config.toml").read_text()
     assert main(["train", *common, "--workers", "4", "--out", str(tmp_path / "one")]) == 0  # in this process
@@ -108,12 +67,6 @@ def test_two_hosts_equal_one_host_of_four(tmp_path: Path, overlap: bool) -> None
     assert not leftover()
 
 
-def _same_weights(one: Path, other: Path) -> None:
-    a, b = torch.load(one / "model.pt"), torch.load(other / "model.pt")
-    for key in a:
-        assert float((b[key] - a[key]).norm() / a[key].norm()) < 1e-5, (other.name, key)
-
-
 @pytest.mark.slow  # ~48 s: two torchrun hosts twice; two hosts equal one host of four by default above
 def test_gpi_and_cpu_acc_across_hosts_equal_one_host(tmp_path: Path) -> None:
     """gpi's tree and cpu_acc's accumulation inside each host, the layers summed between the
@@ -121,11 +74,11 @@ def test_gpi_and_cpu_acc_across_hosts_equal_one_host(tmp_path: Path) -> None:
     common = ["--iterations", "12", "--batch-size", "8", "--seed", "5", "--no-progress"]
     for strategy in ("gpi", "cpu_acc"):
         args = ["--strategy", strategy, *common]
-        _two_hosts(tmp_path / f"{strategy}-2x2", args)
+        two_hosts(tmp_path / f"{strategy}-2x2", args)
         subprocess.run([sys.executable, "-m", "shmtrain", "train", *args, "--workers", "4",
                         "--out", str(tmp_path / f"{strategy}-1x4")], check=True, timeout=150, env=env(),
                        capture_output=True)
-        _same_weights(tmp_path / f"{strategy}-1x4", tmp_path / f"{strategy}-2x2")
+        same_weights(tmp_path / f"{strategy}-1x4", tmp_path / f"{strategy}-2x2")
         summary = json.loads((tmp_path / f"{strategy}-2x2" / "summary.json").read_text())
         assert summary["workers"] == 4 and summary["iterations"] == 12
     assert not leftover()
@@ -144,9 +97,9 @@ def test_staged_strategies_across_hosts_equal_one_host_unstaged(tmp_path: Path, 
                         "--out", str(tmp_path / f"{strategy}-1x4")], check=True, timeout=150, env=env(),
                        capture_output=True)
         monkeypatch.setenv("SHMTRAIN_STAGING", "copy")
-        _two_hosts(tmp_path / f"{strategy}-2x2", args)
+        two_hosts(tmp_path / f"{strategy}-2x2", args)
         monkeypatch.delenv("SHMTRAIN_STAGING")
-        _same_weights(tmp_path / f"{strategy}-1x4", tmp_path / f"{strategy}-2x2")
+        same_weights(tmp_path / f"{strategy}-1x4", tmp_path / f"{strategy}-2x2")
         phases = {name: json.loads((tmp_path / name / "summary.json").read_text())["phases_ms"]
                   for name in (f"{strategy}-1x4", f"{strategy}-2x2")}
         assert "copy_to_host" in phases[f"{strategy}-2x2"] and "copy_to_host" not in phases[f"{strategy}-1x4"]
@@ -157,8 +110,8 @@ def test_staged_strategies_across_hosts_equal_one_host_unstaged(tmp_path: Path, 
 def test_cpu_acc_on_three_hosts_equals_one_host_of_three(tmp_path: Path) -> None:
     common = ["--iterations", "12", "--batch-size", "8", "--seed", "5", "--no-progress"]
     args = ["--strategy", "cpu_acc", *common]
-    _two_hosts(tmp_path / "cpu_acc-3x1", args, nodes=3, per_node=1)
+    two_hosts(tmp_path / "cpu_acc-3x1", args, nodes=3, per_node=1)
     subprocess.run([sys.executable, "-m", "shmtrain", "train", *args, "--workers", "3",
                     "--out", str(tmp_path / "cpu_acc-1x3")], check=True, timeout=150, env=env(), capture_output=True)
-    _same_weights(tmp_path / "cpu_acc-1x3", tmp_path / "cpu_acc-3x1")
+    same_weights(tmp_path / "cpu_acc-1x3", tmp_path / "cpu_acc-3x1")
     assert not leftover()

@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from shmtrain.cli import main
-from test_checkpoint import wait_for
+from support.paths import SUPPORT
+from support.runs import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +96,8 @@ def test_a_scripts_children_end_with_it_and_its_pipe_closes(tmp_path: Path, how:
 
 
 def test_a_train_workers_children_end_with_the_run(tmp_path: Path) -> None:
-    code = main(["train", "--data", "data_sets:spawning", "--data-args", f"folder='{tmp_path}'", "--model", "mlp",
+    code = main(["train", "--data", "support.data_sets:spawning", "--data-args", f"folder='{tmp_path}'",
+                 "--model", "mlp",
                  "--workers", "2", "--batch-size", "4", "--iterations", "2", "--no-progress",
                  "--out", str(tmp_path / "run")])
     assert code == 0
@@ -104,13 +106,14 @@ def test_a_train_workers_children_end_with_the_run(tmp_path: Path) -> None:
 
 
 def test_a_data_sets_error_names_its_line_and_keeps_its_traceback(tmp_path: Path, capsys) -> None:
-    code = main(["train", "--data", "data_sets:broken", "--model", "mlp", "--workers", "1", "--batch-size", "4",
+    code = main(["train", "--data", "support.data_sets:broken", "--model", "mlp", "--workers", "1",
+                 "--batch-size", "4",
                  "--iterations", "2", "--loader-workers", "1", "--no-progress", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 1, err
     line = err.strip().splitlines()[-1]
     assert "KeyError" in line and "label_of_" in line, line
-    source = Path(__file__).with_name("data_sets.py")
+    source = SUPPORT / "data_sets.py"
     number = next(
         i for i, text in enumerate(source.read_text().splitlines(), 1) if "return torch.tensor([1.0, 2.0])" in text
     )

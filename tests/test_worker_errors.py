@@ -18,7 +18,7 @@ from PIL import Image
 
 from conftest import descendants, run_main, worker_process, worker_rank
 from shmtrain.cli import main
-from test_checkpoint import SMALL, rows_written, start, wait_for
+from support.runs import SMALL, rows_written, start, wait_for
 
 
 def image_folder(root: Path, bad: str | None = None) -> Path:
