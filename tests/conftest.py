@@ -1,7 +1,10 @@
 """Shared test fixtures: leak checks for shared memory and child processes.
 
-Worker functions started by :func:`shmtrain.runtime.launch.launcher.launch` are named
-``"test_module:function"``; the tests folder is put on PYTHONPATH so workers import them.
+The test modules live in packages named like src/shmtrain's parts (``fabric/smb/``,
+``runtime/launch/``, ...), their shared helpers in ``support/``. Worker functions started
+by :func:`shmtrain.runtime.launch.launcher.launch` are named by module path from this
+folder (``"fabric.smb.test_api:api_worker"``, ``"support.resume:resume_worker"``); the
+tests folder is put on sys.path and PYTHONPATH so workers import them.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def worker_process(pid: int, rank: int, timeout: float = 30.0) -> psutil.Process
 
 @pytest.fixture(autouse=True)
 def cpu_unless_a_cuda_test(request, monkeypatch):
-    """On a GPU host, hide the GPUs from every test but the CUDA ones (``tests/test_cuda.py``,
+    """On a GPU host, hide the GPUs from every test but the CUDA ones (``tests/gpu/test_cuda.py``,
     and tests named ``*cuda*``): ``--device auto``, the default, would move their CLI runs
     and workers to the GPU, where their CPU references (weights within 1e-5) do not hold.
     The workers inherit it (the zygote forks each with the launcher's environment)."""

@@ -7,8 +7,8 @@
 #
 # Stages, in this order (each under `timeout`, its limit taken from what is left of
 # BUDGET_S, default 470 s; a stage that has no time left is skipped and says so):
-#   tests      the CUDA tests (test_cuda.py, test_staging.py, test_staged_hooks.py, and
-#              test_bucket_step.py's) in SHARDS
+#   tests      the CUDA tests (gpu/test_cuda.py, strategies/layout/test_staging.py and
+#              test_staged_hooks.py, and strategies/test_bucket_step.py's) in SHARDS
 #              parallel shards (default 6), each in its own /dev/shm mount (unshare -m + a
 #              tmpfs), so the leak fixture of a shard sees only its own segments; junit XML each
 #   overlap    shmtrain bench overlap --device cuda:0, ResNet-50 3x224x224, batch 32, 2 workers
@@ -62,8 +62,8 @@ machine() {
 
 stage_tests() {
     local lim; lim=$(limit 240); [ "$lim" -eq 0 ] && { log "tests: skipped, no time left"; return; }
-    local files="tests/test_cuda.py tests/test_staging.py tests/test_staged_hooks.py
-        tests/test_bucket_step.py::test_per_bucket_steps_on_cuda_equal_one_step"
+    local files="tests/gpu/test_cuda.py tests/strategies/layout/test_staging.py tests/strategies/layout/test_staged_hooks.py
+        tests/strategies/test_bucket_step.py::test_per_bucket_steps_on_cuda_equal_one_step"
     # shellcheck disable=SC2086
     "$PY" -m pytest -p no:cacheprovider -o addopts="" --collect-only -q $files 2>/dev/null \
         | grep '::' > "$WORK/tests.ids"

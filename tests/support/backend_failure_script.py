@@ -1,5 +1,6 @@
 """One rank of a 2-rank group on the ``shm`` backend in which something goes wrong (run by
-tests/test_backend.py, without torchrun: it would kill the survivor with the failed peer).
+tests/backend/test_backend.py, without torchrun: it would kill the survivor with the failed
+peer).
 
 ``python backend_failure_script.py SCENARIO RANK PORT TIMEOUT_S [WORLD_SIZE]`` (2 by default;
 ``mismatch_across_hosts`` runs 4 ranks as 2 hosts of 2, LOCAL_WORLD_SIZE=2). Rank 1 misbehaves as

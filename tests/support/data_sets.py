@@ -1,5 +1,5 @@
-"""Data sets for ``--data data_sets:<name>`` in tests/test_data.py (the tests folder is on
-PYTHONPATH, so the workers import them too)."""
+"""Data sets for ``--data support.data_sets:<name>`` in tests/runtime/data/test_data.py and
+the other data tests (the tests folder is on PYTHONPATH, so the workers import them too)."""
 
 from __future__ import annotations
 

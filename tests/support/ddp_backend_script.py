@@ -1,5 +1,5 @@
-"""An unchanged DDP script whose backend is the first argument (run by tests/test_backend.py
-under torchrun): collectives, then 5 DDP steps; rank 0 saves the weights to argv[2]."""
+"""An unchanged DDP script whose backend is the first argument (run by
+tests/backend/test_backend.py under torchrun): collectives, then 5 DDP steps; rank 0 saves the weights to argv[2]."""
 
 import os
 import sys

@@ -27,8 +27,8 @@ STRATEGIES = {
     "ssgd_ring": ("ssgd", {"allreduce": "ring"}),
     "ps_grad": ("ps_grad", {}),
     "ps_weight": ("ps_weight", {}),
-    "ssgd_nccl": ("ssgd", {"allreduce": "nccl"}),  # GPUs only (tests/test_cuda.py)
-    # not plain SGD: tests/test_staged.py compares them staged against unstaged
+    "ssgd_nccl": ("ssgd", {"allreduce": "nccl"}),  # GPUs only (tests/gpu/test_cuda.py)
+    # not plain SGD: tests/strategies/layout/test_staged.py compares them staged against unstaged
     "ssgd_bf16": ("ssgd", {"comm_dtype": "bf16"}),
     "easgd": ("easgd", {}),
     "downpour": ("downpour", {}),
@@ -91,7 +91,7 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     opt, ref_opt = sgd(model), sgd(reference)
     timer = PhaseTimer()
     # the strategy's own path, as shmtrain train's Trainer drives it (zero copy: gradients in the
-    # shared slots); tests/test_ddp_semantics.py covers the DDP-style loop
+    # shared slots); tests/ddp/test_ddp_style.py covers the DDP-style loop
     dp = DataParallel(model, opt, strategy, ctx=ctx, timer=timer, ddp_style=False, **options)
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1)

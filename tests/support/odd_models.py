@@ -1,4 +1,4 @@
-"""Models for ``--model odd_models:<name>`` in tests/test_odd_inputs.py."""
+"""Models for ``--model support.odd_models:<name>`` in tests/runtime/data/test_odd_inputs.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A small model whose forward pass takes at least ``delay`` seconds (``--model
-paced_model:PacedMLP``): tests that need a run of a known length (a host lost and
+support.paced_model:PacedMLP``): tests that need a run of a known length (a host lost and
 started again while the others train) without the machine's load setting it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker functions and the attacker's script for tests/test_security_job.py.
+"""Worker functions and the attacker's script for tests/fabric/test_trust.py.
 
 The attacker runs as another local user (``nobody``): it waits for the port a victim's
 worker reports (what ``ss -ltn`` shows any local user), connects to the job's store

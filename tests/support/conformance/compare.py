@@ -7,7 +7,7 @@ created, tensors reduced through shared memory) are summed per test.
 
 Usage::
 
-    python tests/conformance/compare.py --world-sizes 2 3 4 \\
+    python tests/support/conformance/compare.py --world-sizes 2 3 4 \\
         --json docs/results/conformance_upstream.json [--tests NAME ...] [--match REGEX]
 """
 
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--work", default="conformance-runs", help="folder of the runs' logs and outcomes")
     parser.add_argument("--json", help="write the comparison here")
     parser.add_argument("--record", help="write the tests gloo passed, per world size, here "
-                                         "(tests/conformance/gloo_passes.json: the default suite's reference)")
+                                         "(tests/support/conformance/gloo_passes.json: the default suite's reference)")
     parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per run")
     parser.add_argument("--start", choices=["spawn", "fork"], default="spawn",
                         help="how ranks start (upstream_spawn.py)")

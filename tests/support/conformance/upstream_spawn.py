@@ -23,9 +23,9 @@ the shared-memory path ran).
 Upstream checks the exit code of rank 0 only; a test counts as passed here only if every
 rank exited 0 (on either backend: a crash of another rank fails it).
 
-Usage (``tests/test_conformance.py`` runs it)::
+Usage (``tests/backend/test_conformance.py`` runs it)::
 
-    python tests/conformance/upstream_spawn.py --impl shm --world-size 2 \\
+    python tests/support/conformance/upstream_spawn.py --impl shm --world-size 2 \\
         --out results.json [--tests NAME ...] [--match REGEX]
 """
 

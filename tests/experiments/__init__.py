@@ -1,0 +1,1 @@
+"""``shmtrain experiment`` (src/shmtrain/experiments/): NEURON and HP-SEARCH."""

@@ -1,0 +1,1 @@
+"""The compressed exchange's codec (src/shmtrain/fabric/compress/)."""

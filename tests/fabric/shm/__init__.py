@@ -1,0 +1,1 @@
+"""Shared segments (src/shmtrain/fabric/shm/)."""

@@ -1,0 +1,1 @@
+"""Models of src/shmtrain/models/: REALIGN."""

@@ -1,0 +1,1 @@
+"""``shmtrain reproduce`` (src/shmtrain/reproduce/)."""

@@ -1,0 +1,2 @@
+"""Checkpoints, ``--resume``, stops that save and restarts
+(src/shmtrain/runtime/checkpoint/)."""

@@ -1,0 +1,2 @@
+"""Tasks other than classification (src/shmtrain/runtime/tasks/), the language-model
+example among them."""
