@@ -46,6 +46,7 @@ class Indexed(Dataset):
 
 
 def not_a_dataset() -> int:
+    """Not a data set at all: an int (refused by name)."""
     return 42
 
 
@@ -61,14 +62,17 @@ class _Items(Dataset):
 
 
 def no_pairs() -> Dataset:
+    """Items that are bare tensors, not (input, label) pairs (refused)."""
     return _Items(torch.zeros(3))
 
 
 def int_inputs() -> Dataset:
+    """Integer inputs, which a model cannot take as they are (refused)."""
     return _Items((torch.zeros(3, dtype=torch.long), 0))
 
 
 def float_labels() -> Dataset:
+    """A label of 0.5, not a class index (refused)."""
     return _Items((torch.zeros(3), 0.5))
 
 
@@ -78,6 +82,7 @@ class _Stream(IterableDataset):
 
 
 def stream() -> IterableDataset:
+    """An IterableDataset: no length, no index (refused: a map-style set is needed)."""
     return _Stream()
 
 
@@ -112,10 +117,12 @@ class Heavy(Huge):
 
 
 def huge(size: int = 10**9) -> Huge:
+    """:class:`Huge` of ``size`` items."""
     return Huge(size)
 
 
 def heavy(mb: int = 64) -> Heavy:
+    """:class:`Heavy` holding ``mb`` MB."""
     return Heavy(mb)
 
 
@@ -132,6 +139,7 @@ class Broken(Huge):
 
 
 def broken() -> Broken:
+    """:class:`Broken`, whose item 37 fails in a worker."""
     return Broken()
 
 
@@ -151,4 +159,5 @@ class Spawning(Huge):
 
 
 def spawning(folder: str) -> Spawning:
+    """:class:`Spawning`, whose workers each start a child process."""
     return Spawning(folder)

@@ -15,6 +15,7 @@ def tiny_model(seed: int = 0) -> nn.Module:
 
 
 def batches(steps: int, global_batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steps`` union batches of ``global_batch`` 1x8x8 inputs and labels of 10 classes, seeded."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((steps * global_batch, 1, 8, 8), generator=gen)
     y = torch.randint(0, 10, (steps * global_batch,), generator=gen)
@@ -22,11 +23,13 @@ def batches(steps: int, global_batch: int, seed: int = 1) -> tuple[torch.Tensor,
 
 
 def worker_batch(x: torch.Tensor, y: torch.Tensor, step: int, rank: int, batch: int, world: int):
+    """Rank ``rank``'s share (``batch`` items) of step ``step``'s union batch in :func:`batches`'s order."""
     start = step * batch * world + rank * batch
     return x[start : start + batch], y[start : start + batch]
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
+    """A copy of the model's parameters, flattened into one vector."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
@@ -52,6 +55,7 @@ def single_process_sgd(
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||``."""
     return float((a - b).norm() / b.norm())
 
 

@@ -35,6 +35,7 @@ class DictItems(Dataset):
 
 
 def dict_regression(samples: int = 160) -> DictItems:
+    """The regression of :func:`regression` as dict batches (:class:`DictItems`)."""
     return DictItems(samples)
 
 
