@@ -1,6 +1,6 @@
 """Bytes that cross the link between two hosts per iteration: ssgd against diloco.
 
-Two network namespaces joined by a veth pair (``shmtrain.bench.hosts.two_hosts``), one
+Two network namespaces joined by a veth pair (``shmtrain.bench.hosts.command.two_hosts``), one
 torchrun launch of 2 workers in each; the veth pair's byte counters (``ip -s link``,
 both directions) are read before and after every run. ``floor`` (diloco with no outer
 step in the run: the rendezvous, rank 0's weights broadcast to every worker, the
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shmtrain.bench.hosts_net import host_env, link_bytes, two_hosts, why_not
+from shmtrain.bench.hosts.net import host_env, link_bytes, two_hosts, why_not
 
 METHODS = {
     "floor": ["--strategy", "diloco", "--sync-every", "100000"],

@@ -1,8 +1,8 @@
 """shmtrain: data-parallel training on PyTorch through shared-memory parameter buffers.
 
 Layers (imports flow upward only): ``fabric`` (how bytes move) -> ``strategies`` (how
-workers share parameters) -> ``api`` (DataParallel) and ``ddp`` (``ddp_comm_hook``, a
-DistributedDataParallel communication hook) -> ``runtime`` (Trainer, worker
+workers share parameters) -> ``parallel`` (DataParallel, and ``ddp_comm_hook``, a
+DistributedDataParallel communication hook) and ``backend`` (``cpu:shm``) -> ``runtime`` (Trainer, worker
 loop, launcher) -> ``bench`` -> ``cli``; docs/architecture.md.
 """
 
@@ -17,13 +17,13 @@ __all__ = ["__version__", "DataParallel", "ShmHookState", "Trainer", "ddp_comm_h
 def __getattr__(name: str):
     # Lazy, so ``import shmtrain`` stays cheap for the CLI's --help.
     if name == "DataParallel":
-        from shmtrain.api import DataParallel
+        from shmtrain.parallel.data_parallel import DataParallel
 
         return DataParallel
     if name in ("ddp_comm_hook", "ShmHookState"):
-        from shmtrain import ddp
+        from shmtrain.parallel import comm_hook
 
-        return getattr(ddp, name)
+        return getattr(comm_hook, name)
     if name == "Trainer":
         from shmtrain.runtime.train.trainer import Trainer
 

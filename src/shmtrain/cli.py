@@ -144,7 +144,7 @@ def _add_strategy_options(p: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from shmtrain.runtime.config import read_toml, resolve
-    from shmtrain.runtime.run import run_training
+    from shmtrain.runtime.run.training import run_training
 
     values = vars(args).copy()
     for key in ("handler", "command"):
@@ -206,7 +206,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from shmtrain.bench import allreduce, checkpoint, collectives, overlap, ps, smb, step, subbatch
     from shmtrain.bench.compress import add_bench_compress_parser
-    from shmtrain.bench.hosts import add_parser as add_bench_hosts_parser
+    from shmtrain.bench.hosts.command import add_parser as add_bench_hosts_parser
 
     p = sub.add_parser("bench", help=COMMANDS["bench"][0],
                        description="Benchmarks: each prints a table and writes --json.")
@@ -374,7 +374,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return int(args.handler(args) or 0)
     except Exception as exc:
-        if _raised(exc, "shmtrain.runtime.run_end", "RunStopped"):  # Ctrl-C / SIGTERM: what was saved, how to go on
+        if _raised(exc, "shmtrain.runtime.run.end", "RunStopped"):  # Ctrl-C / SIGTERM: what was saved, how to go on
             if str(exc):
                 print(f"shmtrain: {exc}", file=sys.stderr)
             return exc.code  # type: ignore[attr-defined]

@@ -51,7 +51,7 @@ def preload(command: str, args: list[str]) -> None:
     (:func:`shmtrain.runtime.launch.zygote.preload_workers`: the zygote's list, the variable's
     modules, torchvision when ``train``'s ``--model`` or ``--data`` needs it, digits)."""
     from shmtrain.runtime.launch.zygote import PRELOAD_ENV, preload_workers
-    from shmtrain.runtime.run import uses_torchvision
+    from shmtrain.runtime.run.training import uses_torchvision
 
     extra = os.environ.get(PRELOAD_ENV, "")
     if command in COMMANDS:

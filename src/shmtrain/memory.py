@@ -11,7 +11,7 @@ with ``shmtrain bench overlap --workers 1``, see ``docs/overlap.md``).
 :func:`keep_freed_memory` raises both thresholds once per process, so freed blocks stay
 in the heap and are reused: the process's peak memory is unchanged, it is just not
 returned between iterations. Every worker started by the launcher calls it (before the
-first tensor), and so does :class:`shmtrain.api.DataParallel`; set
+first tensor), and so does :class:`shmtrain.parallel.data_parallel.DataParallel`; set
 ``SHMTRAIN_KEEP_FREED_MEMORY=0`` to leave malloc's defaults.
 """
 

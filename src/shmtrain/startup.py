@@ -11,7 +11,7 @@ then ``imports`` (the command line parsed, shmtrain's and torch's modules loaded
 ``store`` (torchrun's TCP store reached), ``host`` (the host's shared-memory group
 joined), ``gloo`` (the job's gloo groups made), ``joined`` (the run folder agreed),
 ``data``, ``model``, ``strategy`` (DataParallel built: the memory server for the
-asynchronous methods) and ``first-iteration``. ``shmtrain.bench.hosts_rows`` reads
+asynchronous methods) and ``first-iteration``. ``shmtrain.bench.hosts.rows`` reads
 them back from the job's logs (:func:`read_marks`) into a row's ``startup_phases_s``.
 Nothing is written, and nothing costs, without the variable.
 """

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shmtrain.bench import hosts
+from shmtrain.bench.hosts.command import command as hosts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -86,7 +86,7 @@ def _write_run(folder: Path, ranks: dict[int, list[tuple[float, int]]], evals: l
 
 
 def test_a_row_gives_per_host_iterations_startups_link_bytes_and_the_global_curve(tmp_path: Path) -> None:
-    from shmtrain.bench.hosts_rows import summarize
+    from shmtrain.bench.hosts.rows import summarize
 
     start = 1000.0
     ranks = {0: [(1003.0, 1), (1003.1, 2), (1003.2, 3), (1003.3, 4)],
@@ -107,7 +107,7 @@ def test_a_row_gives_per_host_iterations_startups_link_bytes_and_the_global_curv
 
 
 def test_rounds_give_medians_and_the_grid_point_that_reached_the_target_soonest() -> None:
-    from shmtrain.bench.hosts_rows import combine, pick, rotated
+    from shmtrain.bench.hosts.rows import combine, pick, rotated
 
     def run(t: float | None, best: float, startups: list[float]) -> dict:
         return {"time_to_target_s": t, "train_time_to_target_s": t, "best_accuracy": best, "final_accuracy": best,
@@ -134,7 +134,7 @@ def test_rounds_give_medians_and_the_grid_point_that_reached_the_target_soonest(
     words = hosts._worker_command("diloco", settings, Path("/tmp/x"))
     assert words[0] == "train" and words[-4:] == ["--sync-every", "10", "--outer-dtype", "bf16"]
     assert "--preload" not in words and "--launcher" not in words
-    assert hosts._worker_command("ddp", settings, Path("/tmp/x"))[:2] == ["-m", "shmtrain.bench.hosts_ddp"]
+    assert hosts._worker_command("ddp", settings, Path("/tmp/x"))[:2] == ["-m", "shmtrain.bench.hosts.ddp"]
     assert hosts._worker_command("ssgd", dict(settings, launcher="torchrun"), Path("/tmp/x"))[:3] == [
         "-m", "shmtrain", "train"]
 
@@ -227,7 +227,7 @@ def test_the_class_split_gives_each_host_its_classes_shared_by_its_workers() -> 
 
 def test_startup_marks_are_read_back_from_the_logs_per_phase(tmp_path: Path, monkeypatch, capsys) -> None:
     from shmtrain import startup
-    from shmtrain.bench.hosts_rows import startup_phases
+    from shmtrain.bench.hosts.rows import startup_phases
 
     monkeypatch.setenv(startup.ENV, "1")
     monkeypatch.setenv("RANK", "3")

@@ -17,7 +17,7 @@ LAYERS = {
     "timing": 0, "startup": 0, "memory": 0, "argtypes": 0, "typed_options": 0, "models": 0,
     "fabric": 1,
     "strategies": 2,
-    "api": 3, "ddp_style": 3, "ddp": 3, "backend": 3,
+    "parallel": 3, "backend": 3,
     "runtime": 4, "sim": 4,
     "bench": 5, "experiments": 5, "reproduce": 5,
     "cli": 6, "__main__": 6, "fork_torchrun": 6, "fork_worker": 6,

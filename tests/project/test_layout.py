@@ -24,7 +24,7 @@ FOLDERS_WITHOUT_CODE = {
     "project": "the repository as a whole: import layers, style, private names, this layout",
     "gpu": "the CUDA tests and prove.sh",
     "core": "the modules of layer 0 (memory.py, timing.py, ...), below every part",
-    "runtime/hosts": "jobs across hosts (runtime/torchrun_job.py with fabric/job/)",
+    "runtime/hosts": "jobs across hosts (runtime/run/torchrun.py with fabric/job/)",
 }
 #: ``module:name`` strings that name a missing callable on purpose (the refusal is tested)
 MISSING_ON_PURPOSE = {"support.data_sets:nothing", "support.task_data:nothing"}

@@ -50,8 +50,8 @@ def test_a_bad_choice_is_an_argparse_error_listing_the_choices(flag: str, choice
 
 def test_choices_are_the_literals_of_the_strategy_configs() -> None:
     from shmtrain.fabric.allreduce.collectives.reducers import CHOICES
+    from shmtrain.strategies.elastic.termination import POLICIES
     from shmtrain.strategies.parts import PS_TRANSPORTS
-    from shmtrain.strategies.termination import POLICIES
 
     def literal(cls: type, name: str) -> tuple:
         return typing.get_args(typing.get_type_hints(cls)[name])
@@ -234,7 +234,7 @@ def test_an_option_of_another_strategy_is_refused() -> None:
 
 
 def test_make_config_is_build_config() -> None:
-    from shmtrain.api import make_config
+    from shmtrain.parallel.data_parallel import make_config
 
     assert make_config is build_config
     assert isinstance(build_config("single", {}), StrategyConfig)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel, make_config
 from shmtrain.fabric.smb import STATE_TRAINING, LocalBufferService
+from shmtrain.parallel.data_parallel import DataParallel, make_config
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
-from shmtrain.strategies.eq8 import check_eq8
+from shmtrain.strategies.elastic.eq8 import check_eq8
 from support.reference import batches, flat_params, relative_error, tiny_model, worker_batch
 
 STEPS, BATCH, LR, ALPHA = 12, 8, 0.1, 0.5
@@ -273,7 +273,7 @@ def test_check_eq8() -> None:
 
 
 def test_hsgd_check_world_before_launch() -> None:
-    from shmtrain.strategies.hsgd import HSGD
+    from shmtrain.strategies.elastic.hsgd import HSGD
 
     assert HSGD.check_world(make_config("hsgd", {"groups": 2}), 4) == 2
     assert HSGD.check_world(make_config("hsgd", {"groups": 2, "group_size": 3}), 6) == 3

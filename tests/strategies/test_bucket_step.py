@@ -1,5 +1,5 @@
 """``ssgd --overlap``, staged: the optimizer steps each bucket's parameters once its mean
-has landed (``strategies/partial_step.py``), with the weights and optimizer state of one
+has landed (``strategies/optim/partial_step.py``), with the weights and optimizer state of one
 step after backward, bit for bit; the cases that need every gradient first step once.
 
 On the CPU in the staged copy mode (``SHMTRAIN_STAGING=copy``): the GPU data flow, the
@@ -21,7 +21,7 @@ from torch import nn
 
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.layout.staging import STAGING_ENV
-from shmtrain.strategies.partial_step import (
+from shmtrain.strategies.optim.partial_step import (
     PER_PARAMETER,
     optimizer_reason,
     split_groups,
@@ -136,7 +136,7 @@ def _train(ctx, optimizer: str, steps: int, **kw: Any) -> dict[str, Any]:
     """Train the net ``steps`` iterations with ssgd --overlap staged; the weights' digest
     per step and what the strategy did (events: landings and steps, with their thread).
     ``trainer``: through the Trainer, with a learning-rate schedule and --accumulate 2."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
     from shmtrain.runtime.train.trainer import Trainer
 
     device = torch.device(kw.pop("device", "cpu"))
@@ -262,7 +262,7 @@ def test_per_bucket_steps_equal_one_step_and_fallbacks_take_one_step() -> None:
 
 
 def order_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
     from shmtrain.runtime.train.trainer import Trainer
 
     os.environ[STAGING_ENV] = "copy"

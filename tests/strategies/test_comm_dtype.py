@@ -23,7 +23,7 @@ def _train(out: Path, *args: str) -> None:
 
 
 def test_the_slots_are_bfloat16_and_the_gradients_float32() -> None:
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -42,7 +42,7 @@ def test_the_slots_are_bfloat16_and_the_gradients_float32() -> None:
 def test_one_step_is_sgd_on_the_gradient_rounded_to_bfloat16() -> None:
     """In one process: the step is SGD's with each gradient rounded to bfloat16 and back,
     bit for bit, and not the float32 step (the bfloat16 path ran)."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))

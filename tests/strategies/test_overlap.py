@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
 from shmtrain.fabric.exchanges.tree_window import tree_children, tree_parent
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from support.equivalence import STRATEGIES, Mixed, sgd
 
@@ -109,7 +109,7 @@ def test_binomial_tree() -> None:
 
 
 def test_config_rejects_bad_bucket_size() -> None:
-    from shmtrain.api import make_config
+    from shmtrain.parallel.data_parallel import make_config
 
     with pytest.raises(ValueError, match="--bucket-mb"):
         make_config("ssgd", {"overlap": True, "bucket_mb": 0})

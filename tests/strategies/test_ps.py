@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel, make_config
 from shmtrain.fabric.exchanges.star import average_, open_star
 from shmtrain.fabric.shm.segment import PREFIX, sweep
 from shmtrain.fabric.trust import bound_store
+from shmtrain.parallel.data_parallel import DataParallel, make_config
 from shmtrain.runtime.launch.job_dir import JobDir
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 

@@ -60,7 +60,7 @@ def test_registry_rejects_a_duplicate_name() -> None:
 def resumed_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """Train 3 steps after restoring ``iteration`` (a resumed run): the fabric's counters
     start at 0 again, so the exchange protocol must number its rounds by ``steps``."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
     from support.equivalence import STRATEGIES, Mixed, relative_errors, sgd
 
     strategy, options = STRATEGIES[payload["mode"]]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.strategies.ssgd import SSGD
 from shmtrain.strategies.ssgd.sharded import check_optimizer

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.launch.launcher import launch
 from support.reference import (
     batches,

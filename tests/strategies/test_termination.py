@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
 from shmtrain.fabric.shm.control import LINE, ControlBlock, PeerFailure
 from shmtrain.fabric.shm.segment import SharedSegment
 from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, ProgressBoard
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.launch.launcher import launch
-from shmtrain.strategies.termination import Termination
+from shmtrain.strategies.elastic.termination import Termination
 from support.reference import batches, tiny_model, worker_batch
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.strategies.layout.staging import STAGING_ENV
 from shmtrain.timing import PhaseTimer
 
@@ -91,7 +91,7 @@ def equivalence_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     opt, ref_opt = sgd(model), sgd(reference)
     timer = PhaseTimer()
     # the strategy's own path, as shmtrain train's Trainer drives it (zero copy: gradients in the
-    # shared slots); tests/ddp/test_ddp_style.py covers the DDP-style loop
+    # shared slots); tests/parallel/test_ddp_style.py covers the DDP-style loop
     dp = DataParallel(model, opt, strategy, ctx=ctx, timer=timer, ddp_style=False, **options)
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1)

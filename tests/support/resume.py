@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.runtime.train.trainer import Trainer
 from shmtrain.timing import PhaseTimer

@@ -43,8 +43,8 @@ def _barrier(ctx: ProcessContext) -> None:
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    from shmtrain.api import DataParallel
     from shmtrain.bench.common import synthetic_setup
+    from shmtrain.parallel.data_parallel import DataParallel
     from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
     from shmtrain.runtime.config import resolve
     from shmtrain.runtime.train.trainer import Trainer

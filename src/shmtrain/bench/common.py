@@ -141,7 +141,7 @@ class DDPEngine:
     """PyTorch DistributedDataParallel with the three calls :class:`Trainer` drives, so the
     benchmarks time DDP with the same loop body as every strategy (``update`` timed;
     DDP's allreduce overlaps backward and is awaited inside it). With ``ctx``, the
-    buckets go through :func:`shmtrain.ddp.ddp_comm_hook` on that context's host
+    buckets go through :func:`shmtrain.parallel.comm_hook.ddp_comm_hook` on that context's host
     instead of gloo; with ``backend``, DDP runs unchanged on a group
     of the ``shm`` backend."""
 
@@ -158,7 +158,7 @@ class DDPEngine:
         self.timer = timer
         self.state = None
         if ctx is not None:
-            from shmtrain.ddp import ShmHookState, ddp_comm_hook
+            from shmtrain.parallel.comm_hook import ShmHookState, ddp_comm_hook
 
             self.state = ShmHookState(ctx)
             self.net.register_comm_hook(self.state, ddp_comm_hook)
@@ -193,7 +193,7 @@ def build_engine(mode: str, ctx, model: torch.nn.Module, optimizer: torch.optim.
     if mode in DDP_MODES:
         return DDPEngine(model, optimizer, timer, ctx if mode == "ddp-shm" else None,
                          backend=mode == "ddp-backend", noop=mode == "ddp-noop")
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     return DataParallel(model, optimizer, strategy, ctx=ctx, timer=timer, **(options or {}))
 

@@ -59,7 +59,7 @@ def _median(values: list[float]) -> float:
 
 def bench_worker(ctx, payload: dict[str, Any]) -> list[dict[str, Any]]:
     """Every (strategy, transport) pair in turn; this rank's per-phase medians."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     numel = payload["numel"]
     x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank)) * 1e-3

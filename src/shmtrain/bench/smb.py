@@ -141,14 +141,14 @@ def add_bench_smb_parser(bench: argparse._SubParsersAction) -> None:
 def eq8_rows(out: Path, skip: int = 2) -> list[dict[str, Any]]:
     """check_eq8 per rank of a finished run folder."""
     from shmtrain.runtime.outputs.report import read_metrics
-    from shmtrain.strategies.eq8 import check_eq8
+    from shmtrain.strategies.elastic.eq8 import check_eq8
 
     return [{"rank": rank, **check_eq8(rows, skip=skip)} for rank, rows in sorted(read_metrics(out).items())]
 
 
 def _seasgd_handler(args: argparse.Namespace) -> int:
     from shmtrain.runtime.config import resolve
-    from shmtrain.runtime.run import run_training
+    from shmtrain.runtime.run.training import run_training
 
     out = Path(args.out or f"runs/bench-seasgd-{time.strftime('%Y%m%d-%H%M%S')}")
     values = {

@@ -40,8 +40,8 @@ ONE, THREADS, PROCESSES = "1 thread", "threads", "processes"
 
 
 def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    from shmtrain.api import DataParallel
     from shmtrain.bench.common import synthetic_setup
+    from shmtrain.parallel.data_parallel import DataParallel
     from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.timing import PhaseTimer
 

@@ -92,8 +92,8 @@ def grid_points(cfg: SearchConfig, train_size: int) -> tuple[dict[int, list[dict
 
 def search_worker(ctx, payload: dict[str, Any]) -> list[dict[str, Any]]:
     """One worker: train every grid point of this worker count with ps_grad, in turn."""
-    from shmtrain.api import DataParallel
     from shmtrain.models import build_model
+    from shmtrain.parallel.data_parallel import DataParallel
     from shmtrain.runtime.data.tensors import ShardSampler, load_digits_data
 
     data = load_digits_data()

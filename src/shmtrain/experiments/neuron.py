@@ -101,7 +101,7 @@ def initial_neuron(seed: int) -> nn.Linear:
 
 def neuron_worker(ctx, cfg: dict[str, Any]) -> dict[str, Any]:
     """One worker process: train the neuron with each averaging mode in turn."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     steps, batch = cfg["steps"], cfg["batch_size"]
     x, y = samples(cfg["seed"], ctx.rank, steps, batch)

@@ -85,7 +85,7 @@ def check_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     model, reference = _check_model(), _check_model()
 

@@ -2,7 +2,7 @@
 
 A strategy decides how workers share parameters; it never knows which transport
 carries its bytes (it asks the fabric through the :class:`ProcessContext`). The
-runtime (or the :class:`shmtrain.api.DataParallel` wrapper) calls, per iteration::
+runtime (or the :class:`shmtrain.parallel.data_parallel.DataParallel` wrapper) calls, per iteration::
 
     zero_grad() -> before_forward() -> forward -> backward
         (on_gradient_ready(param) as each gradient is accumulated)
@@ -46,9 +46,9 @@ from torch import nn
 
 from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.transports import Transports
-from shmtrain.strategies.grad_safety import writes_gradients
 from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.layout.staging import HostStaging, staged
+from shmtrain.strategies.optim.grad_safety import writes_gradients
 from shmtrain.timing import PhaseTimer
 
 
@@ -213,7 +213,7 @@ class Strategy:
         self.final_global_weights: torch.Tensor | None = None
         #: why the optimizer must step once, after backward, by the terms of the loop that
         #: drives the strategy (the DDP-style loop, ``--sub-batch``); None: a strategy may
-        #: step parts of the model earlier (``ssgd --overlap`` staged, ``strategies/partial_step.py``)
+        #: step parts of the model earlier (``ssgd --overlap`` staged, ``strategies/optim/partial_step.py``)
         self.whole_step_reason: str | None = None
         #: >0 while a gradient hook of the strategy runs (an optimizer step from there is
         #: the strategy's own, e.g. gpi's layer-wise update, not the user's)
@@ -272,7 +272,7 @@ class Strategy:
     def step_optimizer(self) -> None:
         """The optimizer's step, through the GradScaler when one is attached, after
         ``--grad-clip`` (:meth:`clip_gradients`). Unscaling, or an optimizer that writes its
-        gradients (``strategies/grad_safety.py``), gets private copies first: a gradient
+        gradients (``strategies/optim/grad_safety.py``), gets private copies first: a gradient
         that is not staged may be a view of shared memory other workers read."""
         if not self.staged and (self.scaler is not None or writes_gradients(self.optimizer)):
             self.private_gradients(self.params)
@@ -288,7 +288,7 @@ class Strategy:
     @staticmethod
     def private_gradients(params: list[torch.Tensor]) -> None:
         """Point every ``param.grad`` at a private copy of itself, once: a gradient copied
-        already (``ddp_style.py`` after backward, then ``step_optimizer``) is not copied again."""
+        already (``parallel/ddp_style.py`` after backward, then ``step_optimizer``) is not copied again."""
         for p in params:
             if p.grad is not None and not getattr(p.grad, "_shmtrain_private", False):
                 p.grad = p.grad.clone()
@@ -399,7 +399,7 @@ def plan(name: str, config: StrategyConfig, workers: int, num_nodes: int = 1) ->
     """The class that will run ``config`` of strategy ``name`` in a job of ``workers``
     processes on ``num_nodes`` hosts, after every check the strategy answers for (its
     world, its hosts, its options' exclusions). ``shmtrain train``'s config and
-    :class:`shmtrain.api.DataParallel` both validate through here."""
+    :class:`shmtrain.parallel.data_parallel.DataParallel` both validate through here."""
     cls = get(name)
     if not isinstance(config, cls.Config):
         raise ValueError(f"the config is a {type(config).__qualname__}, but --strategy {name} "

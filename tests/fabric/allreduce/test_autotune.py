@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
 from shmtrain.fabric.allreduce.collectives import build_allreduce
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.launch.launcher import launch
 
 BATCH = 4

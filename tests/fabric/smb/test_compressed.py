@@ -23,8 +23,8 @@ from shmtrain.fabric.compress.codec import Codec, parse_compress
 from shmtrain.fabric.smb.compressed import CompressedGlobal, codec_of, spec_code
 from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.server import MemoryServer
-from shmtrain.strategies.elastic_compress import across_link, load_compress
-from shmtrain.strategies.seasgd import ElasticExchange
+from shmtrain.strategies.elastic.compress import across_link, load_compress
+from shmtrain.strategies.elastic.seasgd import ElasticExchange
 from shmtrain.timing import PhaseTimer
 
 pytestmark = pytest.mark.timeout(90)

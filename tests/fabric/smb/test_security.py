@@ -112,8 +112,8 @@ print(json.dumps(done), flush=True)
 
 @pytest.fixture
 def hosts():
-    """Two namespaced hosts (``shmtrain.bench.hosts.two_hosts``): (a, b, address of a)."""
-    from shmtrain.bench.hosts import two_hosts, why_not
+    """Two namespaced hosts (``shmtrain.bench.hosts.command.two_hosts``): (a, b, address of a)."""
+    from shmtrain.bench.hosts.command import two_hosts, why_not
 
     reason = why_not("none")
     if reason:

@@ -1,3 +1,3 @@
 """Jobs across hosts on this machine (torchrun launches:
-src/shmtrain/runtime/torchrun_job.py, fabric/job/): two hosts against one, asynchronous
+src/shmtrain/runtime/run/torchrun.py, fabric/job/): two hosts against one, asynchronous
 strategies, a lost host, network namespaces."""

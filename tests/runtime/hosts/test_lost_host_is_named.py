@@ -2,7 +2,7 @@
 is not blamed: two ``shmtrain torchrun`` hosts of one worker train ssgd; host 1's worker is
 killed (SIGKILL); host 0's worker, whose gloo connection to it is reset, posts its failure
 in the job's store, finds in a roll call the rank that never posted, and ends with one
-line naming it (``runtime/run.py``, ``runtime/launch/failures.py``)."""
+line naming it (``runtime/run/training.py``, ``runtime/launch/failures.py``)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def test_the_roll_call_names_the_ranks_that_never_reported_by_host(monkeypatch) 
 
     import torch.distributed as dist
 
-    from shmtrain.runtime import torchrun_job
     from shmtrain.runtime.launch import failures
+    from shmtrain.runtime.run.training import torchrun as torchrun_job
 
     monkeypatch.setattr(failures, "ROLL_CALL_S", 0.5)  # how long rank 2 is waited for
 

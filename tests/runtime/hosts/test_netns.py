@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shmtrain.bench.hosts import host_env, two_hosts, why_not
+from shmtrain.bench.hosts.command import host_env, two_hosts, why_not
 
 pytestmark = pytest.mark.timeout(240)
 

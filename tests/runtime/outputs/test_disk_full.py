@@ -121,10 +121,11 @@ def test_more_free_than_needed_does_not_read_as_room(tmp_path: Path, monkeypatch
 def test_a_full_disk_behind_a_failed_worker_keeps_the_workers_report(tmp_path: Path, monkeypatch) -> None:
     """Recording the failed stretch (stretches.json) on the same full disk must not replace
     the worker's failure, which names the rank and its log."""
-    from shmtrain.runtime import run, run_end
     from shmtrain.runtime.config import TrainConfig
     from shmtrain.runtime.launch.failures import WorkerFailed
     from shmtrain.runtime.outputs import stretches
+    from shmtrain.runtime.run.training import end as run_end
+    from shmtrain.runtime.run.training import training as run
 
     failure = WorkerFailed(f"worker rank 1 (pid 9) failed: cannot write metrics; its log: {tmp_path}/logs/rank-1.log",
                            1, 1)

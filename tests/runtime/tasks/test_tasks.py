@@ -151,13 +151,13 @@ def test_the_own_task_of_docs_tasks_md_runs() -> None:
 def test_the_worker_target_is_the_function() -> None:
     """run.py hands the launcher train_worker itself; a fresh worker process imports it by
     the name derived from the function."""
-    import shmtrain.runtime.run as run
+    import shmtrain.runtime.run.training as run
     from shmtrain.runtime.launch.launcher import target_name
     from shmtrain.runtime.launch.worker import resolve as resolve_target
-    from shmtrain.runtime.loop import train_worker
+    from shmtrain.runtime.run.loop import train_worker
 
     assert not hasattr(run, "TARGET") and run.train_worker is train_worker
-    assert target_name(train_worker) == "shmtrain.runtime.loop:train_worker"
+    assert target_name(train_worker) == "shmtrain.runtime.run.loop:train_worker"
     assert resolve_target(target_name(train_worker)) is train_worker
     with pytest.raises(ValueError, match=r"must be a function defined at the top of an importable module"):
         target_name(lambda ctx, payload: None)

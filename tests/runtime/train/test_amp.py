@@ -74,7 +74,7 @@ def test_float32_is_the_default() -> None:
 def fp16_worker(ctx, payload: dict) -> dict:
     """Three fp16 steps of ``ssgd``, then one where rank 1's batch overflows: every rank
     must skip that step (same weights as before it) and halve its scale."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
 from shmtrain.cli import main
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.launch.launcher import launch
 from shmtrain.runtime.train.optimizers import build_optimizer, optimizer_kwargs
 from shmtrain.runtime.train.trainer import Trainer
@@ -97,7 +97,7 @@ def test_what_grad_safety_says_of_each_optimizer_holds_on_this_torch(foreach: bo
     """The optimizers it calls read-only leave the gradient as it was after three steps
     (with weight decay, momentum, maximize); the Nesterov SGD it calls a writer does write
     it on the foreach path."""
-    from shmtrain.strategies.grad_safety import READ_ONLY, writes_gradients
+    from shmtrain.strategies.optim.grad_safety import READ_ONLY, writes_gradients
 
     def step(cls: type, **kwargs: Any) -> tuple[bool, bool]:
         p = nn.Parameter(torch.randn(64))

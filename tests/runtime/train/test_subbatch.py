@@ -184,7 +184,7 @@ def test_bad_sub_batch_is_named() -> None:
 def strategies_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """Run every configuration of ``payload`` in turn (each strategy's fabric is its own,
     so one launch serves them all); weights per step, and the losses."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     world = ctx.world_size
     out: dict[str, Any] = {}

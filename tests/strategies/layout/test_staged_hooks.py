@@ -86,7 +86,7 @@ def test_the_courier_runs_calls_in_order_off_the_caller_and_hands_errors_back() 
 
 def gated_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """Per strategy: one gated step, then one more ungated; the events seen."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     os.environ[STAGING_ENV] = "copy"
     out = {}
@@ -143,7 +143,7 @@ def test_staged_hooks_leave_the_host_work_to_another_thread() -> None:
 def sync_free_worker(ctx, payload: dict[str, Any]) -> dict[str, str]:
     """On the GPU: per staged strategy, backward under ``set_sync_debug_mode("error")``
     (a synchronizing call raises); the error per strategy, empty if none."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -183,7 +183,7 @@ def test_cuda_staged_backward_never_synchronizes() -> None:
 
 def pipelined_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     """ssgd --overlap staged: which buckets' means were started back during backward."""
-    from shmtrain.api import DataParallel
+    from shmtrain.parallel.data_parallel import DataParallel
 
     os.environ[STAGING_ENV] = "copy"
     model = _model(torch.device("cpu"))

@@ -6,7 +6,7 @@ host's keys under ``host<tag>/``, segment names ``shmtrain-<run>-h<tag>[-<name>]
 worker's pid in the control block), and, across hosts, a gloo group of the hosts'
 leaders (every host's local rank 0) for the hierarchical exchanges (the host's sum,
 then the leaders', then back into the host: ShmCaffe's HSGD and swCaffe's hierarchical
-allreduce). A worker's context (``fabric/job/context.py``), DDP's comm hook (``ddp.py``)
+allreduce). A worker's context (``fabric/job/context.py``), DDP's comm hook (``parallel/comm_hook.py``)
 and the ``shm`` backend (``backend/reducer.py``) are handed what these functions form.
 """
 

@@ -45,8 +45,8 @@ def _train(values: dict[str, Any], folder: Path) -> dict[int, list[dict[str, Any
     from shmtrain.runtime.checkpoint import files as checkpoint_files
     from shmtrain.runtime.config import resolve
     from shmtrain.runtime.launch.launcher import launch
-    from shmtrain.runtime.loop import train_worker
     from shmtrain.runtime.outputs.report import read_rows
+    from shmtrain.runtime.run.loop import train_worker
 
     config = resolve({"device": "cpu", **values, "out": str(folder), "progress": False, "checkpoint_every": 0})
     checkpoint_files.prepare_run_folder(folder, config)

@@ -5,7 +5,7 @@ Table II's 2.8x (ShmCaffe 2:16 against Caffe-MPI 6:24 for 15 epochs of Inception
 gradients, updates and broadcasts over the network every iteration, ShmCaffe's workers
 exchange with the memory server asynchronously. Here the two hosts are
 ``shmtrain bench hosts``' network namespaces joined by a veth pair shaped to 1 Gbit/s
-(:mod:`shmtrain.bench.hosts_net`; root and ``ip netns`` needed, else the setting is
+(:mod:`shmtrain.bench.hosts.net`; root and ``ip netns`` needed, else the setting is
 skipped with the reason), 2 workers per host, ``wide_mlp`` on digits (4.5 MB of
 gradients per iteration: the link matters, as the paper's network did), the same
 iterations for ``seasgd`` (ShmCaffe-A, its memory server beside global rank 0),
@@ -68,7 +68,7 @@ def claim(data: dict[str, Any]) -> Claim:
 
 def measure(quick: bool, log: Any = print) -> dict[str, Any]:
     """Run the setting (or say why it cannot run here): the rows, the ratio, the verdict."""
-    from shmtrain.bench import hosts
+    from shmtrain.bench.hosts.command import command as hosts
 
     reason = hosts.why_not(RATE)
     if quick and not os.environ.get(HOSTS_ENV) and not reason:

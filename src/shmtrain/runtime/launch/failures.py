@@ -86,7 +86,7 @@ ROLL_CALL_S = 3.0
 def roll_call(store: Any, rank: int, world: int, cause: str, grace: float = ROLL_CALL_S) -> list[int]:
     """Post this rank's failure (``failed/<rank>``) in the job's store and wait up to
     ``grace`` seconds for every other rank to post its own (every rank that fails posts,
-    ``runtime/run.py``); the ranks that have not are returned: lost (killed, or their host
+    ``runtime/run/training.py``); the ranks that have not are returned: lost (killed, or their host
     went down), since a rank that fails for a cause of its own says so."""
     store.set(f"failed/{rank}", cause)
     deadline = time.monotonic() + grace

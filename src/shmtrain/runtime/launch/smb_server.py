@@ -106,7 +106,7 @@ def wanted(config: Any) -> bool:
     """Whether this torchrun worker is the rank 0 that will start the job's memory server:
     an asynchronous strategy on the buffer service, hosts > 1, no ``--smb-server``."""
     from shmtrain import strategies
-    from shmtrain.strategies.shared_weights import SharedWeightsStrategy
+    from shmtrain.strategies.elastic.shared_weights import SharedWeightsStrategy
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     hosts = world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))

@@ -54,7 +54,7 @@ _MAX_FDS = 8
 START_S = 120.0
 #: imported by the zygote before it forks anything (what every worker would import)
 PRELOAD = ("torch", "torch.distributed", "numpy", "shmtrain.runtime.launch.worker",
-           "shmtrain.runtime.loop", "shmtrain.strategies",
+           "shmtrain.runtime.run.loop", "shmtrain.strategies",
            # a torch.optim optimizer's first construction imports torch._dynamo (~1.2 s of
            # CPU per worker otherwise); importing it starts no thread
            "torch._dynamo")
@@ -75,10 +75,8 @@ def name_process(name: bytes) -> None:
 
 
 def _prctl(option: int, value: Any) -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _serve(sock: socket.socket) -> None:

@@ -1,7 +1,7 @@
 """Model selection on rank 0's held-out evaluations: ``--keep-best METRIC`` and
 ``--early-stop METRIC:PATIENCE``.
 
-After each evaluation (``runtime/monitor.py``) :meth:`Selection.after_eval`
+After each evaluation (``runtime/run/monitor.py``) :meth:`Selection.after_eval`
 
 - with ``--keep-best``: when the metric improves on the best so far (larger accuracy,
   smaller loss, rmse or perplexity: :meth:`shmtrain.runtime.tasks.base.Task.better`),

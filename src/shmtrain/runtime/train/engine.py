@@ -1,7 +1,7 @@
 """What :class:`shmtrain.runtime.train.trainer.Trainer` needs of its collaborators, as
 protocols: the engine (:class:`Steppable`, and what ``--sub-batch``, ``--accumulate``,
 ``--amp fp16``, checkpoints and the loop need more of it) and the run's services around
-the loop (checkpointer, stop request, monitor, progress line). ``shmtrain.api.DataParallel``
+the loop (checkpointer, stop request, monitor, progress line). ``shmtrain.parallel.data_parallel.DataParallel``
 is every engine protocol at once; a benchmark's DDP adapter is only :class:`Steppable`.
 """
 
@@ -16,7 +16,7 @@ from torch import nn
 
 
 class Steppable(Protocol):
-    """What :class:`Trainer` drives: :class:`shmtrain.api.DataParallel`, or an adapter
+    """What :class:`Trainer` drives: :class:`shmtrain.parallel.data_parallel.DataParallel`, or an adapter
     with the same three calls (e.g. DDP in the benchmarks)."""
 
     def zero_grad(self) -> None: ...
@@ -110,7 +110,7 @@ class StopSignal(Protocol):
 
 
 class RunMonitor(Protocol):
-    """Rank 0's held-out evaluation and TensorBoard (``runtime/monitor.py``)."""
+    """Rank 0's held-out evaluation and TensorBoard (``runtime/run/monitor.py``)."""
 
     def stamp(self, perf: float) -> float: ...
 

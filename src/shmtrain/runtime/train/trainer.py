@@ -1,7 +1,7 @@
 """One training-loop body for every caller, and the state a run continues from.
 
 :class:`Trainer` runs one iteration (``zero_grad`` -> forward -> backward -> ``step``)
-with the phase timings every strategy shares; ``shmtrain train`` (``runtime/loop.py``),
+with the phase timings every strategy shares; ``shmtrain train`` (``runtime/run/loop.py``),
 ``shmtrain bench step`` and ``bench overlap`` and one's own scripts use it, so the
 loop body is written once and checkpointing has one place to live. With ``sub_batch=K``
 (``--sub-batch``) forward and backward run in K threads on parts of the batch, their
@@ -95,8 +95,8 @@ class RunServices:
     """What a run of ``shmtrain train`` keeps around its iterations, handed to
     :meth:`Trainer.train`: the checkpointer (``runtime/checkpoint/checkpointer.py``), the stop request
     (Ctrl-C / SIGTERM, ``runtime/train/stop.py``), the monitor (rank 0's evaluation and
-    TensorBoard, ``runtime/monitor.py``), this rank's metrics file and the progress line.
-    Their owner (``runtime/loop.py``) opens and closes them."""
+    TensorBoard, ``runtime/run/monitor.py``), this rank's metrics file and the progress line.
+    Their owner (``runtime/run/loop.py``) opens and closes them."""
 
     checkpoints: CheckpointSink
     stop: StopSignal
@@ -175,7 +175,7 @@ class Trainer:
             if not isinstance(engine, Scaled):
                 raise ValueError(f"--amp fp16 steps the optimizer through a GradScaler, which a "
                                  f"{type(engine).__name__} cannot take; wrap the model in "
-                                 "shmtrain.api.DataParallel, or use --amp bf16")
+                                 "shmtrain.parallel.data_parallel.DataParallel, or use --amp bf16")
             if sub_batch != 1:
                 raise ValueError(f"--amp fp16 with --sub-batch {sub_batch}: the sub-batch threads run bf16 "
                                  "or float32 only (no GradScaler); use --amp bf16, or --sub-batch 1")
@@ -194,7 +194,7 @@ class Trainer:
             if not isinstance(engine, Accumulating):
                 raise ValueError(f"--accumulate {accumulate}: the micro-batches before the last run inside the "
                                  f"engine's no_sync(), which a {type(engine).__name__} does not have; wrap the "
-                                 "model in shmtrain.api.DataParallel, or use --accumulate 1")
+                                 "model in shmtrain.parallel.data_parallel.DataParallel, or use --accumulate 1")
             self.accumulating = engine
         self.accumulate = accumulate
         #: the loss and metrics of a batch (``runtime/tasks/``)
@@ -220,7 +220,7 @@ class Trainer:
             raise ValueError(
                 f"--sub-batch {parts}: the threads run copies of the engine's module, but a "
                 f"{type(engine).__name__} has no module and before_forward; wrap the model in "
-                "shmtrain.api.DataParallel, or use --sub-batch 1")
+                "shmtrain.parallel.data_parallel.DataParallel, or use --sub-batch 1")
         criterion = self.task.criterion()
         if criterion is None:
             raise ValueError(f"--sub-batch {parts} with --task {self.task.name}: the threads split (input, "
@@ -294,7 +294,7 @@ class Trainer:
         engine, timer = self.engine, self.timer
         if not isinstance(engine, Looping):
             raise TypeError(f"Trainer.train: a {type(engine).__name__} has no iteration and should_stop(); "
-                            "wrap the model in shmtrain.api.DataParallel")
+                            "wrap the model in shmtrain.parallel.data_parallel.DataParallel")
         start = time.perf_counter()
         value: float | None = None
         first = engine.iteration
@@ -340,7 +340,7 @@ class Trainer:
         strategy)."""
         if not isinstance(self.engine, Stateful):
             raise TypeError(f"Trainer state: a {type(self.engine).__name__} has no module, optimizer and "
-                            "strategy to save; wrap the model in shmtrain.api.DataParallel")
+                            "strategy to save; wrap the model in shmtrain.parallel.data_parallel.DataParallel")
         return self.engine
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:

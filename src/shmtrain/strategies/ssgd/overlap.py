@@ -29,7 +29,7 @@ thread waits for the courier (``d2h_wait``) and the allreduce, copies back the b
 still missing, and the optimizer's stream waits for the copies (a stream wait).
 
 Per-bucket step (staged): right after the courier starts a bucket's mean back, it steps
-that bucket's parameters (``strategies/partial_step.py``: the one optimizer, restricted
+that bucket's parameters (``strategies/optim/partial_step.py``: the one optimizer, restricted
 to the bucket), on the training thread's stream after a stream wait for the copies back
 started so far, the bucket's among them (never a host wait, nothing in a hook); the
 buckets whose means land after backward are stepped in ``apply_update``. The parameters
@@ -53,7 +53,7 @@ from shmtrain.fabric.allreduce.buckets import assign_buckets
 from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy
 from shmtrain.strategies.layout.flat import FlatLayout
-from shmtrain.strategies.partial_step import split_groups, step_part, whole_step_reason
+from shmtrain.strategies.optim.partial_step import split_groups, step_part, whole_step_reason
 
 MIB = 1 << 20
 

@@ -1,9 +1,9 @@
 """The worker of ``shmtrain train``: one process, one shard, one strategy.
 
-:func:`train_worker` (the launcher's target: ``runtime/run.py`` passes this function)
+:func:`train_worker` (the launcher's target: ``runtime/run/training.py`` passes this function)
 opens a :class:`WorkerSession`, which builds this worker's task (``runtime/tasks/``),
 data, model, optimizer (:func:`build_optimizer`, from the config's optimisation section),
-:class:`shmtrain.api.DataParallel` and :class:`shmtrain.runtime.train.trainer.Trainer`,
+:class:`shmtrain.parallel.data_parallel.DataParallel` and :class:`shmtrain.runtime.train.trainer.Trainer`,
 restores a checkpoint, opens what the run keeps around its iterations (checkpointer, stop
 request, monitor, metrics file, progress line:
 :class:`shmtrain.runtime.train.trainer.RunServices`) and hands them to
@@ -23,18 +23,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
 from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.models import build_model
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data.class_split import shard_sampler
 from shmtrain.runtime.data.loader import HeldOut, open_batches
 from shmtrain.runtime.data.sources import write_run_facts
 from shmtrain.runtime.files import save_output
-from shmtrain.runtime.monitor import Monitor, evaluate_batches
 from shmtrain.runtime.outputs.progress import Progress
 from shmtrain.runtime.outputs.selection import Selection
+from shmtrain.runtime.run.monitor import Monitor, evaluate_batches
 from shmtrain.runtime.tasks.base import task_of
 from shmtrain.runtime.tasks.data import open_run_data, write_task_facts
 from shmtrain.runtime.train import schedule

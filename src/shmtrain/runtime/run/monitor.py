@@ -1,6 +1,6 @@
 """Rank 0's view of a run while it trains: held-out evaluation and TensorBoard scalars.
 
-:class:`Monitor` is called by the worker loop (``runtime/loop.py``) after each
+:class:`Monitor` is called by the worker loop (``runtime/run/loop.py``) after each
 iteration's metrics row is written, outside the iteration's timing:
 
 - every ``--eval-every`` iterations (default: each epoch) rank 0 computes the task's

@@ -17,10 +17,10 @@ from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launch import failures, runlock, smb_server
 from shmtrain.runtime.launch.zygote import under_torchrun
-from shmtrain.runtime.loop import train_worker
 from shmtrain.runtime.outputs.stretches import Stretch
-from shmtrain.runtime.run_end import RunStopped, end_stretch, finish, stopped_message, warn
-from shmtrain.runtime.run_start import check_schedule, default_out
+from shmtrain.runtime.run.end import RunStopped, end_stretch, finish, stopped_message, warn
+from shmtrain.runtime.run.loop import train_worker
+from shmtrain.runtime.run.start import check_schedule, default_out
 from shmtrain.runtime.train import schedule
 from shmtrain.startup import mark
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
-from shmtrain.runtime.run_end import warn
+from shmtrain.runtime.run.end import warn
 
 
 def default_out(config: TrainConfig) -> Path:
@@ -46,7 +46,7 @@ def check_schedule(point: Path, config: TrainConfig, train_samples: int, restart
     iterations (a finished cosine run extended would train at --lr-min), unless
     ``restart`` (``--restart-schedule``)."""
     from shmtrain.runtime.config import read_toml, resolve
-    from shmtrain.runtime.loop import planned_iterations
+    from shmtrain.runtime.run.loop import planned_iterations
     from shmtrain.runtime.train.schedule import extended_resume
 
     saved = resolve(read_toml(str(point / "config.toml"), "checkpoint file"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from shmtrain.api import DataParallel
+from shmtrain.parallel.data_parallel import DataParallel
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.strategies.layout.staging import STAGING_ENV
 from support.paths import TESTS
@@ -321,7 +321,7 @@ def test_ddp_style_off_keeps_model_step_as_the_only_step() -> None:
     with pytest.raises(ValueError, match="join\\(\\) needs the DDP-style loop"):
         model.join()
     model.close()
-    assert sys.modules["shmtrain.ddp_style"]
+    assert sys.modules["shmtrain.parallel.ddp_style"]
 
 
 @pytest.mark.parametrize("made", ["before", "after"])

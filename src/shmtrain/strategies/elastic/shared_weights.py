@@ -27,9 +27,9 @@ from shmtrain.fabric.compress.codec import parse_compress
 from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.fabric.smb import STATE_TRAINING, Buffer, BufferService
 from shmtrain.strategies.base import Strategy, StrategyConfig
-from shmtrain.strategies.elastic_compress import load_compress, open_compressed
+from shmtrain.strategies.elastic.compress import load_compress, open_compressed
+from shmtrain.strategies.elastic.termination import MASTER, Policy, Termination, check_terminate
 from shmtrain.strategies.layout.flat import FlatLayout
-from shmtrain.strategies.termination import MASTER, Policy, Termination, check_terminate
 
 GLOBAL_WEIGHTS = "global_weights"
 

@@ -1,4 +1,4 @@
-"""A plain DDP loop on :class:`shmtrain.api.DataParallel`: ``optimizer.step()`` is the step.
+"""A plain DDP loop on :class:`shmtrain.parallel.data_parallel.DataParallel`: ``optimizer.step()`` is the step.
 
 :class:`DDPStyle` gives a wrapped model DistributedDataParallel's contract, so a DDP
 script converts by changing its wrapper line only (docs/convert_ddp.md)::
@@ -31,7 +31,7 @@ script converts by changing its wrapper line only (docs/convert_ddp.md)::
   ``divide_by_initial_world_size=True``) and every rank keeps stepping on it: the
   weights stay equal. Once a round sums to 0, every rank has joined and all leave.
   Asynchronous strategies (``tolerates_peer_loss``) need no shadow: a rank that leaves
-  marks itself done for TERM's policy (``strategies/termination.py``) and stops.
+  marks itself done for TERM's policy (``strategies/elastic/termination.py``) and stops.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ FIX_STEP = "call optimizer.step() (or model.step()) once after every backward th
 
 
 class DDPStyle:
-    """The DDP contract of one :class:`shmtrain.api.DataParallel` (module docstring).
+    """The DDP contract of one :class:`shmtrain.parallel.data_parallel.DataParallel` (module docstring).
 
     Args:
         strategy: the wrapper's strategy.
@@ -82,7 +82,7 @@ class DDPStyle:
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
         step = _wrapped_step(self)
-        step._shmtrain = True  # type: ignore[attr-defined]  # shmtrain's own (strategies/partial_step.py)
+        step._shmtrain = True  # type: ignore[attr-defined]  # shmtrain's own (strategies/optim/partial_step.py)
         if hasattr(self._original_step, "_wrapped_by_lr_sched"):  # a scheduler made before: it
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # counts through the original
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

@@ -12,7 +12,7 @@ with optimizer state (each worker keeps its own momentum here) or a longer inter
 After the last iteration, if it did not end on an averaging round, ``finish()`` runs one
 more round so every worker ends with the same (averaged) weights.
 
-Transports as for :mod:`shmtrain.strategies.ps_grad` (the exchange is
+Transports as for :mod:`shmtrain.strategies.ps.grad` (the exchange is
 :mod:`shmtrain.fabric.exchanges.star`): each worker's ``param.data`` are views of its own buffer for
 the server (``mine``: with ``ps_transport="shm"`` its slot of one host segment); the
 server averages them into its ``server`` buffer, which reaches every worker and which every

@@ -1,6 +1,6 @@
 """Run ``shmtrain train``: start local workers, or be one worker of a torchrun job
-(``runtime/torchrun_job.py``); where a run starts is ``runtime/run_start.py``, how it ends
-and what it says ``runtime/run_end.py``.
+(``runtime/run/torchrun.py``); where a run starts is ``runtime/run/start.py``, how it ends
+and what it says ``runtime/run/end.py``.
 
 Long runs: ``resume=True`` (``--resume RUN_DIR``) starts the workers
 from the run's newest whole checkpoint (``runtime/checkpoint/checkpointer.py``); a worker's death
@@ -25,9 +25,8 @@ from shmtrain.runtime.launch import runlock
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
 from shmtrain.runtime.launch.zygote import under_torchrun
-from shmtrain.runtime.loop import train_worker
 from shmtrain.runtime.outputs.stretches import Stretch
-from shmtrain.runtime.run_end import (
+from shmtrain.runtime.run.end import (
     RunStopped,
     end_stretch,
     finish,
@@ -36,8 +35,9 @@ from shmtrain.runtime.run_end import (
     stopped_message,
     warn,
 )
-from shmtrain.runtime.run_start import check_schedule, default_out, starting_point
-from shmtrain.runtime.torchrun_job import run_torchrun
+from shmtrain.runtime.run.loop import train_worker
+from shmtrain.runtime.run.start import check_schedule, default_out, starting_point
+from shmtrain.runtime.run.torchrun import run_torchrun
 
 
 def uses_torchvision(model: str, data: str) -> bool:

@@ -13,7 +13,7 @@ W_g at the start of the iteration (``rgw``) and, after its step, applies eq. (3)
 writes the difference (``wwi``) and waits while the buffer service's owner adds it into
 W_g (``ugw``), the parameter-server side of eq. (4). Nothing overlaps computation. With
 ``--compress`` a worker across a link from the memory server reads its mirror of W_g and
-sends the difference compressed (:mod:`shmtrain.strategies.elastic_compress`).
+sends the difference compressed (:mod:`shmtrain.strategies.elastic.compress`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from shmtrain.strategies.base import register
-from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
+from shmtrain.strategies.elastic.shared_weights import ElasticConfig, SharedWeightsStrategy
 
 
 @register

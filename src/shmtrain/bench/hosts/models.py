@@ -1,6 +1,6 @@
 """The ResNet-scale model of ``shmtrain bench hosts``' second setting.
 
-``--model shmtrain.bench.hosts_models:resnet18_upscaled`` on ``--data digits``: each
+``--model shmtrain.bench.hosts.models:resnet18_upscaled`` on ``--data digits``: each
 8x8 grey digit is upscaled (bilinear) to 32x32 and repeated over 3 channels inside the
 model, then torchvision's ResNet-18 (no pre-trained weights, 10 classes) reads it:
 11.2 M parameters, 44.7 MB of float32 gradients per iteration, for little computation

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shmtrain.strategies.base import register
-from shmtrain.strategies.shared_weights import AsyncConfig, SharedWeightsStrategy
+from shmtrain.strategies.elastic.shared_weights import AsyncConfig, SharedWeightsStrategy
 
 
 @register

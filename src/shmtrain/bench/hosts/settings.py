@@ -1,6 +1,6 @@
 """The written-down ``bench hosts`` comparisons: each method's ``shmtrain train`` flags
 (:data:`METHODS`), the defaults, and :data:`SETTINGS` (``mlp-100mbit``,
-``resnet18-1gbit``) with each method's own grid. :mod:`shmtrain.bench.hosts` says what
+``resnet18-1gbit``) with each method's own grid. :mod:`shmtrain.bench.hosts.command` says what
 each method is and how a comparison is run and read; docs/choosing_a_method.md has the
 pilots each grid comes from."""
 
@@ -88,7 +88,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
                              "seasgd-topk": _elastic_topk(), "hsgd-topk": _elastic_topk()},
                     "methods": ["ssgd", "hsgd", "seasgd", "diloco", "hybrid", "diloco-topk", "hybrid-topk", "ddp",
                                 ONE_HOST]},
-    "resnet18-1gbit": {"model": "shmtrain.bench.hosts_models:resnet18_gn_upscaled", "data": "digits",
+    "resnet18-1gbit": {"model": "shmtrain.bench.hosts.models:resnet18_gn_upscaled", "data": "digits",
                        "rate": "1gbit", "batch_size": 8, "iterations": 150, "eval_every": 10, "target": 0.9,
                        "class_split": 2, "preload": "torchvision",
                        "grid": {"*": [{"lr": 0.003}, {"lr": 0.01}, {"lr": 0.03}],

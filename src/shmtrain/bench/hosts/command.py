@@ -3,7 +3,7 @@
 The comparison of ShmCaffe's Table II and Figs. 8-12 (accuracy against wall time, and
 the time each method needs to reach a target accuracy), scaled down to one machine:
 two "hosts" are two network namespaces joined by a veth pair shaped to ``--rate``
-(:mod:`shmtrain.bench.hosts_net`). Each method is one job, 2 workers per host, launched
+(:mod:`shmtrain.bench.hosts.net`). Each method is one job, 2 workers per host, launched
 by torchrun inside each namespace with ``OMP_NUM_THREADS=1`` and no
 ``GLOO_SOCKET_IFNAME``, with the same model, data, batch, seed and evaluation:
 
@@ -23,7 +23,7 @@ by torchrun inside each namespace with ``OMP_NUM_THREADS=1`` and no
   differences across the link, hosts paced; docs/async.md); grid: alpha 0.5 at lr 0.1, 0.2, and 0.2
   with ``--lr-schedule cosine`` (docs/choosing_a_method.md);
 - ``ddp``: PyTorch DistributedDataParallel over gloo among all four workers, flat
-  (:mod:`shmtrain.bench.hosts_ddp`);
+  (:mod:`shmtrain.bench.hosts.ddp`);
 - ``one-host``: ssgd on host a alone (2 workers), the shard of one host: with
   ``--class-split 2`` it shows that a single host cannot reach the target.
 
@@ -75,7 +75,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmtrain.bench.hosts_net import (  # noqa: F401 - re-exported: examples and tests use them from here
+from shmtrain.bench.hosts.net import (  # noqa: F401 - re-exported: examples and tests use them from here
     NODES,
     PER_NODE,
     HostsUnavailable,
@@ -85,8 +85,8 @@ from shmtrain.bench.hosts_net import (  # noqa: F401 - re-exported: examples and
     two_hosts,
     why_not,
 )
-from shmtrain.bench.hosts_rows import combine, pick, plot, print_table, rotated, summarize
-from shmtrain.bench.hosts_settings import (  # noqa: F401 - re-exported: the CLI, examples and tests use them
+from shmtrain.bench.hosts.rows import combine, pick, plot, print_table, rotated, summarize
+from shmtrain.bench.hosts.settings import (  # noqa: F401 - re-exported: the CLI, examples and tests use them
     DEFAULT_METHODS,
     DEFAULTS,
     METHODS,
@@ -142,7 +142,7 @@ def _worker_command(method: str, settings: dict[str, Any], out: Path) -> list[st
         common += ["--class-split", str(settings["class_split"])]
     flags = METHODS[method]
     if flags is None:
-        return ["-m", "shmtrain.bench.hosts_ddp", *common]
+        return ["-m", "shmtrain.bench.hosts.ddp", *common]
     extra = [w for k, v in settings.items() if k not in DEFAULTS and k not in _BENCH_KEYS
              for w in (f"--{k.replace('_', '-')}", str(v))]
     head = ["train"] if launcher(method, settings) == "fork" else ["-m", "shmtrain", "train"]
@@ -367,7 +367,7 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                                                        "best (on by default with --setting)")
     p.add_argument("--no-tune", action="store_true", help="with --setting: use --lr, no tuning")
     p.add_argument("--grid-point", type=int, metavar="K", help="no tuning: every method at the K-th point of its "
-                   "own grid (1-based; the setting's grid, SETTINGS in shmtrain/bench/hosts.py)")
+                   "own grid (1-based; the setting's grid, SETTINGS in shmtrain/bench/hosts/command.py)")
     p.add_argument("--grid-lr", type=float, nargs="+", metavar="LR", help="the learning rates of the grid "
                    "(default: the setting's; else 0.02 0.05 0.1)")
     p.add_argument("--repeat", type=int, default=1,

@@ -8,14 +8,14 @@ matter here (``--model``, ``--data``, ``--batch-size``, ``--lr``, ``--momentum``
 ``--weight-decay``, ``--iterations``, ``--seed``, ``--eval-every``, ``--timeout``,
 ``--out``)::
 
-    torchrun --nnodes 2 --nproc-per-node 2 ... -m shmtrain.bench.hosts_ddp --model wide_mlp --out DIR
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m shmtrain.bench.hosts.ddp --model wide_mlp --out DIR
 
 It trains exactly what ``shmtrain train`` trains with the same flags, from the
 project's own pieces: the model (:func:`shmtrain.models.build_model`, seeded by
 ``--seed``), the data and its sharding (:mod:`shmtrain.runtime.data.tensors`: the same
 ``ShardSampler`` and ``Prefetcher``), SGD with the same momentum and weight decay, the
 learning-rate schedule, one loop body (:class:`shmtrain.runtime.train.trainer.Trainer`) and
-the held-out evaluation on rank 0 (:class:`shmtrain.runtime.monitor.Monitor`). Only
+the held-out evaluation on rank 0 (:class:`shmtrain.runtime.run.monitor.Monitor`). Only
 the engine differs: :class:`shmtrain.bench.common.DDPEngine` with torch's own
 DistributedDataParallel over the default gloo group of all the job's workers (flat:
 every bucket is a gloo allreduce among all ranks, no shared memory), the group set up
@@ -80,7 +80,7 @@ class CommTimer:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m shmtrain.bench.hosts_ddp", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m shmtrain.bench.hosts.ddp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smallcnn")
     p.add_argument("--data", default="digits")
@@ -105,9 +105,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from shmtrain.runtime.config import resolve
     from shmtrain.runtime.data.class_split import shard_sampler
     from shmtrain.runtime.data.tensors import Prefetcher
-    from shmtrain.runtime.loop import planned_iterations
-    from shmtrain.runtime.monitor import Monitor
     from shmtrain.runtime.outputs.report import phase_means, read_metrics
+    from shmtrain.runtime.run.loop import planned_iterations
+    from shmtrain.runtime.run.monitor import Monitor
     from shmtrain.runtime.train import schedule
     from shmtrain.runtime.train.trainer import Trainer
     from shmtrain.startup import mark
@@ -155,7 +155,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()  # every rank's metrics are written before rank 0 reads them
         summary: dict[str, Any] = {}
         if ctx.rank == 0:
-            from shmtrain.runtime.loop import accuracy
+            from shmtrain.runtime.run.loop import accuracy
 
             summary = {"strategy": "ddp", "workers": ctx.world_size, "iterations": total, "wall_s": wall,
                        "accuracy": accuracy(model, data.test_x, data.test_y),
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(args)
     except ValueError as exc:
-        print(f"shmtrain.bench.hosts_ddp: error: {exc}", file=sys.stderr)
+        print(f"shmtrain.bench.hosts.ddp: error: {exc}", file=sys.stderr)
         return 2
     if summary:
         print(f"ddp: held-out accuracy {summary['accuracy'] * 100:.2f}%  |  {summary['iterations']} iterations"

@@ -40,9 +40,9 @@ from shmtrain.fabric.shm.control import PeerTimeout
 from shmtrain.fabric.smb import Buffer, BufferService
 from shmtrain.fabric.smb.compressed import CompressedGlobal
 from shmtrain.strategies.base import register
-from shmtrain.strategies.eq8 import Eq8Metrics
+from shmtrain.strategies.elastic.eq8 import Eq8Metrics
+from shmtrain.strategies.elastic.shared_weights import ElasticConfig, SharedWeightsStrategy
 from shmtrain.strategies.layout.staging import HostStaging
-from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
 from shmtrain.timing import PhaseTimer
 
 

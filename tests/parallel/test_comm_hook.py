@@ -33,7 +33,7 @@ def train_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     import shmtrain
-    import shmtrain.ddp
+    import shmtrain.parallel.comm_hook
 
     weights, info = {}, {}
     for variant in payload["variants"]:
@@ -51,11 +51,13 @@ def train_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
             optimizer.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()
             optimizer.step()
-            used = state if state is not None else (shmtrain.ddp.default_state() if variant == "none" else None)
+            used = state
+            if used is None and variant == "none":
+                used = shmtrain.parallel.comm_hook.default_state()
             if used is not None:
                 sizes.append(sorted((i, r.numel) for i, r in used.buckets.items()))
         if variant != "gloo":
-            used = state if state is not None else shmtrain.ddp.default_state()
+            used = state if state is not None else shmtrain.parallel.comm_hook.default_state()
             info[variant] = {"sizes": sizes, "replaced": used.replaced,
                              "leaders": used.leaders is not None}
         weights[variant] = {k: v.clone() for k, v in model.state_dict().items()}

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from shmtrain.strategies.base import register
-from shmtrain.strategies.eq8 import Eq8Metrics
+from shmtrain.strategies.elastic.eq8 import Eq8Metrics
+from shmtrain.strategies.elastic.seasgd import ElasticExchange
+from shmtrain.strategies.elastic.shared_weights import ElasticConfig, SharedWeightsStrategy
 from shmtrain.strategies.parts import SlotGradients
-from shmtrain.strategies.seasgd import ElasticExchange
-from shmtrain.strategies.shared_weights import ElasticConfig, SharedWeightsStrategy
 
 
 @register

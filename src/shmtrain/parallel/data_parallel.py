@@ -24,16 +24,16 @@ import torch
 from torch import nn
 
 from shmtrain import strategies
-from shmtrain.ddp_style import DDPStyle
 from shmtrain.fabric.job import context as fabric_context
 from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.transports import Transports
 from shmtrain.memory import keep_freed_memory
+from shmtrain.parallel.ddp_style import DDPStyle
 from shmtrain.strategies.base import StrategyConfig, plan
 from shmtrain.strategies.base import build_config as make_config
 from shmtrain.timing import PhaseTimer
 
-#: why the DDP-style loop steps the optimizer once, after backward (strategies/partial_step.py)
+#: why the DDP-style loop steps the optimizer once, after backward (strategies/optim/partial_step.py)
 DDP_STYLE_STEP = ("the DDP-style loop: the user's code may read or edit the gradients between backward and "
                   "optimizer.step()")
 
@@ -43,7 +43,7 @@ class DataParallel(nn.Module):
 
     The loop is DDP's: ``optimizer.zero_grad()``, forward, ``loss.backward()``, optionally
     ``clip_grad_norm_``, ``optimizer.step()`` (the optimizer's ``step`` and ``zero_grad``
-    are wrapped: :mod:`shmtrain.ddp_style`). With a synchronous strategy (ssgd and its
+    are wrapped: :mod:`shmtrain.parallel.ddp_style`). With a synchronous strategy (ssgd and its
     variants, gpi, cpu_acc, ps_grad) the gradients are averaged when ``backward()``
     returns and ``optimizer.step()`` updates, so the weights equal DDP's; with the others
     (seasgd, easgd, hsgd, downpour, diloco, ps_weight, single) ``optimizer.step()`` runs
@@ -72,7 +72,7 @@ class DataParallel(nn.Module):
             ``model.step()`` as the only step, communicating there (``shmtrain train``'s
             :class:`~shmtrain.runtime.train.trainer.Trainer` sets it, see :attr:`ddp_style`).
             Without it, ``ssgd --overlap`` on a GPU may step a bucket's parameters during
-            backward, as soon as its mean is back (``strategies/partial_step.py``): read the
+            backward, as soon as its mean is back (``strategies/optim/partial_step.py``): read the
             weights before backward or after ``model.step()``, not between.
         **options: the strategy's Config fields (when ``config`` is not given).
     """
