@@ -5,10 +5,14 @@ Run from the repository's root (the venv active, or with .venv/bin/python):
     python docs/results/regenerate.py                     # every table from its JSON; runs nothing
     python docs/results/regenerate.py --check             # exit 1 naming each table its JSON does not give
     python docs/results/regenerate.py --run diloco-outer  # re-run its commands, write its JSON, rewrite it
-    python docs/results/regenerate.py --run all           # every table's commands (about 3 minutes here)
+    python docs/results/regenerate.py --run diloco-outer diloco-compress diloco-measured   # about 3 minutes here
+    python docs/results/regenerate.py --run all           # the README's benchmarks too (bench hosts: root, ~30 min)
     python docs/results/regenerate.py --list              # the tables: doc, JSON, commands
 
-A table lies in its doc between ``<!-- regenerated: NAME ... -->`` and ``<!-- end: NAME -->``
+The diloco tables are ``shmtrain train`` runs that this script runs itself; the README's
+benchmark tables (``bench allreduce``, ``bench checkpoint``, ``bench hosts``) come from the
+JSON their benchmark writes with ``--json``. A table lies in its doc between
+``<!-- regenerated: NAME ... -->`` and ``<!-- end: NAME -->``
 (HTML comments: not shown); edit its JSON or re-run it, not the text between them. Each
 run is one ``shmtrain train`` command, run in a fresh interpreter into a temporary folder;
 its ``summary.json`` gives the figures (held-out accuracy; ``comm`` and ``iteration``
@@ -43,8 +47,10 @@ class Table:
     name: str
     doc: str
     json: str
-    runs: Callable[[], dict[str, list[str]]]
+    runs: Callable[[], dict[str, list[str]]] | None
     render: Callable[[dict], str]
+    #: a benchmark that writes the JSON itself (the words after ``shmtrain``), in place of ``runs``
+    bench: tuple[str, ...] = ()
 
 
 # -- docs/diloco.md ----------------------------------------------------------------------------------
@@ -162,17 +168,65 @@ def _when(data: dict) -> str:
             f"`python docs/results/regenerate.py --run {data['table']}`: `docs/results/{data['table']}.json`.)")
 
 
+# -- README.md: benchmarks that write their JSON themselves -------------------------------------------
+def render_checkpoint(rows: list) -> str:
+    lines = ["| model | params | MB per rank | iteration s | snapshot s | save s | load s | validate s | "
+             "save / iteration |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['params_m']:.1f} M | {r['mb_per_rank']:.0f} | {r['iteration_s']:.3f} | "
+              f"{r['snapshot_s']:.3f} | {r['save_s']:.3f} | {r['load_s']:.3f} | {r['validate_s']:.3f} | "
+              f"{r['save_per_iteration']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def render_allreduce(rows: list) -> str:
+    lines = ["| procs | MiB | shm | gloo | gloo/shm | floor | shm/floor | read floor | gloo/read floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["impl"], r["procs"], r["bytes"]): r for r in rows}
+    for procs, size in sorted({(r["procs"], r["bytes"]) for r in rows}):
+        shm, gloo = by[("shm", procs, size)], by[("gloo", procs, size)]
+        ms = {k: 1e3 * v for k, v in (("shm", shm["median_s"]), ("gloo", gloo["median_s"]),
+                                       ("floor", shm["floor_s"]), ("read", shm["read_floor_s"]))}
+        lines.append(f"| {procs} | {size >> 20} | {ms['shm']:.2f} | {ms['gloo']:.2f} | {ms['gloo'] / ms['shm']:.1f} | "
+                     f"{ms['floor']:.2f} | {ms['shm'] / ms['floor']:.2f} | {ms['read']:.2f} | "
+                     f"{ms['gloo'] / ms['read']:.1f} |")
+    return "\n".join(lines)
+
+
+HOSTS_LABELS = {"ssgd": "ssgd (hierarchical allreduce)", "hsgd": "hsgd (one group per host)", "seasgd": "seasgd",
+                "ddp": "DDP over gloo (flat)"}
+
+
+def render_hosts(data: dict) -> str:
+    lines = ["| method | s to 95% from launch | after start-up | ms per iteration (comm) |", "|---|---|---|---|"]
+    lines += [f"| {HOSTS_LABELS.get(r['method'], r['method'])} | {r['time_to_target_s']:.1f} | "
+              f"{r['train_time_to_target_s']:.1f} | {r['iteration_ms']:.0f} ({r['comm_ms']:.0f}) |"
+              for r in data["rows"]]
+    return "\n".join(lines)
+
+
 TABLES = {t.name: t for t in [
     Table("diloco-outer", "docs/diloco.md", "diloco-outer.json", outer_runs, render_outer),
     Table("diloco-compress", "docs/diloco.md", "diloco-compress.json", compress_runs, render_compress),
     Table("diloco-measured", "docs/diloco.md", "diloco-measured.json", measured_runs, render_measured),
+    Table("bench-allreduce", "README.md", "bench_allreduce.json", None, render_allreduce,
+          ("bench", "allreduce", "--json", "docs/results/bench_allreduce.json")),
+    Table("bench-checkpoint", "README.md", "bench_checkpoint.json", None, render_checkpoint,
+          ("bench", "checkpoint", "--model", "smallcnn", "resnet18", "resnet50", "--reps", "5", "--json",
+           "docs/results/bench_checkpoint.json")),
+    Table("bench-hosts", "README.md", "bench_hosts_tta.json", None, render_hosts,
+          ("bench", "hosts", "--repeat", "3", "--json", "docs/results/bench_hosts_tta.json", "--plot",
+           "docs/figures/bench_hosts_tta.png")),
 ]}
 
 
 # -- running, rewriting, checking ---------------------------------------------------------------------
 def run_table(table: Table, log: Callable[[str], None] = print) -> dict:
     """Run every command of ``table`` (one after another, each in a fresh interpreter) and
-    write its JSON; the data written."""
+    write its JSON; the data written. A benchmark's table: its one command, which writes it."""
+    if table.bench:
+        log(f"{table.name}: shmtrain {' '.join(table.bench)}")
+        subprocess.run([sys.executable, "-m", "shmtrain", *table.bench], cwd=ROOT, check=True)
+        return json.loads((RESULTS / table.json).read_text())
     data = {"table": table.name, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"this {os.cpu_count()}-core VM ({_cpu()})", "load": os.getloadavg()[0], "runs": {}}
     with tempfile.TemporaryDirectory(prefix="regenerate-") as tmp:
@@ -239,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for table in TABLES.values():
             print(f"{table.name}: {table.doc}, docs/results/{table.json}")
-            for words in table.runs().values():
+            for words in table.runs().values() if table.runs else [table.bench]:
                 print(f"  shmtrain {' '.join(words)}")
         return 0
     runs = list(TABLES) if args.run == ["all"] else args.run
