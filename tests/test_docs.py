@@ -207,13 +207,28 @@ def test_the_tables_of_expensive_runs_are_what_their_json_gives() -> None:
 
 
 def test_a_table_edited_by_hand_no_longer_matches_its_json() -> None:
+    """Every generated table, its first figure and its last row's last figure edited in turn."""
     regenerate = _regenerate()
     for table in regenerate.TABLES.values():
         text = (ROOT / table.doc).read_text()
         body = regenerate._region(table.name).search(text)
-        figure = re.search(r"\d+\.\d+", body.group(2))
-        edited = text[:body.start(2) + figure.start()] + "0.1234" + text[body.start(2) + figure.end():]
-        assert regenerate.rewritten(table, edited) != edited, table.name
+        rows = re.search(r"^[ \t]*\|---.*$", body.group(2), re.M)  # the figures start after the header
+        offset = body.start(2) + rows.end()
+        figures = list(re.finditer(r"\d+\.\d+|\d[\d,]*", text[offset:body.end(2)]))
+        assert figures, f"{table.name}: no figure in its table"
+        for figure in (figures[0], figures[-1]):
+            start, end = offset + figure.start(), offset + figure.end()
+            edited = text[:start] + str(int(figure.group(0).replace(",", "").split(".")[0]) + 7) + text[end:]
+            assert regenerate.rewritten(table, edited) != edited, f"{table.name}: {figure.group(0)} edited"
+
+
+def test_every_table_of_the_docs_names_its_json_and_command() -> None:
+    """``regenerate.py --list``: each table's JSON exists, and each has a command that makes it again."""
+    regenerate = _regenerate()
+    for table in regenerate.TABLES.values():
+        assert table.runs or table.commands, table.name
+        assert all(regenerate.path(f).is_file() for f in table.files), table.name
+        assert f"<!-- regenerated: {table.name} " in (ROOT / table.doc).read_text(), table.name
 
 
 def test_the_reproductions_index_is_what_their_json_gives(tmp_path: Path) -> None:
@@ -227,6 +242,19 @@ def test_the_reproductions_index_is_what_their_json_gives(tmp_path: Path) -> Non
         shutil.copy(path, tmp_path / path.name)
     index = (ROOT / "docs" / "reproduction" / "README.md").read_text()
     assert write_index(tmp_path).read_text() == index
+
+
+def test_each_reproduction_is_what_its_json_gives() -> None:
+    """docs/reproduction/NAME.md is ``markdown`` of NAME.json (``shmtrain reproduce NAME`` writes
+    both, the command and date in it): a figure edited by hand in NAME.md fails."""
+    from shmtrain.reproduce.core import markdown
+
+    found = sorted((ROOT / "docs" / "reproduction").glob("*.json"))
+    assert found
+    for path in found:
+        doc = json.loads(path.read_text())
+        assert markdown(doc) == path.with_suffix(".md").read_text(), f"{path.with_suffix('.md').name} differs from " \
+            f"{path.name}: run `{doc['command']}` again, or edit neither by hand"
 
 
 # -- the cheap figures, each run by its command here ----------------------------------------------------
@@ -356,6 +384,16 @@ def test_a_cheap_figure_edited_in_its_doc_fails_its_check(figure: Figure) -> Non
     new_text = f"{new:.{len(old.split('.')[1])}f}" if "." in old else f"{int(new):,}" if "," in old else str(int(new))
     edited = text[:found.start(1)] + new_text + text[found.end(1):]
     assert mismatches(figure, documented(figure, edited), says)
+
+
+def test_the_simulator_block_of_collectives_is_what_the_command_prints() -> None:
+    """docs/collectives.md's ``$ shmtrain sim allreduce ...`` block is its output (the cost model
+    is deterministic): a predicted time edited there fails."""
+    text = (ROOT / "docs" / "collectives.md").read_text()
+    block = re.search(r"^\$ shmtrain (sim allreduce [^\n]+)\n(.*?)^```", text, re.M | re.S)
+    done = run_main(*block.group(1).split())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == block.group(2), "docs/collectives.md: write there what it prints:\n" + done.stdout
 
 
 # -- what the documented commands leave in a clone ---------------------------------------------------
