@@ -222,12 +222,15 @@ def test_a_table_edited_by_hand_no_longer_matches_its_json() -> None:
             assert regenerate.rewritten(table, edited) != edited, f"{table.name}: {figure.group(0)} edited"
 
 
-def test_every_table_of_the_docs_names_its_json_and_command() -> None:
+def test_every_table_of_the_docs_names_its_json_and_command(capsys) -> None:
     """``regenerate.py --list``: each table's JSON exists, and each has a command that makes it again."""
     regenerate = _regenerate()
+    assert regenerate.main(["--list"]) == 0
+    listed = capsys.readouterr().out
     for table in regenerate.TABLES.values():
+        assert f"{table.name}: {table.doc}, " in listed, table.name
         assert table.runs or table.commands, table.name
-        assert all(regenerate.path(f).is_file() for f in table.files), table.name
+        assert all(regenerate.json_path(f).is_file() for f in table.files), table.name
         assert f"<!-- regenerated: {table.name} " in (ROOT / table.doc).read_text(), table.name
 
 

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 
 
-def path(name: str) -> Path:
+def json_path(name: str) -> Path:
     """A table's JSON: a bare name lies in docs/results/, one with a folder from the repository's root."""
     return ROOT / name if "/" in name else RESULTS / name
 
@@ -72,7 +72,7 @@ class Table:
         return (self.json,) if isinstance(self.json, str) else self.json
 
     def data(self) -> Any:
-        loaded = {name: json.loads(path(name).read_text()) for name in self.files}
+        loaded = {name: json.loads(json_path(name).read_text()) for name in self.files}
         return loaded[self.json] if isinstance(self.json, str) else loaded
 
 
@@ -587,6 +587,14 @@ def render_ps(rows: list) -> str:
     return "\n".join(lines)
 
 
+def render_hpsearch(data: dict) -> str:
+    """HP-SEARCH's winners (SHM-Learn-Dist Table 5.1): per worker count, the kept run of least area."""
+    lines = ["| workers | batch | lr | min loss | area (loss x s) | held-out accuracy |", "|---|---|---|---|---|---|"]
+    lines += [f"| {workers} | {b['batch']} | {b['lr']:g} | {b['min_loss']:.3f} | {b['area_time']:.3f} | "
+              f"{100 * b['accuracy']:.1f}% |" for workers, b in sorted(data["best"].items(), key=lambda kv: int(kv[0]))]
+    return "\n".join(lines)
+
+
 # -- docs/subbatch.md: bench subbatch -------------------------------------------------------------------
 def render_subbatch(rows: list) -> str:
     lines = ["| K | mode | ms/iter (median) | min ms | samples/s | vs 1 thread | thr/proc | paired |",
@@ -889,6 +897,8 @@ TABLES = {t.name: t for t in [
           ("shmtrain bench smb --procs 1 2 4 8 --size 64MiB --json docs/results/bench_smb.json",)),
     Table("bench-ps", "docs/parameter_servers.md", "docs/figures/ps/bench_ps.json", None, render_ps,
           ("shmtrain bench ps --json docs/figures/ps/bench_ps.json",)),
+    Table("hpsearch", "docs/parameter_servers.md", "docs/figures/ps/hpsearch.json", None, render_hpsearch,
+          ("shmtrain experiment hpsearch --out docs/figures/ps",)),
     Table("bench-subbatch", "docs/subbatch.md", "bench_subbatch_smallcnn.json", None, render_subbatch,
           ("shmtrain bench subbatch --rounds 60 --json docs/results/bench_subbatch_smallcnn.json",)),
 
@@ -896,15 +906,19 @@ TABLES = {t.name: t for t in [
 
 
 # -- running, rewriting, checking ---------------------------------------------------------------------
-def run_table(table: Table, log: Callable[[str], None] = print) -> dict:
+def run_table(table: Table, log: Callable[[str], None] = print, done: set[str] | None = None) -> dict:
     """Run every command of ``table`` (one after another, each in a fresh interpreter) and
     write its JSON; the data written. A benchmark's table: its commands, which write it
     (``shmtrain`` and ``python`` are this interpreter's venv's)."""
     if table.commands:
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         for command in table.commands:
+            if done is not None and command in done:
+                continue  # a table of the same run: its JSON is written already
             log(f"{table.name}: {command}")
             subprocess.run(command, shell=True, cwd=ROOT, check=True, env=env)
+            if done is not None:
+                done.add(command)
         return table.data()
     data = {"table": table.name, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"this {os.cpu_count()}-core VM ({_cpu()})", "load": os.getloadavg()[0], "runs": {}}
@@ -973,7 +987,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for table in TABLES.values():
-            print(f"{table.name}: {table.doc}, " + ", ".join(str(path(f).relative_to(ROOT)) for f in table.files)
+            print(f"{table.name}: {table.doc}, " + ", ".join(str(json_path(f).relative_to(ROOT)) for f in table.files)
                   + (f" ({table.cost})" if table.cost else ""))
             for command in [f"shmtrain {' '.join(w)}" for w in table.runs().values()] if table.runs else table.commands:
                 print(f"  {command}")
@@ -986,8 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
         problems = stale(list(TABLES))
         print("\n".join(problems) or "every table matches its JSON")
         return 1 if problems else 0
+    done: set[str] = set()
     for name in runs:
-        run_table(TABLES[name])
+        run_table(TABLES[name], done=done)
     for table in TABLES.values():
         path = ROOT / table.doc
         text = path.read_text()
