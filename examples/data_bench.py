@@ -25,7 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
+try:
+    import psutil
+except ImportError:  # the test extra installs it; shmtrain itself does not need it
+    sys.exit("examples/data_bench.py needs psutil to sample memory: pip install psutil "
+             "(or install shmtrain with its test extra: pip install -e '.[test]')")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))

@@ -81,7 +81,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     groups["job"].add_argument(
         "--restart-schedule", action="store_true",
         help="with --resume to another length: a new learning-rate schedule (cosine, or step without "
-             "--lr-step-every) from the peak --lr over the iterations left, instead of the run's, which "
+             "--lr-step-every) over the iterations left, its --warmup-iterations warm-up first and then "
+             "from the peak --lr, instead of the run's, which "
              "was drawn over its planned length (a resume that would not follow it is refused without "
              "this) (default off)",
     )

@@ -4,7 +4,7 @@ Each worker torchrun starts is a fresh interpreter: it imports torch, torch._dyn
 torch.optim optimizer's first use imports it) and shmtrain's worker path, 2.7 s of CPU
 here, and torchrun's agent has imported torch already. On a host with 2 workers and 2
 cores that is three imports before the first iteration, and across two hosts on one
-machine six (item 4: start-up across hosts was 5.8-6.3 s from the launch).
+machine six (start-up across hosts was 5.8-6.3 s from the launch on 2026-11-25).
 
 ``shmtrain torchrun [torchrun's options] train [train's options]`` is torchrun itself
 (:mod:`torch.distributed.run`: its options, its rendezvous, its elastic agent, its

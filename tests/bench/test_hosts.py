@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shmtrain.bench.hosts.command import command as hosts
+from shmtrain.bench.hosts import command as hosts
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -90,7 +90,7 @@ def test_the_frame_writes_all_three_files_with_the_numbers_first(tmp_path: Path)
 
 
 def test_shmcaffe_table2_multi_host_verdict_is_drawn_against_the_papers_2_8x(monkeypatch) -> None:
-    from shmtrain.bench.hosts.command import command as hosts
+    from shmtrain.bench.hosts import command as hosts
     from shmtrain.reproduce.shmcaffe import table2_hosts as t
 
     assert t.verdict(2.9) == "reproduced" and t.verdict(2.7) == "reproduced"  # within 5% of 2.8

@@ -138,6 +138,21 @@ def test_the_outer_defaults_follow_the_inner_optimizer(make, expected) -> None:
     assert OUTER_UNDER_MOMENTUM == (1.0, 0.5) and OUTER_DILOCO == (0.7, 0.9)
 
 
+@pytest.mark.parametrize(("values", "lr", "momentum"), [
+    ({}, "# outer-lr: 1.0, derived from the inner optimizer (SGD with momentum 0.9;",
+     "# outer-momentum: 0.5, derived"),
+    ({"momentum": 0.0}, "# outer-lr: 0.7, derived from the inner optimizer (SGD;", "# outer-momentum: 0.9, derived"),
+    ({"optimizer": "adamw", "outer_momentum": 0.8}, "# outer-lr: 0.7, derived from the inner optimizer (AdamW;",
+     "outer-momentum = 0.8"),
+])
+def test_config_toml_says_which_outer_step_the_run_took(values: dict, lr: str, momentum: str) -> None:
+    """A diloco run's config.toml names its outer lr and momentum, given or derived."""
+    from shmtrain.runtime.config import resolve, to_toml
+
+    text = to_toml(resolve({"strategy": "diloco", **values}))
+    assert lr in text and momentum in text, text
+
+
 def test_the_engine_uses_the_derived_defaults_unless_given() -> None:
     derived = run_peers("diloco", {"sync_every": 2}, 1, 1)["engines"][0]  # fake_hosts.inner_sgd: SGD, momentum 0.9
     group = derived.outer_optimizer.param_groups[0]

@@ -11,7 +11,7 @@ meet at a barrier; a checkpoint's time is its slowest rank's, which is what a sy
 run waits. The launcher side of a resume, :func:`~shmtrain.runtime.checkpoint.checkpointer.validate`
 (every file read and CRC-checked before any worker starts), is timed too.
 
-The row's ``ckpt/iter`` is the save time over the median iteration time: the issue's goal
+The row's ``ckpt/iter`` is the save time over the median iteration time: the goal
 is a ResNet-18 checkpoint below 2 iterations. The folder (``--dir``, default the system's
 temporary folder) decides the disk being measured: pass the disk your runs write to.
 """

@@ -173,15 +173,20 @@ def add_bench_seasgd_parser(bench: argparse._SubParsersAction) -> None:
     """Register ``shmtrain bench seasgd``."""
     p = bench.add_parser("seasgd", help="SEASGD exposed communication and the eq. (8) check",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=2, help="(default 2)")
-    p.add_argument("--model", default="resnet18", help="(default resnet18)")
-    p.add_argument("--data", default="synthetic", help="(default synthetic)")
-    p.add_argument("--input-shape", default="3x64x64", help="(default 3x64x64)")
-    p.add_argument("--batch-size", type=int, default=32, help="(default 32)")
-    p.add_argument("--iterations", type=int, default=20, help="(default 20)")
-    p.add_argument("--update-interval", type=int, default=1, help="(default 1)")
-    p.add_argument("--moving-rate", type=float, default=0.2, help="(default 0.2)")
-    p.add_argument("--lr", type=float, default=0.01, help="(default 0.01)")
+    p.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+    p.add_argument("--model", default="resnet18", help="the model, as shmtrain train --model takes it "
+                                                       "(default resnet18)")
+    p.add_argument("--data", default="synthetic", help="the data, as shmtrain train --data takes it "
+                                                      "(default synthetic)")
+    p.add_argument("--input-shape", default="3x64x64", help="CxHxW of the synthetic inputs (default 3x64x64)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per iteration (default 32)")
+    p.add_argument("--iterations", type=int, default=20, help="iterations per worker; the first 2 are left "
+                                                              "out of the check (default 20)")
+    p.add_argument("--update-interval", type=int, default=1,
+                   help="SEASGD's tau: iterations between a worker's exchanges with W_g (default 1)")
+    p.add_argument("--moving-rate", type=float, default=0.2,
+                   help="SEASGD's alpha in (0, 1]: the share of the difference to W_g moved each way (default 0.2)")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate of each worker's SGD (default 0.01)")
     p.add_argument("--out", help="run folder (default runs/bench-seasgd-<time>)")
     p.add_argument("--json", help="write the rows here")
     p.set_defaults(handler=_seasgd_handler)

@@ -398,7 +398,8 @@ def add_experiment_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threshold", type=float, help=f"keep runs whose minimum loss is <= this (default {d.threshold})")
     p.add_argument("--model", help=f"a registry model (default {d.model}; folded_mlp uses FoldedLinear)")
     p.add_argument("--area-over", choices=AREA_OVER, help="x axis of the area: wall time (the paper's) or samples seen")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help=f"seed of the weights and the sampling, one for every point "
+                                            f"(default {d.seed})")
     p.add_argument(
         "--full",
         action="store_true",

@@ -343,7 +343,7 @@ def add_experiment_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=0.5, help="learning rate (default 0.5)")
     p.add_argument("--batch-size", type=int, default=1, help="samples per worker per step (default 1)")
     p.add_argument("--average-interval", type=int, default=1, help="weight averaging every K steps (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the neuron's start and the samples (default 0)")
     p.add_argument("--engine", choices=ENGINES, default="in-process",
                    help="in-process (default): the workers' equations in one process, checked against the "
                         "real strategies; processes: real ps_grad/ps_weight worker processes (16 x 10000 "

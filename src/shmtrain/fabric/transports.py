@@ -5,7 +5,7 @@ from its :class:`ProcessContext` when none is given) and asks it for an allreduc
 (``--allreduce``), a bucket reducer (``ssgd --overlap``), the buffer service (SMB-API)
 or the parameter-server star exchange; it reaches the host's services through it too
 (segments, the control block's words, barriers), never through ``ctx.host``
-(``tests/test_seams.py`` checks both). Tests and other deployments pass their own (a
+(``tests/strategies/test_seams.py`` checks both). Tests and other deployments pass their own (a
 remote buffer service, an in-process fake): hivemind passes ``p2p`` into its
 ``AllReduceRunner`` and torchft the process group into its ``Manager`` the same way.
 

@@ -189,7 +189,7 @@ def write_index(out: Path) -> Path:
         "Each row is one `shmtrain reproduce NAME` run on this machine (scaled down: digits or",
         "synthetic inputs shaped like the paper's, 2-4 workers on 2 CPU cores); NAME.md beside",
         "this file has the paper's figures beside ours and why the absolute figures differ.",
-        "`--quick` variants of every NAME run in the default test suite (`tests/test_reproduce.py`),",
+        "`--quick` variants of every NAME run in the default test suite (`tests/reproduce/test_reproduce.py`),",
         "which checks the direction of each claim marked with a rule.", "",
         "| NAME | paper | claim | command | ours | verdict |", "|---|---|---|---|---|---|",
     ]

@@ -323,10 +323,27 @@ def to_toml(config: TrainConfig) -> str:
             lines.append(f"# {key.replace('_', '-')}: {meaning} (default)")
     if options:
         lines.append(f"# options of --strategy {config.strategy}")
+    unset = {f.name: f for f in dataclasses.fields(config.strategy_config)}
     for key, value in options:
         if value is not None:
             lines.append(f"{key.replace('_', '-')} = {_toml_value(value)}")
+        else:
+            lines.append(f"# {key.replace('_', '-')}: {_unset_option(config, unset[key])} (default)")
     return "\n".join(lines) + "\n"
+
+
+def _unset_option(config: TrainConfig, f: dataclasses.Field) -> str:
+    """What a strategy option left unset (None) means in this run: its ``default_text``, a
+    string or a function of the run's optimizer (its class and keywords, e.g. diloco's
+    outer step derived from it)."""
+    text = f.metadata.get("default_text", "not given") if f.metadata else "not given"
+    if callable(text):
+        from shmtrain.runtime.train.optimizers import optimizer_class, optimizer_kwargs
+
+        kwargs = optimizer_kwargs(config.optimizer, config.optimizer_args, config.lr, config.momentum,
+                                  config.weight_decay)
+        text = text(optimizer_class(config.optimizer), kwargs)
+    return text
 
 
 def _key_specs() -> dict[str, list[tuple[dataclasses.Field, Any]]]:

@@ -67,7 +67,8 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
         "steps, bytes sent per node inside and across groups (max over nodes, both phases) "
         "and the predicted time.",
     )
-    p.add_argument("--nodes", type=_positive_int("--nodes"), required=True, metavar="P")
+    p.add_argument("--nodes", type=_positive_int("--nodes"), required=True, metavar="P",
+                   help="nodes P taking part in the allreduce, e.g. 1024")
     p.add_argument("--group-size", type=_positive_int("--group-size"), required=True, metavar="Q",
                    help="nodes per group (supernode, host); must divide --nodes")
     p.add_argument("--bytes", type=_size, nargs="+", required=True, metavar="N",

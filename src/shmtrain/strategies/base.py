@@ -70,7 +70,7 @@ class Strategy:
     #: strategies whose hosts meet only at a memory server); torchrun's agent ends every
     #: worker of a host once one of them dies, so one worker lost is its host lost
     tolerates_host_loss: ClassVar[bool] = False
-    #: across hosts: a lost host started again rejoins the running job (item 5;
+    #: across hosts: a lost host started again rejoins the running job (README, "Rejoining";
     #: it has no job-wide gloo group: the strategies whose hosts meet at a memory server)
     rejoins: ClassVar[bool] = False
     #: parameter devices the strategy supports (its buffers' staging, ``strategies/layout/staging.py``)

@@ -35,6 +35,7 @@ between hosts: ShmCaffe's HSGD layout (Section III-D) with DiLoCo in place of SE
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -79,9 +80,28 @@ def outer_defaults(optimizer: torch.optim.Optimizer | None) -> tuple[float, floa
     momentum already carries the steps along; the outer Nesterov momentum 0.9 on top made
     the run diverge), else DiLoCo's :data:`OUTER_DILOCO` (SGD without momentum: measured
     within a point of ssgd; AdamW: the paper's setting)."""
-    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) > 0 for g in optimizer.param_groups):
+    momentum = max((g.get("momentum", 0) for g in optimizer.param_groups), default=0) if optimizer else 0
+    return outer_defaults_for(type(optimizer), momentum)
+
+
+def outer_defaults_for(optimizer_class: type, momentum: float) -> tuple[float, float]:
+    """:func:`outer_defaults` of an optimizer of ``optimizer_class`` with ``momentum``, before it is built."""
+    if issubclass(optimizer_class, torch.optim.SGD) and momentum > 0:
         return OUTER_UNDER_MOMENTUM
     return OUTER_DILOCO
+
+
+def _outer_default_text(index: int) -> Callable[[type, dict], str]:
+    """What ``config.toml`` says of ``--outer-lr`` (index 0) or ``--outer-momentum`` (1) when
+    it is not given: the value derived from the run's optimizer (its class and keywords)."""
+
+    def text(optimizer_class: type, kwargs: dict) -> str:
+        momentum = kwargs.get("momentum", 0)
+        value = outer_defaults_for(optimizer_class, momentum)[index]
+        inner = f"{optimizer_class.__name__}" + (f" with momentum {momentum}" if momentum else "")
+        return f"{value}, derived from the inner optimizer ({inner}; docs/diloco.md)"
+
+    return text
 
 
 class Flight:
@@ -133,10 +153,12 @@ class DiLoCo(Strategy):
             "help": "inner steps H between outer steps (DiLoCo Algorithm 1; the paper uses 500)"})
         #: the outer SGD's learning rate; None: derived from the inner optimizer (outer_defaults)
         outer_lr: float | None = field(default=None, metadata={
+            "default_text": _outer_default_text(0),
             "help": "learning rate of the outer SGD step on the averaged pseudo-gradient (not given: 1.0 "
                     "under an inner SGD with momentum, else DiLoCo's 0.7; docs/diloco.md)"})
         #: the outer SGD's Nesterov momentum; 0 = plain SGD; None: derived (outer_defaults)
         outer_momentum: float | None = field(default=None, metadata={
+            "default_text": _outer_default_text(1),
             "help": "Nesterov momentum of the outer step in [0, 1); 0 = plain SGD (not given: 0.5 under "
                     "an inner SGD with momentum, else DiLoCo's 0.9; docs/diloco.md)"})
         #: the dtype of the pseudo-gradient exchange (bf16: half the bytes)

@@ -16,9 +16,9 @@ one module of ``strategies/``, listed in ``strategies/__init__.py``, holding one
 - every exchange from ``self.transports`` (:class:`~shmtrain.fabric.transports.Transports`:
   ``allreduce``, ``bucket_reducer``, ``buffer_service``, ``star``, ``group_host``, ...),
   and the host's services too (``segment``, ``channel``, ``control``, ``barrier``): never
-  a fabric object built by the strategy, never ``ctx.host`` (``tests/test_seams.py``
+  a fabric object built by the strategy, never ``ctx.host`` (``tests/strategies/test_seams.py``
   checks both), so it runs on in-process peers through a fake ``Transports`` in a test
-  (``tests/test_fake_transports.py``);
+  (``tests/strategies/test_fake_transports.py``);
 - ``state_dict``/``load_state_dict`` for what it adds to the model's and optimizer's
   state (counters, buffers it owns), so checkpoints and resume are exact;
 - class attributes that tell the runtime what it allows (``world``, ``devices``,

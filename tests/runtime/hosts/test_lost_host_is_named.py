@@ -31,7 +31,7 @@ def test_the_roll_call_names_the_ranks_that_never_reported_by_host(monkeypatch) 
     import torch.distributed as dist
 
     from shmtrain.runtime.launch import failures
-    from shmtrain.runtime.run.training import torchrun as torchrun_job
+    from shmtrain.runtime.run import torchrun as torchrun_job
 
     monkeypatch.setattr(failures, "ROLL_CALL_S", 0.5)  # how long rank 2 is waited for
 

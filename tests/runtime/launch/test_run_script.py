@@ -116,6 +116,13 @@ def test_usage_errors_say_what_to_give(tmp_path: Path, capsys) -> None:
     assert "give the script to run" in capsys.readouterr().err
     assert run(str(tmp_path / "missing.py")) == 2
     assert "no such script" in capsys.readouterr().err
+    for module, why in [("missing.module", "no module named 'missing' where python -m would look"),
+                        ("json.nothere", "no module named 'json.nothere'"),
+                        ("json", "'json' is a package without a __main__ module"),
+                        ("json.tool.x", "'json.tool' is a module, not a package")]:
+        assert run("--log-dir", str(tmp_path / "logs"), "-m", module) == 2, module
+        assert why in capsys.readouterr().err, module
+    assert not (tmp_path / "logs").exists()  # refused before any worker started
     with pytest.raises(SystemExit):
         run("--help")
     text = capsys.readouterr().out

@@ -124,8 +124,8 @@ def test_a_full_disk_behind_a_failed_worker_keeps_the_workers_report(tmp_path: P
     from shmtrain.runtime.config import TrainConfig
     from shmtrain.runtime.launch.failures import WorkerFailed
     from shmtrain.runtime.outputs import stretches
-    from shmtrain.runtime.run.training import end as run_end
-    from shmtrain.runtime.run.training import training as run
+    from shmtrain.runtime.run import end as run_end
+    from shmtrain.runtime.run import training as run
 
     failure = WorkerFailed(f"worker rank 1 (pid 9) failed: cannot write metrics; its log: {tmp_path}/logs/rank-1.log",
                            1, 1)

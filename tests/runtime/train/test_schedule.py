@@ -214,7 +214,7 @@ def test_an_extended_resume_of_a_schedule_drawn_over_the_run_is_refused_with_the
 
     from shmtrain.runtime.train.schedule import extended_resume
 
-    cosine = SimpleNamespace(lr_schedule="cosine", lr_step_every=None, lr_min=0.0)
+    cosine = SimpleNamespace(lr_schedule="cosine", lr_step_every=None, lr_min=0.0, warmup_iterations=0)
     text = extended_resume(cosine, 310, 310, 620, "--epochs 20")
     assert text == (
         "--epochs 20: the run's cosine learning-rate schedule was planned over 310 iterations (310 done); it "
@@ -222,11 +222,14 @@ def test_an_extended_resume_of_a_schedule_drawn_over_the_run_is_refused_with_the
         "not follow a schedule planned for them. Add --restart-schedule to run a new cosine schedule from the "
         "peak --lr over the 310 iterations left (a warm restart), or resume to the planned length (give the "
         "run's own --iterations 310, or leave --iterations/--epochs out)")
+    warm = SimpleNamespace(lr_schedule="cosine", lr_step_every=None, lr_min=0.0, warmup_iterations=20)
+    assert "a new cosine schedule over the 310 iterations left (a warm restart: its --warmup-iterations 20 " \
+           "warm-up again, then from the peak --lr)" in extended_resume(warm, 310, 310, 620, "--epochs 20")
     assert extended_resume(cosine, 310, 310, 310, "--epochs 15") is None  # the planned length
     assert extended_resume(SimpleNamespace(lr_schedule="constant", lr_step_every=None), 10, 10, 20, "") is None
     assert extended_resume(SimpleNamespace(lr_schedule="step", lr_step_every=5), 10, 10, 20, "") is None
     assert "decays are spaced by a third of 10" in extended_resume(
-        SimpleNamespace(lr_schedule="step", lr_step_every=None), 10, 4, 20, "--iterations 20")
+        SimpleNamespace(lr_schedule="step", lr_step_every=None, warmup_iterations=0), 10, 4, 20, "--iterations 20")
 
 
 @pytest.mark.slow  # three runs (74 s on the loaded 2-core VM; a few seconds idle)

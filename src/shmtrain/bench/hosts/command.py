@@ -350,11 +350,14 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                                                   f"--quick {QUICK['iterations']})")
     p.add_argument("--eval-every", type=int, help=f"iterations between evaluations (default "
                                                   f"{DEFAULTS['eval_every']}; --quick {QUICK['eval_every']})")
-    p.add_argument("--model", help=f"(default {DEFAULTS['model']})")
-    p.add_argument("--data", help=f"(default {DEFAULTS['data']})")
+    p.add_argument("--model", help=f"the model every method trains, as shmtrain train --model takes it "
+                                   f"(default {DEFAULTS['model']})")
+    p.add_argument("--data", help=f"the data set, as shmtrain train --data takes it (default {DEFAULTS['data']})")
     p.add_argument("--batch-size", type=int, help=f"per worker (default {DEFAULTS['batch_size']})")
-    p.add_argument("--lr", type=float, help=f"(default {DEFAULTS['lr']}; with --tune the grid's choice)")
-    p.add_argument("--seed", type=int, help=f"(default {DEFAULTS['seed']})")
+    p.add_argument("--lr", type=float, help=f"learning rate of every method (default {DEFAULTS['lr']}; with "
+                                            "--tune the grid's choice)")
+    p.add_argument("--seed", type=int, help=f"the runs' --seed: weights, shards and data order (default "
+                                            f"{DEFAULTS['seed']})")
     p.add_argument("--class-split", type=int, help="host k trains on the classes c with c mod N == k (default 0: "
                                                    "no split; the settings use 2)")
     p.add_argument("--rate", help="tc tbf rate of the link, both ways (default: the setting's, else 1gbit; "

@@ -1,20 +1,15 @@
 """SMB-REMOTE's memory server: the process that owns the global buffers (ShmCaffe III-B, Figs. 5, 7).
 
 ShmCaffe's workers on many nodes reach one *remote* memory server that owns the global buffers and
-applies every accumulation itself, exclusively, one request at a time (Fig. 5). :class:`MemoryServer` is
-that process; its clients :class:`~shmtrain.fabric.smb.remote.RemoteBufferService` (which also starts
-one next to a job's global rank 0), the messages :mod:`~shmtrain.fabric.smb.wire`'s (compressed ones
-:mod:`~shmtrain.fabric.smb.compressed`'s); ``shmtrain smb-server`` runs one stand-alone.
-
-Security: the server listens on loopback unless told otherwise, its store and its links
-on the bind address alone (:func:`~shmtrain.fabric.trust.bound_store`); a non-loopback
-bind needs a shared secret, and then every client and the server prove it to each other
-on each connection before its first buffer operation (:mod:`~shmtrain.fabric.smb.handshake`);
-a client that has not is refused with a logged line (its rank, its announced address,
-the operation, the fix) and nothing changes.
-Buffer names and ids live here, given out on the authenticated link only; the board's
-entries in the store are sealed with the secret, and :class:`~shmtrain.fabric.smb.board.StoreAudit`
-logs every entry of the store a party without the secret wrote (docs/async.md, "Security").
+applies every accumulation itself, one request at a time (Fig. 5). :class:`MemoryServer` is that
+process; its clients :class:`~shmtrain.fabric.smb.remote.RemoteBufferService`, its messages
+:mod:`~shmtrain.fabric.smb.wire`'s (compressed ones :mod:`~shmtrain.fabric.smb.compressed`'s).
+Security (docs/async.md, "Security"; docs/security.md): the store and the links listen on the bind
+address alone (:func:`~shmtrain.fabric.trust.bound_store`); a non-loopback bind needs a shared secret,
+which client and server prove to each other on each connection (:mod:`~shmtrain.fabric.smb.handshake`);
+a client that has not is refused with one logged line and nothing changes. Buffer names and ids are
+given out on the authenticated link only; :class:`~shmtrain.fabric.smb.board.StoreAudit` logs every
+store entry a party without the secret wrote.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def claim(data: dict[str, Any]) -> Claim:
 
 def measure(quick: bool, log: Any = print) -> dict[str, Any]:
     """Run the setting (or say why it cannot run here): the rows, the ratio, the verdict."""
-    from shmtrain.bench.hosts.command import command as hosts
+    from shmtrain.bench.hosts import command as hosts
 
     reason = hosts.why_not(RATE)
     if quick and not os.environ.get(HOSTS_ENV) and not reason:

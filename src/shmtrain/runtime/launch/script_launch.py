@@ -67,6 +67,13 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
             raise ValueError(f"no such script: {script} (give the path of a Python file, or -m package.module)")
         name = Path(script).stem
     else:
+        why = module_missing(module)
+        if why and why.startswith("no module"):
+            raise ValueError(f"-m {module}: {why} where python -m would look (this folder {os.getcwd()}, "
+                             "PYTHONPATH, the installed packages); run from the folder that holds it, or give "
+                             "the path of its file")
+        if why:
+            raise ValueError(f"-m {module}: {why}; name a module python -m can run")
         script, args, name = None, command, module
     log_dir = (Path(log_dir) if log_dir is not None else Path("shmtrain-logs") / name).absolute()
     header = f"--- shmtrain run {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}): " + " ".join(
@@ -90,6 +97,34 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
         return 128 + exc.signum
     print(f"shmtrain run: {workers} worker(s) finished; their stderr: {log_dir}/rank-<r>.log", file=sys.stderr)
     return 0
+
+
+def module_missing(module: str) -> str | None:
+    """Why ``python -m module``, run from this folder, would not find ``module`` (None: it
+    would), looked up without importing it or its packages: their code runs in the workers."""
+    import importlib.util
+    from importlib.machinery import PathFinder
+
+    parts = module.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return f"{module!r} is not a module name (dotted Python names, e.g. package.train)"
+    try:
+        spec = PathFinder.find_spec(parts[0], [os.getcwd(), *sys.path]) or importlib.util.find_spec(parts[0])
+        for depth in range(1, len(parts) + 1):
+            name = ".".join(parts[:depth])
+            if spec is None:
+                return f"no module named {name!r}"
+            if depth == len(parts):
+                break
+            if spec.submodule_search_locations is None:
+                return f"{name!r} is a module, not a package: it holds no {parts[depth]!r}"
+            spec = PathFinder.find_spec(".".join(parts[:depth + 1]), list(spec.submodule_search_locations))
+        if spec.submodule_search_locations is not None and PathFinder.find_spec(
+                f"{module}.__main__", list(spec.submodule_search_locations)) is None:
+            return f"{module!r} is a package without a __main__ module"
+    except (ImportError, ValueError, AttributeError):
+        return None  # a finder this lookup does not know: the worker's own import decides
+    return None
 
 
 def _signame(signum: int) -> str:

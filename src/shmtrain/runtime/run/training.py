@@ -115,7 +115,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
         stretch = Stretch(out, (checkpoint_files.step_of(start_from) if start_from else None) or 0, config.workers)
         try:
             results = launch(train_worker, config.workers, payload, threads=config.threads, timeout=config.timeout,
-                             # with restarts left, a death restarts the run instead (item 4)
+                             # with restarts left, a death restarts the run instead
                              tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss
                              and restarts >= config.max_restarts,
                              graceful_stop=True, log_dir=out / "logs", verbose=config.verbose,

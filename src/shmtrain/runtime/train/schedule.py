@@ -181,16 +181,21 @@ def extended_resume(config: ScheduleOptions, planned: int, done: int, total: int
                 if ended else f"it reaches --lr-min {config.lr_min} at iteration {planned} and stays there")
     else:
         what = f"its decays are spaced by a third of {planned} iterations"
+    left = total - done
+    new = (f"over the {left} iterations left (a warm restart: its --warmup-iterations {config.warmup_iterations} "
+           "warm-up again, then from the peak --lr)" if config.warmup_iterations else
+           f"from the peak --lr over the {left} iterations left (a warm restart)")
     return (f"{flag}: the run's {config.lr_schedule} learning-rate schedule was planned over {planned} "
-            f"iterations ({done} done); {what}, so the {total - done} iterations to {total} would not follow "
+            f"iterations ({done} done); {what}, so the {left} iterations to {total} would not follow "
             f"a schedule planned for them. Add --restart-schedule to run a new {config.lr_schedule} schedule "
-            f"from the peak --lr over the {total - done} iterations left (a warm restart), or resume to the "
+            f"{new}, or resume to the "
             f"planned length (give the run's own --iterations {planned}, or leave --iterations/--epochs out)")
 
 
 def restart(optimizer: torch.optim.Optimizer, config: ScheduleOptions, iterations: int) -> LRScheduler:
-    """``--restart-schedule``: a new schedule from the peak rate (the optimizer's
-    ``initial_lr``) over the ``iterations`` left (SGDR's warm restart, Loshchilov & Hutter)."""
+    """``--restart-schedule``: a new schedule over the ``iterations`` left, built as the run's
+    own was (its warm-up first, when ``--warmup-iterations`` is set, then the schedule from
+    the peak rate, the optimizer's ``initial_lr``; SGDR's warm restart, Loshchilov & Hutter)."""
     for group in optimizer.param_groups:  # the peak, not the rate the old schedule ended at
         group["lr"] = group.get("initial_lr", group["lr"])
     return from_config(optimizer, config, max(1, iterations))

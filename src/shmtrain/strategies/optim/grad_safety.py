@@ -5,7 +5,7 @@ other workers read at the same time (ssgd's and hsgd's result slots, cpu_acc's s
 gpi's root steps with its own private gradients, through its own layer-wise step).
 An optimizer that writes its gradient in place would change what the others read. The
 classes of :data:`READ_ONLY` never do, checked on the installed torch by
-``tests/test_optimizers.py``. The one exception is SGD with Nesterov momentum and no
+``tests/runtime/train/test_optimizers.py``. The one exception is SGD with Nesterov momentum and no
 weight decay: its foreach path adds the momentum into the gradient. Any other optimizer,
 including a subclass that may override ``step``, is treated as a writer, and
 :meth:`shmtrain.strategies.base.Strategy.step_optimizer` gives it private copies first.

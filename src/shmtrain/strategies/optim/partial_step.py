@@ -14,7 +14,7 @@ layout are those of the one optimizer, so checkpoints are unchanged.
 That equals one step after backward only for an optimizer whose update of a parameter
 reads nothing but that parameter, its gradient, its own state and its group's
 hyper-parameters: every class of :data:`PER_PARAMETER` (checked on the installed torch
-by ``tests/test_bucket_step.py``, bit for bit). Every other case keeps the one step
+by ``tests/strategies/test_bucket_step.py``, bit for bit). Every other case keeps the one step
 after backward, and :func:`whole_step_reason` names why:
 
 - an optimizer class not in the list (a subclass too: it may override ``step``), a group

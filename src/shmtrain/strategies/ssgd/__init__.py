@@ -51,12 +51,20 @@ class SSGD(SlotGradients, Strategy):
         #: allreduce algorithm: "shm" (shared memory in a host, gloo among hosts) or one of
         #: shmtrain.fabric.allreduce.collectives (ring, rhd, tree, topo, hierarchical, gloo, auto), or
         #: "nccl" on GPUs, one per worker (the DDP baseline: shmtrain.strategies.ssgd.nccl)
-        allreduce: AllreduceName = "shm"
+        allreduce: AllreduceName = field(default="shm", metadata={
+            "help": "how the gradients are averaged: shm (shared memory in a host, gloo among the hosts' "
+                    "leaders), gloo (torch.distributed's), ring, rhd, tree, topo or hierarchical (each over "
+                    "gloo point to point), auto (try each in the first iterations and keep the fastest), or "
+                    "nccl on GPUs (the DDP baseline) (docs/collectives.md)"})
         #: start the allreduce bucket by bucket from gradient hooks during backward, the
         #: DDP way (implemented in shmtrain.strategies.ssgd.overlap; docs/overlap.md)
-        overlap: bool = False
+        overlap: bool = field(default=False, metadata={
+            "help": "start the allreduce bucket by bucket from gradient hooks while backward runs, as DDP "
+                    "does, instead of once after it (docs/overlap.md)"})
         #: bucket size cap in MiB for --overlap (the first bucket is at most 1 MiB)
-        bucket_mb: float = 25.0
+        bucket_mb: float = field(default=25.0, metadata={
+            "help": "with --overlap: the largest bucket of gradients in MiB (the first, the last layers', "
+                    "is at most 1 MiB, so its allreduce starts early)"})
         #: ZeRO-1 inside a host: weights in shared memory, each local rank updates its chunk
         #: with momentum for that chunk only (shmtrain.strategies.ssgd.sharded; docs/overlap.md)
         sharded_update: bool = field(default=False, metadata={
