@@ -72,7 +72,7 @@ def _relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 @pytest.mark.parametrize("workers,variants", [(2, ["gloo", "none", "ctx"]), (4, ["gloo", "none", "hosts"])])
 def test_same_weights_as_ddp_over_gloo(workers: int, variants: list[str]) -> None:
-    results = launch("ddp.test_comm_hook:train_worker", workers, {"variants": variants}, timeout=90)
+    results = launch("parallel.test_comm_hook:train_worker", workers, {"variants": variants}, timeout=90)
     gloo = results[0]["weights"]["gloo"]
     initial = _model().state_dict()
     assert _relative_error(gloo, initial) > 1e-3  # the steps moved the weights

@@ -92,7 +92,7 @@ SYNC_CASES = {
 def test_a_ddp_loop_converted_by_its_wrapper_line_equals_ddp(case: str) -> None:
     strategy, options, clip, workers, optimizer, *staged = SYNC_CASES[case]
     payload = {"strategy": strategy, "options": options, "clip": clip, "optimizer": optimizer, "staged": bool(staged)}
-    results = launch("ddp.test_ddp_style:against_ddp_worker", workers, payload, threads=1)
+    results = launch("parallel.test_ddp_style:against_ddp_worker", workers, payload, threads=1)
     for rank, result in enumerate(results):
         for step in range(STEPS):
             assert relative_error(result["ours"][step], result["ddp"][step]) < 1e-5, (case, rank, step)
@@ -129,7 +129,7 @@ def async_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
     ("seasgd", {"update_interval": 2}), ("easgd", {"update_interval": 2}), ("hsgd", {"groups": 2, "group_size": 1}),
 ])
 def test_the_same_loop_runs_the_asynchronous_strategies(strategy: str, options: dict[str, Any]) -> None:
-    results = launch("ddp.test_ddp_style:async_worker", 2, {"strategy": strategy, "options": options}, threads=1)
+    results = launch("parallel.test_ddp_style:async_worker", 2, {"strategy": strategy, "options": options}, threads=1)
     for result in results:
         if strategy == "hsgd":
             assert "join() with --strategy hsgd" in result["refused"] and "same number of batches" in result["refused"]
@@ -192,7 +192,7 @@ def patterns_worker(ctx, payload: dict[str, Any]) -> dict[str, str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["ssgd", "gpi"])
 def test_patterns_that_would_skip_communication_raise_with_the_fix(strategy: str) -> None:
-    results = launch("ddp.test_ddp_style:patterns_worker", 2, {"strategy": strategy}, threads=1)
+    results = launch("parallel.test_ddp_style:patterns_worker", 2, {"strategy": strategy}, threads=1)
     for errors in results:
         assert "no backward since the last step" in errors["step without backward"]
         assert "loss.backward() first" in errors["step without backward"]
@@ -239,7 +239,7 @@ def join_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("strategy,options", [("ssgd", {}), ("ssgd", {"overlap": True, "bucket_mb": 0.001}),
                                               ("cpu_acc", {}), ("gpi", {}), ("ps_grad", {})])
 def test_join_with_uneven_inputs_equals_ddps_join(strategy: str, options: dict[str, Any]) -> None:
-    results = launch("ddp.test_ddp_style:join_worker", 2, {"strategy": strategy, "options": options}, threads=1)
+    results = launch("parallel.test_ddp_style:join_worker", 2, {"strategy": strategy, "options": options}, threads=1)
     for result in results:
         assert relative_error(result["ours"], result["ddp"]) < 1e-5
         assert result["iteration"] == 5  # the joined rank shadowed the others' last two steps
@@ -262,7 +262,7 @@ def early_finish_worker(ctx, payload: dict[str, Any]) -> int:
 @pytest.mark.parametrize("strategy", ["ssgd", "gpi", "cpu_acc"])
 def test_a_rank_that_finished_early_is_named_finished_with_join_as_the_fix(strategy: str) -> None:
     with pytest.raises(WorkerFailed) as caught:
-        launch("ddp.test_ddp_style:early_finish_worker", 2, {"strategy": strategy}, threads=1, timeout=60)
+        launch("parallel.test_ddp_style:early_finish_worker", 2, {"strategy": strategy}, threads=1, timeout=60)
     text = str(caught.value)
     assert "local rank 1" in text and "finished after 2 steps" in text, text
     assert "model.join()" in text and "died" not in text, text

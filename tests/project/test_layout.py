@@ -143,7 +143,8 @@ def targets(source: str) -> list[tuple[int, str, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             match = TARGET.match(node.value)
-            if match and (module_file(match[1].split(".")[0]) is not None or match[1].startswith("test_")):
+            if match and (module_file(match[1].split(".")[0]) is not None
+                          or any(part.startswith("test_") for part in match[1].split("."))):
                 found.append((node.lineno, match[1], match[2]))
     return found
 
