@@ -90,7 +90,7 @@ def test_the_check_catches_a_strategy_that_reaches_the_host_or_its_group_directl
     bad = STRATEGIES / "_seam_probe.py"
     try:
         bad.write_text("def f(self, ctx, gh):\n"
-                       "    self.group_host.allocate('w', 64)\n"
+                       "    self.subgroup.allocate('w', 64)\n"
                        "    gh.control.post(0, 0, 1)\n"
                        "    control = self.ctx.host\n"
                        "    self.transports.barrier('fine')\n"
@@ -102,7 +102,7 @@ def test_the_check_catches_a_strategy_that_reaches_the_host_or_its_group_directl
     found = sorted(p.split(": ", 1)[1] for p in problems)
     assert found == ["reaches ctx.host (line 4)", "uses control.barrier instead of the transports' (line 7)",
                      "uses gh.control instead of the transports' (line 3)",
-                     "uses group_host.allocate instead of the transports' (line 2)"], problems
+                     "uses subgroup.allocate instead of the transports' (line 2)"], problems
 
 
 def test_ssgd_on_in_process_peers_through_a_fake_transports_equals_single_process_sgd() -> None:

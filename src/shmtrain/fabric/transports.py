@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from shmtrain.fabric.exchanges.accumulator import SharedAccumulator
     from shmtrain.fabric.exchanges.combiner import HostCombiner
     from shmtrain.fabric.exchanges.tree_window import TreeWindow
-    from shmtrain.fabric.job.group_host import GroupHost
     from shmtrain.fabric.job.nccl_group import NcclGroup
+    from shmtrain.fabric.job.subgroup import HostSubgroup
 
 
 class Allreduce(Protocol):
@@ -232,10 +232,10 @@ class Transports:
 
     # -- host memory and words of the host's control block -----------------------------
     def segment(self, tag: str, nbytes: int, init: Callable[[SharedSegment], None] | None = None, *,
-                group: GroupHost | None = None) -> SharedSegment:
+                group: HostSubgroup | None = None) -> SharedSegment:
         """A shared segment of this host, ``nbytes`` rounded up to whole pages, mapped by
         every local rank (collective on the host; ``init`` runs once, on its creator); with
-        ``group`` (a :meth:`group_host`), one segment per group of the host, this worker's
+        ``group`` (a :meth:`subgroup`), one segment per group of the host, this worker's
         group's returned (still collective on the whole host)."""
         from shmtrain.fabric.shm.segment import align
         from shmtrain.fabric.shm.stitch import PAGE
@@ -247,11 +247,11 @@ class Transports:
         through :meth:`control`)."""
         return self.ctx.host.channel(name)
 
-    def control(self, group: GroupHost | None = None) -> Control:
+    def control(self, group: HostSubgroup | None = None) -> Control:
         """The words of the host's control block: ``post(channel, rank, value)``,
         ``get(channel, rank)``, ``wait(channel, ranks, target, timeout=, what=)`` by local
         rank, and ``check_peers(me, what)`` (raises if a peer died or the host aborted);
-        with ``group`` (a :meth:`group_host`), the same words by rank in the group."""
+        with ``group`` (a :meth:`subgroup`), the same words by rank in the group."""
         return group.control if group is not None else self.ctx.host.control
 
     def barrier(self, what: str) -> None:
@@ -259,13 +259,13 @@ class Transports:
         it in a timeout's message)."""
         self.ctx.host.barrier(what)
 
-    def group_host(self, group_size: int) -> GroupHost:
+    def subgroup(self, group_size: int) -> HostSubgroup:
         """This worker's group of ``group_size`` consecutive local ranks, with a host's
         interface (HSGD's groups, ShmCaffe Fig. 4)."""
-        from shmtrain.fabric.job.group_host import GroupHost
+        from shmtrain.fabric.job.subgroup import HostSubgroup
 
         host = self.ctx.host
-        return GroupHost(host, host.local_world // group_size, group_size)
+        return HostSubgroup(host, host.local_world // group_size, group_size)
 
     def accumulator(self, numel: int, dtype: torch.dtype, layers: int, *, tag: str = "cpu_acc") -> SharedAccumulator:
         """The host's two alternating gradient sums with a critical counter per layer

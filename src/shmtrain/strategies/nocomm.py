@@ -14,7 +14,7 @@ one module of ``strategies/``, listed in ``strategies/__init__.py``, holding one
   (on_gradient_ready per parameter) -> after_backward -> apply_update -> after_update``,
   then ``finish``; the base class does a plain optimizer step, so ``NoComm`` overrides none;
 - every exchange from ``self.transports`` (:class:`~shmtrain.fabric.transports.Transports`:
-  ``allreduce``, ``bucket_reducer``, ``buffer_service``, ``star``, ``group_host``, ...),
+  ``allreduce``, ``bucket_reducer``, ``buffer_service``, ``star``, ``subgroup``, ...),
   and the host's services too (``segment``, ``channel``, ``control``, ``barrier``): never
   a fabric object built by the strategy, never ``ctx.host`` (``tests/strategies/test_seams.py``
   checks both), so it runs on in-process peers through a fake ``Transports`` in a test

@@ -3,6 +3,6 @@
 - ``context``: the worker's context, built once from the environment (the job's store,
   its host group, the leaders' gloo group across hosts);
 - ``netif``: which interface gloo uses across hosts, and clear start-up failures;
-- ``group_host``: one group of a host's workers, shaped like a host;
+- ``subgroup``: one group of a host's workers, shaped like a host;
 - ``nccl_group``: NCCL among the job's GPUs (the DDP baseline's transport).
 """

@@ -94,7 +94,7 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         self.allreduce = self.transports.group_allreduce(
-            self.group_host, self.layout.numel, self.layout.dtype, op="mean", tag="hsgd.grads"
+            self.subgroup, self.layout.numel, self.layout.dtype, op="mean", tag="hsgd.grads"
         )
         self._broadcast = self.transports.channel("hsgd.broadcast")
         self._decision = self.transports.channel("hsgd.decision")
@@ -117,10 +117,10 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
         every member copies (the broadcast of Fig. 4). The group itself is made here, the
         first thing the shared-weights set-up asks of HSGD."""
         size = self.check_world(self.config, self.ctx.world_size, self.ctx.num_nodes)
-        self.group_host = self.transports.group_host(size)  # this worker's group of the host
-        self.is_root = self.group_host.local_rank == 0
+        self.subgroup = self.transports.subgroup(size)  # this worker's group of the host
+        self.is_root = self.subgroup.local_rank == 0
         itemsize = torch.empty((), dtype=self.layout.dtype).element_size()
-        segment = self.transports.segment("hsgd.weights", self.layout.numel * itemsize, group=self.group_host)
+        segment = self.transports.segment("hsgd.weights", self.layout.numel * itemsize, group=self.subgroup)
         self._weights_segment = segment
         shared = segment.tensor(self.layout.dtype, 0, self.layout.numel)
         self.group_weights = shared
@@ -131,7 +131,7 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
     def rejoin_rank(self) -> int:
         """A rejoining group goes on from its root's iterations, all members alike (their
         decisions are posted per iteration)."""
-        return self.ctx.rank - self.group_host.local_rank
+        return self.ctx.rank - self.subgroup.local_rank
 
     def zero_grad(self) -> None:
         """The shared-weights order: clear the gradients, then the iteration's exchange."""
@@ -144,7 +144,7 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
         if self.iteration % self.config.update_interval:
             return
         self._exchanges += 1
-        gh = self.group_host
+        gh = self.subgroup
         if self.is_root:
             self.exchange.exchange()
             if gh.local_world > 1:
@@ -165,7 +165,7 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
 
     def should_stop(self) -> bool:
         """The root decides by the policy; its members follow, so a group stops together."""
-        gh = self.group_host
+        gh = self.subgroup
         if self.is_root:
             stop = self.termination.decide(self.iteration, self.target_iterations)
             if gh.local_world > 1:

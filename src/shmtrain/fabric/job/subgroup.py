@@ -1,9 +1,9 @@
 """One group of a host's workers, shaped like :class:`~shmtrain.fabric.shm.host.HostGroup`.
 
 HSGD (ShmCaffe Section III-D, Fig. 4) runs the host's shared-memory allreduce inside
-groups of S consecutive local ranks; :class:`GroupHost` gives a group the interface of
+groups of S consecutive local ranks; :class:`HostSubgroup` gives a group the interface of
 a host (local rank, local world, control block, segments) so that allreduce runs
-unchanged. Built by :meth:`shmtrain.fabric.transports.Transports.group_host`.
+unchanged. Built by :meth:`shmtrain.fabric.transports.Transports.subgroup`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class _GroupControl:
         self._control.check_peers(self._members[me], what)
 
 
-class GroupHost:
+class HostSubgroup:
     """One group of a host's workers, shaped like :class:`HostGroup` so the host's
     shared-memory allreduce runs inside the group unchanged.
 
