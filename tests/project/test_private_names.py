@@ -56,3 +56,37 @@ def test_a_host_and_its_leaders_are_formed_in_one_module() -> None:
                     if 'PrefixStore("leaders/"' in line]
     assert not leaders, "form the leaders' group with fabric.job.hosts:\n" + "\n".join(leaders)
     assert _calls(FRONT_DOOR, {"HostGroup"}), "the front door no longer forms the host"
+
+
+HIERARCHY = PACKAGE / "fabric" / "job" / "hierarchy.py"
+#: the collectives a process group offers (torch.distributed's names and the group's own)
+COLLECTIVES = {"all_reduce", "allreduce", "all_gather", "allgather", "all_gather_into_tensor", "broadcast",
+               "gather", "scatter", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "alltoall", "all_to_all_single", "alltoall_base"}
+
+
+def collectives_on_leaders(source: str, where: str) -> list[str]:
+    """Calls of a collective on the hosts' leaders' group in ``source``: ``<...leaders>.allreduce(...)``
+    or ``dist.<collective>(..., group=<...leaders>)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in COLLECTIVES):
+            continue
+        receiver = ast.unparse(node.func.value)
+        groups = [ast.unparse(k.value) for k in node.keywords if k.arg == "group"]
+        if receiver.endswith("leaders") or any(g.endswith("leaders") for g in groups):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def test_the_hierarchy_is_composed_in_one_module() -> None:
+    """Inside the host, across the leaders, back: only fabric/job/hierarchy.py calls a
+    collective on the leaders' group; the exchanges hand it their host part."""
+    found = [c for path in _sources() if path != HIERARCHY
+             for c in collectives_on_leaders(path.read_text(), str(path.relative_to(PACKAGE)))]
+    assert not found, "go through fabric.job.hierarchy.Hierarchy:\n" + "\n".join(found)
+    for pattern in ("self.leaders.allreduce([result]).wait()",
+                    "dist.all_reduce(view, group=self.leaders, async_op=True)",
+                    "dist.broadcast(tensor, src=0, group=ctx.leaders)"):
+        assert collectives_on_leaders(pattern, "example"), pattern  # the checker sees the old forms

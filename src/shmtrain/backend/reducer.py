@@ -33,6 +33,7 @@ import torch.distributed as dist
 from shmtrain.backend.work import ShmBackendError, ShmWork
 from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
 from shmtrain.fabric.job import hosts
+from shmtrain.fabric.job.hierarchy import Hierarchy
 from shmtrain.fabric.shm.affinity import allowed_cores
 from shmtrain.fabric.shm.control import DIED, PeerFailure, PeerTimeout, first_line
 from shmtrain.fabric.shm.stitch import PAGE
@@ -110,6 +111,7 @@ class HostReducer:
         self.leaders = None
         if self.hosts > 1 and local_rank == 0:
             self.leaders = hosts.leaders_from_store(store, node, self.hosts, timeout)
+        self.hierarchy = Hierarchy(self.host, self.leaders, across=self.hosts > 1)
         self.inline = inline(local_world)
         # on a thread its waits sleep at once: spinning would take the core from the backward
         # pass running beside it (measured either way, the difference was noise)
@@ -206,18 +208,26 @@ class HostReducer:
         self._phase = f"finish a block of all_reduce #{n}"
         if self.hosts == 1:  # the mean is taken block by block while each is in cache
             self.pipeline(buffer, op="mean" if mean else "sum")
-        else:
-            self.pipeline(buffer, op="sum")  # the host sums among the hosts' leaders, then back inside the host
-            if self.leaders is not None:
-                self.leaders.allreduce([buffer]).wait()
-            self._phase = f"take all_reduce #{n}'s result from its host's leader"
-            if self.host.local_rank != 0:
-                buffer.zero_()
-            self.pipeline(buffer, op="sum")  # local rank 0's sum into every local rank's
+        else:  # the host's sum, the leaders' sum, back inside the host
+            self.hierarchy.reduce_private(buffer, self._host_sum(n))
             if mean:
                 buffer.div_(self.size)
         if buffer is not data:
             data.copy_(buffer)
+
+    def _host_sum(self, n: int) -> Callable[[torch.Tensor], None]:
+        """The pipeline's sum inside the host, for :meth:`Hierarchy.reduce_private`: its
+        second call takes the leader's result, which the error of a failed wait names."""
+        calls = 0
+
+        def host_sum(buffer: torch.Tensor) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                self._phase = f"take all_reduce #{n}'s result from its host's leader"
+            self.pipeline(buffer, op="sum")
+
+        return host_sum
 
     def _exchange_headers(self, n: int, data: torch.Tensor, mean: bool, count: int) -> None:
         """Publish ``(numel, dtype, op, tensors in the call)`` for call ``n``, wait for every
@@ -236,11 +246,10 @@ class HostReducer:
             if not (rows == rows[me]).all():
                 local = _Mismatch(self._mismatch(n, [tuple(int(v) for v in row) for row in rows],
                                                  lambda r: self._rank_name(self.node * L + r)))
-        if self.leaders is not None:  # the hosts' leaders compare theirs through gloo; a leader
+        if self.hierarchy.group is not None:  # the hosts' leaders compare theirs through gloo; a leader
             # whose host disagrees sends _DISAGREE, so the other hosts raise too (not time out)
             sent = _DISAGREE if local is not None else mine
-            gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(self.hosts)]
-            self.leaders.allgather([gathered], [torch.tensor(sent, dtype=torch.int64)]).wait()
+            gathered = self.hierarchy.all_gather(torch.tensor(sent, dtype=torch.int64))
             rows = [tuple(int(v) for v in g) for g in gathered]
             if local is None and any(row != rows[self.node] for row in rows):
                 # the leader alone saw it: its host's other ranks are told through the abort
@@ -339,7 +348,7 @@ class HostReducer:
                     "of the group's shutdown (blocked outside the host's waits)"
                 )
         if self.leaders is not None:  # joined now, not at the interpreter's finalization
-            leaders, self.leaders = self.leaders, None
+            leaders, self.leaders, self.hierarchy.group = self.leaders, None, None
             leaders.shutdown()
             del leaders
         self.pipeline.close()

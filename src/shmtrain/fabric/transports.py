@@ -214,6 +214,7 @@ class Transports:
         one host (collective: every rank of the job calls it)."""
         from shmtrain.fabric.exchanges.combiner import HostCombiner
         from shmtrain.fabric.job import hosts
+        from shmtrain.fabric.job.hierarchy import Hierarchy
 
         ctx = self.ctx
         if ctx.num_nodes <= 1:
@@ -221,7 +222,7 @@ class Transports:
         group = hosts.form_leaders(ctx.local_world, ctx.world_size, ctx.timeout)  # a group of its own
         if not ctx.is_leader:
             return None
-        return HostCombiner(group, order, tensor, done, ready=ready, name=f"shmtrain-{name}")
+        return HostCombiner(Hierarchy(ctx.host, group), order, tensor, done, ready=ready, name=f"shmtrain-{name}")
 
     def star(self, name: Literal["shm", "gloo"], tag: str, numel: int, dtype: torch.dtype,
              init: torch.Tensor) -> StarExchange:

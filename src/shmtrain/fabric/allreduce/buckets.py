@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.allreduce.shared import split
+from shmtrain.fabric.job.hierarchy import Hierarchy
 from shmtrain.fabric.shm.host import HostGroup
 from shmtrain.fabric.shm.segment import align
 from shmtrain.fabric.shm.stitch import PAGE
@@ -100,7 +101,6 @@ class BucketAllreduce:
         self.buckets = [tuple(b) for b in buckets]
         self.op = op
         self.leaders = leaders
-        self.num_hosts = dist.get_world_size(leaders) if leaders is not None else 1
         L = host.local_world
         itemsize = torch.empty((), dtype=dtype).element_size()
         stride = align(max(numel, 1) * itemsize, PAGE)
@@ -112,7 +112,8 @@ class BucketAllreduce:
         ]
         self._arrived = host.channel(f"{tag}.arrived")
         self._reduced = host.channel(f"{tag}.reduced")
-        self._published = host.channel(f"{tag}.published")
+        self.hierarchy = Hierarchy(host, leaders, tag=tag)
+        self.num_hosts = self.hierarchy.hosts
         self._B = len(self.buckets)
         self._launched = 0  # sequence number of the last bucket this worker launched
         self._done = 0  # ... whose chunk this worker reduced
@@ -151,7 +152,7 @@ class BucketAllreduce:
                 self._sent += 1
                 lo, hi = self.buckets[(self._sent - 1) % self._B]
                 view = self.result_buffer[lo:hi]
-                self._works.append((view, dist.all_reduce(view, group=self.leaders, async_op=True)))
+                self._works.append((view, self.hierarchy.start_allreduce(view)))
 
     def reduced(self, bucket: int, step: int) -> bool:
         """Whether bucket ``bucket`` of ``step`` is final in :meth:`result` (never blocks):
@@ -168,17 +169,18 @@ class BucketAllreduce:
             raise RuntimeError(f"wait for step {step} before all its {self._B} buckets were launched")
         self.progress(block=True)
         host, control = self.host, self.host.control
-        if self.leaders is None:
-            control.wait(self._reduced, host.ranks, target, timeout=host.timeout, what="bucket reduction")
-        elif host.local_rank == 0:
-            for view, work in self._works:
-                work.wait()
-                if self.op == "mean":
-                    view.mul_(1.0 / (host.local_world * self.num_hosts))
-            self._works.clear()
-            control.post(self._published, 0, target)
-        else:
-            control.wait(self._published, [0], target, timeout=host.timeout, what="hosts' buckets")
+        self.hierarchy.finish(
+            target, what="hosts' buckets", across=self._finish_across,
+            local=lambda: control.wait(self._reduced, host.ranks, target, timeout=host.timeout,
+                                       what="bucket reduction"))
+
+    def _finish_across(self) -> None:
+        """Leader: wait for the buckets' sums among the leaders; scale them to the mean."""
+        for view, work in self._works:
+            work.wait()
+            if self.op == "mean":
+                view.mul_(1.0 / (self.host.local_world * self.num_hosts))
+        self._works.clear()
 
     def close(self) -> None:
         """Nothing runs in the background; kept so callers release it like the others."""

@@ -25,8 +25,8 @@ step's input) and "reduced" (my chunk holds this step's result); waiters sleep.
 
 Across hosts (``leaders`` given): after the local reduction, local rank 0 of each host
 allreduces the result with the other hosts' leaders over torch.distributed (gloo) and
-posts "published"; the other local ranks wait for it (reduce inside the host,
-allreduce among leaders, result back inside the host).
+publishes it; the other local ranks wait for it (reduce inside the host, allreduce among
+leaders, result back inside the host: :class:`~shmtrain.fabric.job.hierarchy.Hierarchy`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from shmtrain.fabric import native
 from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce, split
+from shmtrain.fabric.job.hierarchy import Hierarchy
 from shmtrain.fabric.shm.host import HostGroup
 from shmtrain.fabric.shm.segment import align
 from shmtrain.fabric.shm.stitch import PAGE, StitchedView
@@ -75,8 +76,6 @@ class ShmAllreduce:
         self.numel = numel
         self.op = op
         self.leaders = leaders
-        # (a rank outside the leaders' group holds torch's non-member marker, an int)
-        self.num_hosts = leaders.size() if isinstance(leaders, dist.ProcessGroup) else 1
         itemsize = torch.empty((), dtype=dtype).element_size()
         L = host.local_world
         self._stride = align(max(numel, 1) * itemsize, PAGE)
@@ -99,7 +98,8 @@ class ShmAllreduce:
         self.results = [view.tensor for view in self._views]
         self._arrived = host.channel(f"{tag}.arrived")
         self._reduced = host.channel(f"{tag}.reduced")
-        self._published = host.channel(f"{tag}.published")
+        self.hierarchy = Hierarchy(host, leaders, tag=tag)
+        self.num_hosts = self.hierarchy.hosts
         self.count = 0
         self.tag = tag
         self._pipeline: PipelinedAllreduce | None = None
@@ -128,16 +128,11 @@ class ShmAllreduce:
         self._reduce_chunk(self.slots[step % 2], *self.chunks[me])
         control.post(self._reduced, me, step)
         result = self.results[step % 2]
-        if self.leaders is None:
-            control.wait(self._reduced, host.ranks, step, timeout=host.timeout, what="reduction")
-        elif me == 0:
-            control.wait(self._reduced, host.ranks, step, timeout=host.timeout, what="reduction")
-            self.leaders.allreduce([result]).wait()  # a registered group or a bare ProcessGroupGloo
-            if self.op == "mean":
-                result.mul_(1.0 / self.num_hosts)
-            control.post(self._published, me, step)
-        else:
-            control.wait(self._published, [0], step, timeout=host.timeout, what="hosts' result")
+        scale = 1.0 / self.num_hosts if self.op == "mean" else None
+        self.hierarchy.finish(
+            step, what="hosts' result",
+            local=lambda: control.wait(self._reduced, host.ranks, step, timeout=host.timeout, what="reduction"),
+            across=lambda: self.hierarchy.allreduce(result, scale=scale))
         return result
 
     def reduce_private(self, tensor: torch.Tensor) -> torch.Tensor:

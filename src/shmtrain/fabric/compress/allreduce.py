@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from shmtrain.fabric.allreduce.shared import ShmAllreduce
 from shmtrain.fabric.compress.codec import Compressor, CompressSpec
+from shmtrain.fabric.job.hierarchy import Hierarchy
 from shmtrain.fabric.shm.host import HostGroup
 from shmtrain.fabric.shm.segment import align
 from shmtrain.fabric.shm.stitch import PAGE
@@ -66,18 +67,6 @@ class ShmBoard:
     def close(self) -> None:
         self._tensor = None  # type: ignore[assignment]
         self.segment.close()
-
-
-def gloo_gather(leaders: dist.ProcessGroup) -> Gather:
-    """The all-gather of equal-sized uint8 payloads among the hosts' leaders."""
-    hosts = leaders.size()
-
-    def gather(payload: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(payload) for _ in range(hosts)]
-        dist.all_gather(out, payload, group=leaders)
-        return out
-
-    return gather
 
 
 class CompressedAllreduce:
@@ -155,10 +144,11 @@ class CompressedAllreduce:
 def shm_compressed_allreduce(host: HostGroup, leaders: dist.ProcessGroup | None, numel: int,
                              spec: CompressSpec, *, tag: str) -> CompressedAllreduce:
     """The shared-memory build: ShmAllreduce inside the host (no leaders: it stays in the
-    host), a :class:`ShmBoard`, and the leaders' gloo all-gather across hosts."""
-    across = isinstance(leaders, dist.ProcessGroup) and leaders.size() > 1
-    leader = host.local_rank == 0
+    host), a :class:`ShmBoard`, and the leaders' gloo all-gather across hosts
+    (:meth:`Hierarchy.all_gather <shmtrain.fabric.job.hierarchy.Hierarchy.all_gather>`)."""
+    hierarchy = Hierarchy(host, leaders)
+    across = hierarchy.group is not None and hierarchy.hosts > 1
     return CompressedAllreduce(
         ShmAllreduce(host, numel, dtype=torch.float32, op="mean", tag=f"{tag}.host"),
-        ShmBoard(host, numel, f"{tag}.out"), numel, spec, leader=leader,
-        gather=gloo_gather(leaders) if across and leader else None)
+        ShmBoard(host, numel, f"{tag}.out"), numel, spec, leader=hierarchy.leader,
+        gather=hierarchy.all_gather if across else None)

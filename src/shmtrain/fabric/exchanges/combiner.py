@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
+from shmtrain.fabric.job.hierarchy import Hierarchy
 from shmtrain.fabric.shm.control import PeerFailure, first_line
 
 
@@ -46,7 +46,8 @@ class HostCombiner:
     """Sum one tensor per layer across the hosts' leaders, layer by layer, on a thread.
 
     Args:
-        group: the leaders' process group (one rank per host; gloo).
+        leaders: this leader's side of the hosts' hierarchy, on a leaders' gloo group of
+            the combiner's own (one rank per host).
         order: the layers in the order every leader sums them (the same on every host).
         tensor: ``tensor(layer, round)``, the host's sum of ``layer`` in ``round``,
             summed in place (contiguous).
@@ -59,7 +60,7 @@ class HostCombiner:
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        leaders: Hierarchy,
         order: Sequence[int],
         tensor: Callable[[int, int], torch.Tensor],
         done: Callable[[int, int], None],
@@ -67,7 +68,7 @@ class HostCombiner:
         ready: ReadyFn | None = None,
         name: str = "shmtrain-host-combiner",
     ) -> None:
-        self.group = group
+        self.hierarchy = leaders
         self.order = list(order)
         self._tensor = tensor
         self._done = done
@@ -122,7 +123,7 @@ class HostCombiner:
                 for layer in self.order:
                     self.at = (round_, layer)
                     self._ready(layer, round_, self._check_stop)
-                    dist.all_reduce(self._tensor(layer, round_), group=self.group)
+                    self.hierarchy.allreduce(self._tensor(layer, round_))
                     self._done(layer, round_)
                 round_ += 1
         except Stopped:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.fabric.job.context import ProcessContext
+from shmtrain.fabric.job.hierarchy import Hierarchy
 from shmtrain.fabric.shm.host import HostGroup
 from shmtrain.fabric.shm.segment import SharedSegment, align
 from shmtrain.fabric.shm.stitch import PAGE
@@ -163,21 +164,20 @@ def shared_buffers(
     return segment, slots, server
 
 
-def broadcast_among_hosts(ctx: ProcessContext, tensor: torch.Tensor) -> None:
-    """Leaders: copy rank 0's ``tensor`` into every host's (gloo over ``ctx.leaders``)."""
-    if ctx.leaders is not None and ctx.local_rank == 0:
-        dist.broadcast(tensor, src=0, group=ctx.leaders)
+def broadcast_among_hosts(hierarchy: Hierarchy, tensor: torch.Tensor) -> None:
+    """Leaders: copy rank 0's ``tensor`` into every host's (gloo among the leaders)."""
+    if hierarchy.group is not None:
+        hierarchy.broadcast(tensor, src=0)
 
 
-def average_among_hosts(ctx: ProcessContext, tensor: torch.Tensor, buffers: list[torch.Tensor]) -> None:
+def average_among_hosts(hierarchy: Hierarchy, tensor: torch.Tensor, buffers: list[torch.Tensor]) -> None:
     """Leaders: gather every host's ``tensor`` (its host mean) to rank 0, which averages
     them into its own ``tensor``. Hosts have equal worker counts, so the mean of host means
     is the mean over all workers."""
-    if ctx.rank == 0:
-        dist.gather(tensor, gather_list=buffers, dst=0, group=ctx.leaders)
+    server = bool(buffers)  # host 0's leader, which holds a buffer per host
+    hierarchy.gather(tensor, buffers if server else None)
+    if server:
         average_(tensor, buffers)
-    else:
-        dist.gather(tensor, dst=0, group=ctx.leaders)
 
 
 class Star(ABC):
@@ -246,11 +246,12 @@ class ShmStar(Star):
     ) -> None:
         super().__init__(ctx, tag)
         self.round = StarRound(ctx.host, tag)
+        self.hierarchy = Hierarchy(ctx.host, ctx.leaders)
         try:
             self._segment, self.slots, self.server = shared_buffers(ctx.host, tag, numel, dtype, init)
             self._host_means: list[torch.Tensor] = []
             if ctx.num_nodes > 1:
-                broadcast_among_hosts(ctx, self.server)
+                broadcast_among_hosts(self.hierarchy, self.server)
                 ctx.host.barrier(f"{tag} initial weights")
                 if ctx.rank == 0:
                     self._host_means = [torch.empty(numel, dtype=dtype) for _ in range(ctx.num_nodes)]
@@ -269,11 +270,11 @@ class ShmStar(Star):
             average_(into, self.slots)
         if self.ctx.num_nodes > 1:
             with phase("gather"):
-                average_among_hosts(self.ctx, into, self._host_means)
+                average_among_hosts(self.hierarchy, into, self._host_means)
 
     def broadcast(self) -> None:
         if self.ctx.local_rank == 0:
-            broadcast_among_hosts(self.ctx, self.server)
+            broadcast_among_hosts(self.hierarchy, self.server)
             self.round.publish()
         else:
             self.round.wait_published()
@@ -284,7 +285,7 @@ class ShmStar(Star):
         if self.ctx.local_rank == 0:
             if values is not self.server:
                 self.server.copy_(values)
-            broadcast_among_hosts(self.ctx, self.server)
+            broadcast_among_hosts(self.hierarchy, self.server)
         host.barrier(f"{self.tag} set_server (the server's values)")
 
     def close(self) -> None:
