@@ -14,7 +14,7 @@ PACKAGE = ROOT / "src" / "shmtrain"
 
 #: layer of each top-level part; a module may import only from its own layer or below
 LAYERS = {
-    "timing": 0, "startup": 0, "memory": 0, "argtypes": 0, "typed_options": 0, "models": 0,
+    "timing": 0, "registry": 0, "startup": 0, "memory": 0, "argtypes": 0, "typed_options": 0, "models": 0,
     "fabric": 1,
     "strategies": 2,
     "parallel": 3, "backend": 3,

@@ -81,7 +81,7 @@ def test_the_frame_writes_all_three_files_with_the_numbers_first(tmp_path: Path)
     try:
         doc = core.run_reproduction("frame-test", tmp_path, quick=True, log=lambda *_: None)
     finally:
-        core._REGISTRY.pop("frame-test")
+        core.REPRODUCTIONS.remove("frame-test")
     assert doc["data"] == {"x": [1, 2]}
     assert "| speed-up | 10.1x | 1.8x | 0.9 of ideal | yes (> 1) |" in (tmp_path / "frame-test.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == [

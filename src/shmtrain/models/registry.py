@@ -13,19 +13,20 @@ from collections.abc import Callable
 
 from torch import nn
 
+from shmtrain.registry import Registry
+
 Builder = Callable[[tuple[int, ...], int], nn.Module]
-_MODELS: dict[str, Builder] = {}
+#: every built-in model's builder by name
+MODELS: Registry[Builder] = Registry("model", "--model", hint=", or module:callable for your own")
 
 
 def register_model(name: str, builder: Builder) -> None:
     """Make ``builder`` selectable as ``--model name``; names are unique."""
-    if name in _MODELS:
-        raise ValueError(f"model name {name!r} is already registered")
-    _MODELS[name] = builder
+    MODELS.add(name, builder)
 
 
 def model_names() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(MODELS.names())
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, args: str = "") -> nn.Module:
@@ -39,9 +40,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, args:
     if args:
         raise ValueError(f"--model-args {args!r} with --model {name}: a built-in model takes no arguments; "
                          "leave --model-args out, or give --model module:callable")
-    if name not in _MODELS:
-        raise ValueError(f"--model {name!r} is unknown; choose one of: {', '.join(model_names())}")
-    return _MODELS[name](tuple(input_shape), num_classes)
+    return MODELS.get(name)(tuple(input_shape), num_classes)
 
 
 def small_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shmtrain.registry import Registry
+
 #: the modules (or packages, which import their modules) that register reproductions,
 #: imported on first use of the registry
 MODULES = ("shmcaffe", "caffegpi", "trl", "swcaffe", "shmlearn")
@@ -102,7 +104,14 @@ class Reproduction:
     run: Callable[[Context], Report]
 
 
-_REGISTRY: dict[str, Reproduction] = {}
+def _import_papers() -> None:
+    for module in MODULES:
+        importlib.import_module(f"shmtrain.reproduce.{module}")
+
+
+#: every reproduction by name (filled by importing the paper modules, on the first lookup)
+REPRODUCTIONS: Registry[Reproduction] = Registry(
+    "reproduction", "reproduction", hint=" (`shmtrain reproduce --list` shows them)", fill=_import_papers)
 
 
 def reproduction(name: str, paper: str, claim: str, capabilities: tuple[str, ...]
@@ -110,28 +119,20 @@ def reproduction(name: str, paper: str, claim: str, capabilities: tuple[str, ...
     """Register ``run`` as reproduction ``name`` (duplicate names are refused)."""
 
     def register(run: Callable[[Context], Report]) -> Callable[[Context], Report]:
-        if name in _REGISTRY:
-            raise ValueError(f"reproduction {name!r} is registered twice")
-        _REGISTRY[name] = Reproduction(name, paper, claim, capabilities, run)
+        REPRODUCTIONS.add(name, Reproduction(name, paper, claim, capabilities, run))
         return run
 
     return register
 
 
 def registry() -> dict[str, Reproduction]:
-    """Every reproduction by name (imports the paper modules once)."""
-    for module in MODULES:
-        importlib.import_module(f"shmtrain.reproduce.{module}")
-    return dict(sorted(_REGISTRY.items()))
+    """Every reproduction by name, in name order (imports the paper modules once)."""
+    return dict(sorted(REPRODUCTIONS.items().items()))
 
 
 def get(name: str) -> Reproduction:
     """The reproduction ``name``, or a ValueError that lists the names."""
-    known = registry()
-    if name not in known:
-        raise ValueError(f"reproduction {name!r} is not known; `shmtrain reproduce --list` "
-                         f"shows them: {', '.join(known)}")
-    return known[name]
+    return REPRODUCTIONS.get(name)
 
 
 def command_line(name: str, quick: bool, out: Path) -> str:

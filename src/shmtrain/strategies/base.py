@@ -46,6 +46,7 @@ from torch import nn
 
 from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.transports import Transports
+from shmtrain.registry import Registry
 from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.layout.staging import HostStaging, staged
 from shmtrain.strategies.optim.grad_safety import writes_gradients
@@ -369,30 +370,22 @@ class Strategy:
         self._hooks.clear()
 
 
-_REGISTRY: dict[str, type[Strategy]] = {}
+#: every strategy by name (importing :mod:`shmtrain.strategies` fills it)
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy", "--strategy")
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
     """Class decorator: make a strategy selectable by its ``name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no name")
-    if cls.name in _REGISTRY:
-        raise ValueError(f"strategy name {cls.name!r} is already registered by {_REGISTRY[cls.name].__qualname__}")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return STRATEGIES.register(cls)
 
 
 def registry() -> dict[str, type[Strategy]]:
     """All strategies by name (importing :mod:`shmtrain.strategies` fills it)."""
-    return dict(_REGISTRY)
+    return STRATEGIES.items()
 
 
 def get(name: str) -> type[Strategy]:
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"--strategy {name!r} is unknown; choose one of: {', '.join(sorted(_REGISTRY))}"
-        )
-    return _REGISTRY[name]
+    return STRATEGIES.get(name)
 
 
 def plan(name: str, config: StrategyConfig, workers: int, num_nodes: int = 1) -> type[Strategy]:

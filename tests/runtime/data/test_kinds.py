@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from shmtrain.registry import Registry
 from shmtrain.runtime.config import resolve
 from shmtrain.runtime.data import kinds
 from shmtrain.runtime.data.kinds.base import DataConfig, DataFacts, DataKind, config_of
@@ -46,7 +47,10 @@ class Ramp(DataKind):
 
 @pytest.fixture
 def with_ramp(monkeypatch):
-    monkeypatch.setattr(kinds, "KINDS", (Ramp, *kinds.KINDS))
+    ramp_first = Registry("data kind", "--data")
+    for kind in (Ramp, *kinds.KINDS.items().values()):
+        ramp_first.add(kind.__name__, kind)
+    monkeypatch.setattr(kinds, "KINDS", ramp_first)
 
 
 def test_a_new_kind_is_one_class_and_one_registry_entry(with_ramp):

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from shmtrain.models.user import is_user_spec, resolve_callable
+from shmtrain.registry import Registry
 from shmtrain.typed_options import parse_kwargs
 
 
@@ -173,32 +174,25 @@ class Task:
         return value > best if metric == self.primary and self.higher_is_better else value < best
 
 
-_REGISTRY: dict[str, type[Task]] = {}
+#: every built-in task by name (importing :mod:`shmtrain.runtime.tasks` fills it)
+TASKS: Registry[type[Task]] = Registry("task", "--task", hint=", or module:callable for your own (a Task subclass)")
 
 
 def register(cls: type[Task]) -> type[Task]:
     """Class decorator: make a task selectable by its ``name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no name")
-    if cls.name in _REGISTRY:
-        raise ValueError(f"task name {cls.name!r} is already registered by {_REGISTRY[cls.name].__qualname__}")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return TASKS.register(cls)
 
 
 def registry() -> dict[str, type[Task]]:
     """Every registered task by name (importing :mod:`shmtrain.runtime.tasks` fills it)."""
-    return dict(_REGISTRY)
+    return TASKS.items()
 
 
 def task_class(name: str) -> type[Task] | Callable[..., Any]:
     """The class ``--task NAME`` names, or the callable of ``--task module:callable``."""
     if is_user_spec(name):
         return resolve_callable(name, "--task")
-    if name not in _REGISTRY:
-        raise ValueError(f"--task {name!r} is unknown; choose one of: {', '.join(sorted(_REGISTRY))}, "
-                         "or module:callable for your own (a Task subclass)")
-    return _REGISTRY[name]
+    return TASKS.get(name)
 
 
 def build_config(name: str, args: str) -> TaskConfig:

@@ -2,14 +2,16 @@
 
 To add one: a module here with a :class:`~shmtrain.runtime.data.kinds.base.DataKind`
 subclass (its nested ``Config``, ``matches``, ``configure``, ``Config.build``), and one
-line in :data:`KINDS`. The first kind whose ``matches`` is true is the one; ``Folder``
-claims whatever is left, so it stays last.
+line registering it in :data:`KINDS` (by its class name). The first kind whose ``matches``
+is true, in the order they were registered, is the one; ``Folder`` claims whatever is
+left, so it stays last.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from shmtrain.registry import Registry
 from shmtrain.runtime.data.kinds.base import DataConfig, DataKind
 from shmtrain.runtime.data.kinds.digits import Digits
 from shmtrain.runtime.data.kinds.folder import Folder
@@ -17,7 +19,10 @@ from shmtrain.runtime.data.kinds.synthetic import Synthetic
 from shmtrain.runtime.data.kinds.user import UserData
 from shmtrain.runtime.data.sources import DataFacts
 
-KINDS: tuple[type[DataKind], ...] = (Digits, Synthetic, UserData, Folder)
+#: the kinds of ``--data``, in the order ``kind_of`` asks them
+KINDS: Registry[type[DataKind]] = Registry("data kind", "--data")
+for _kind in (Digits, Synthetic, UserData, Folder):
+    KINDS.add(_kind.__name__, _kind)
 
 #: the data options that only some kinds take: a given one the kind does not take is refused
 #: (option -> whether it was given)
@@ -32,7 +37,7 @@ KIND_OPTIONS = {
 
 def kind_of(data: str) -> type[DataKind]:
     """The kind that ``--data`` names."""
-    return next(kind for kind in KINDS if kind.matches(data))
+    return next(kind for kind in KINDS.items().values() if kind.matches(data))
 
 
 def configure(options: Any) -> DataConfig:
@@ -45,7 +50,7 @@ def configure(options: Any) -> DataConfig:
         if given(value) and name not in takes:
             flag = "--" + name.replace("_", "-")
             shown = "" if isinstance(value, bool) else f" {value!r}"
-            users = " or ".join(k.label for k in KINDS if name in k.takes())
+            users = " or ".join(k.label for k in KINDS.items().values() if name in k.takes())
             raise ValueError(f"{flag}{shown} with --data {options.data}: it applies to {users} only, and "
                              f"would be ignored here; leave {flag} out (docs/data.md)")
     if options.val_data is not None and options.val_fraction is not None:
