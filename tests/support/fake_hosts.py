@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shmtrain.strategies.base import build_config, plan
+from shmtrain.strategies.base import build_config
+from shmtrain.strategies.plan import plan
 from shmtrain.timing import PhaseTimer
 from support.fake_transports import train_steps
 from support.reference import flat_params
@@ -186,7 +187,7 @@ def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, ho
     ``finish=False`` the engines are left open, their exchanges and state still there)."""
     xs, ys = peer_batches(steps, peers)
     config = build_config(strategy, options)
-    cls = plan(strategy, config, peers, hosts)
+    planned = plan(strategy, config, peers, hosts)
     world = World(peers, hosts)
     models = [peer_model() for _ in range(peers)]  # built one after another: torch's RNG is global
     finals: list[torch.Tensor | None] = [None] * peers
@@ -196,7 +197,7 @@ def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, ho
         try:
             model = models[rank]
             ctx = SimpleNamespace(rank=rank, world_size=peers, num_nodes=hosts)
-            engine = cls(config, ctx, model, inner_sgd(model), PhaseTimer(), transports=FakeTransports(world, rank))
+            engine = planned.build(ctx, model, inner_sgd(model), PhaseTimer(), transports=FakeTransports(world, rank))
             engines[rank] = engine
             train_steps(engine, model, xs, ys, rank)
             finals[rank] = flat_params(model)
@@ -212,5 +213,5 @@ def run_peers(strategy: str, options: dict[str, Any], peers: int, steps: int, ho
     for t in threads:
         t.join(timeout=60)
     assert not world.errors, world.errors
-    return {"finals": finals, "bytes_across": world.bytes_across, "engines": engines, "class": cls}
+    return {"finals": finals, "bytes_across": world.bytes_across, "engines": engines, "class": planned.strategy}
 

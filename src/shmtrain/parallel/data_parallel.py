@@ -29,8 +29,10 @@ from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.fabric.transports import Transports
 from shmtrain.memory import keep_freed_memory
 from shmtrain.parallel.ddp_style import DDPStyle
-from shmtrain.strategies.base import StrategyConfig, plan
+from shmtrain.strategies.base import StrategyConfig
 from shmtrain.strategies.base import build_config as make_config
+from shmtrain.strategies.plan import Plan
+from shmtrain.strategies.plan import plan as make_plan
 from shmtrain.timing import PhaseTimer
 
 #: why the DDP-style loop steps the optimizer once, after backward (strategies/optim/partial_step.py)
@@ -74,6 +76,9 @@ class DataParallel(nn.Module):
             Without it, ``ssgd --overlap`` on a GPU may step a bucket's parameters during
             backward, as soon as its mean is back (``strategies/optim/partial_step.py``): read the
             weights before backward or after ``model.step()``, not between.
+        plan: the strategy already checked for this job (:func:`shmtrain.strategies.plan.plan`,
+            ``shmtrain train``'s configuration carries one): used when it was made for
+            ``config`` and a job of this shape, so nothing is checked twice; else one is made.
         **options: the strategy's Config fields (when ``config`` is not given).
     """
 
@@ -90,6 +95,7 @@ class DataParallel(nn.Module):
         device: torch.device | str | None = None,
         grad_clip: float | None = None,
         ddp_style: bool = True,
+        plan: Plan | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -116,15 +122,14 @@ class DataParallel(nn.Module):
             control.generation += 1
             control.steps_done = lambda: getattr(getattr(self, "strategy", None), "iteration", 0)
         try:
-            impl = plan(strategy, config, self.ctx.world_size, self.ctx.num_nodes)
-            impl.check_optimizer(
-                type(optimizer).__name__, strategies.get(strategy).chosen_by(config), grad_clip=grad_clip
-            )
+            if plan is None or plan.config is not config or not plan.fits(self.ctx.world_size, self.ctx.num_nodes):
+                plan = make_plan(strategy, config, self.ctx.world_size, self.ctx.num_nodes,
+                                 optimizer=type(optimizer).__name__, grad_clip=grad_clip)
         except ValueError:
             if self._own_ctx:
                 self.ctx.close()
             raise
-        self.strategy = impl(config, self.ctx, module, optimizer, self.timer, transports=transports)
+        self.strategy = plan.build(self.ctx, module, optimizer, self.timer, transports=transports)
         self.strategy.grad_clip = grad_clip
         self._ddp: DDPStyle | None = None
         self.ddp_style = ddp_style

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from shmtrain import strategies
+from shmtrain.fabric.job.context import under_torchrun
 from shmtrain.runtime import trusted_files
 from shmtrain.runtime.data.kinds import DataConfig
 from shmtrain.runtime.data.options import DataOptions
@@ -45,7 +47,8 @@ from shmtrain.runtime.tasks.base import TaskConfig
 from shmtrain.runtime.tasks.options import TaskOptions
 from shmtrain.runtime.train.device import cuda_count, resolve_device
 from shmtrain.runtime.train.optim_options import OptimOptions
-from shmtrain.strategies.base import StrategyConfig, build_config, own_config, plan
+from shmtrain.strategies.base import StrategyConfig, build_config, own_config
+from shmtrain.strategies.plan import Plan, plan
 from shmtrain.typed_options import coerce, hint_kind, type_rule
 from shmtrain.typed_options import example as example_value
 from shmtrain.typed_options import hints as type_hints
@@ -173,6 +176,9 @@ class TrainConfig(MonitorOptions, OptimOptions, TaskOptions, DataOptions, JobOpt
     #: the data kind's typed ``Config`` (:mod:`shmtrain.runtime.data.kinds`), built from
     #: the flat data options on construction, as ``strategy_config`` is from the strategy's
     data_config: DataConfig = field(init=False, repr=False)
+    #: the strategy checked for this job (:func:`shmtrain.strategies.plan.plan`): the
+    #: workers build it from this plan and check nothing again
+    plan: Plan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         hints = type_hints(TrainConfig)
@@ -192,11 +198,12 @@ class TrainConfig(MonitorOptions, OptimOptions, TaskOptions, DataOptions, JobOpt
         config_hints = type_hints(cls.Config)
         for f in dataclasses.fields(cls.Config):
             _check_flag_value(f, config_hints[f.name], getattr(self.strategy_config, f.name))
-        impl = plan(self.strategy, self.strategy_config, self.workers)
-        impl.check_optimizer(self.optimizer, cls.chosen_by(self.strategy_config), grad_clip=self.grad_clip)
+        self.plan = plan(self.strategy, self.strategy_config, *job_shape(self.workers),
+                         optimizer=self.optimizer, grad_clip=self.grad_clip)
+        impl = self.plan.strategy
         if self.amp == "fp16":  # the strategy's update must go through a GradScaler
             impl.check_fp16(self.strategy_config)
-        self._place(impl, cls.chosen_by(self.strategy_config))
+        self._place(impl, self.plan.label)
 
     def _place(self, impl: type[strategies.Strategy], label: str) -> None:
         """Settle ``--device`` against what runs where: the strategy's implementation
@@ -217,6 +224,17 @@ class TrainConfig(MonitorOptions, OptimOptions, TaskOptions, DataOptions, JobOpt
         """Flat: every common key and the strategy's options (the keys of ``config.toml``);
         ``resolve(config.to_dict()) == config``."""
         return {**{k: getattr(self, k) for k in COMMON_KEYS}, **dataclasses.asdict(self.strategy_config)}
+
+
+def job_shape(workers: int) -> tuple[int, int]:
+    """The workers and hosts a run's strategy is checked for: ``--workers`` on one host,
+    or the job torchrun started this process in (``WORLD_SIZE`` over ``LOCAL_WORLD_SIZE``
+    hosts), which is the job the strategy will run in."""
+    if not under_torchrun():
+        return workers, 1
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return world, max(world // max(local, 1), 1)
 
 
 def train_fields() -> list[dataclasses.Field]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -94,15 +95,22 @@ class Strategy:
     device_fix: ClassVar[str] = "use --device cuda"
 
     @classmethod
+    def choose(cls, config: StrategyConfig) -> tuple[type[Strategy], str]:
+        """The class that runs ``config`` (a strategy may hand a variant to another class)
+        and the option that chose it, for messages (a variant's own flag, e.g.
+        ``--allreduce nccl``; else ``--strategy NAME``). Resolved once per job by
+        :func:`shmtrain.strategies.plan.plan`."""
+        return cls, f"--strategy {cls.name}"
+
+    @classmethod
     def implementation(cls, config: StrategyConfig) -> type[Strategy]:
-        """The class that runs ``config`` (a strategy may hand a variant to another class)."""
-        return cls
+        """The class that runs ``config`` (:meth:`choose`'s first half)."""
+        return cls.choose(config)[0]
 
     @classmethod
     def chosen_by(cls, config: StrategyConfig) -> str:
-        """The option that chose ``implementation(config)``, for messages (a variant's own
-        flag, e.g. ``--allreduce nccl``; else ``--strategy NAME``)."""
-        return f"--strategy {cls.name}"
+        """The option that chose ``implementation(config)`` (:meth:`choose`'s second half)."""
+        return cls.choose(config)[1]
 
     @classmethod
     def hosts_reason(cls, config: StrategyConfig) -> str | None:
@@ -173,7 +181,10 @@ class Strategy:
         *,
         transports: Transports | None = None,
     ) -> None:
-        self.check_hosts(config, ctx.num_nodes)
+        planned = building.get()  # built from a plan: its checks were made, once, for this job
+        planned = planned if planned is not None and planned.config is config else None
+        if planned is None or planned.num_nodes != ctx.num_nodes:
+            self.check_hosts(config, ctx.num_nodes)
         if getattr(ctx, "rejoined", False) and not self.rejoins:
             raise ValueError(
                 f"host {ctx.node_rank} started again while the job ran, but --strategy {self.name} cannot "
@@ -188,7 +199,8 @@ class Strategy:
         self.timer = timer or PhaseTimer()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.check_device(self.params)
-        self.check_optimizer(type(optimizer).__name__, self.chosen_by(config))
+        if planned is None or not planned.covers(type(optimizer).__name__):
+            self.check_optimizer(type(optimizer).__name__, self.chosen_by(config))
         #: clip the gradient's global L2 norm to this in :meth:`step_optimizer` (``--grad-clip``)
         self.grad_clip: float | None = None
         #: False inside :meth:`no_sync`: the gradient hooks do nothing (micro-batches accumulate)
@@ -370,6 +382,10 @@ class Strategy:
         self._hooks.clear()
 
 
+#: the :class:`~shmtrain.strategies.plan.Plan` a strategy is being built from (set by
+#: ``Plan.build`` around the constructor: the checks it made are not made again)
+building: ContextVar[Any] = ContextVar("shmtrain_strategy_plan", default=None)
+
 #: every strategy by name (importing :mod:`shmtrain.strategies` fills it)
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy", "--strategy")
 
@@ -386,24 +402,6 @@ def registry() -> dict[str, type[Strategy]]:
 
 def get(name: str) -> type[Strategy]:
     return STRATEGIES.get(name)
-
-
-def plan(name: str, config: StrategyConfig, workers: int, num_nodes: int = 1) -> type[Strategy]:
-    """The class that will run ``config`` of strategy ``name`` in a job of ``workers``
-    processes on ``num_nodes`` hosts, after every check the strategy answers for (its
-    world, its hosts, its options' exclusions). ``shmtrain train``'s config and
-    :class:`shmtrain.parallel.data_parallel.DataParallel` both validate through here."""
-    cls = get(name)
-    if not isinstance(config, cls.Config):
-        raise ValueError(f"the config is a {type(config).__qualname__}, but --strategy {name} "
-                         f"takes a {cls.Config.__qualname__}")
-    if cls.world == "one" and workers != 1:
-        raise ValueError(f"--workers {workers}: --strategy {name} runs in one process; "
-                         "use --workers 1, or --strategy ssgd for several workers")
-    cls.check_world(config, workers, num_nodes)
-    impl = cls.implementation(config)
-    impl.check_hosts(config, num_nodes)
-    return impl
 
 
 def own_config(strategy: str, config: StrategyConfig) -> StrategyConfig:

@@ -224,15 +224,11 @@ class DiLoCo(Strategy):
                                  "host-sync (the hybrid)")
 
     @classmethod
-    def implementation(cls, config: StrategyConfig) -> type[Strategy]:
+    def choose(cls, config: StrategyConfig) -> tuple[type[Strategy], str]:
         """:class:`HostSyncDiLoCo` for ``inner="host-sync"``, else DiLoCo itself."""
-        return HostSyncDiLoCo if getattr(config, "inner", "local") == "host-sync" else cls
-
-    @classmethod
-    def chosen_by(cls, config: StrategyConfig) -> str:
         if getattr(config, "inner", "local") == "host-sync":
-            return "--inner host-sync"
-        return f"--strategy {cls.name}"
+            return HostSyncDiLoCo, "--inner host-sync"
+        return cls, f"--strategy {cls.name}"
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)

@@ -104,6 +104,14 @@ class ProcessContext:
                 dist.destroy_process_group(self.leaders)
 
 
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher with its environment) started this process:
+    it is a worker itself, with no workers of its own to fork."""
+    return "SHMTRAIN_JOB_DIR" not in os.environ and (
+        "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    )
+
+
 def env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":

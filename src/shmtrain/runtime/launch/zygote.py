@@ -392,18 +392,12 @@ _ZYGOTE: Zygote | None = None
 _ZYGOTE_LOCK = threading.Lock()
 
 
-def under_torchrun() -> bool:
-    """True when torchrun (or another launcher with its environment) started this process:
-    it is a worker itself, with no workers of its own to fork."""
-    return "SHMTRAIN_JOB_DIR" not in os.environ and (
-        "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-    )
-
-
 def prestart() -> None:
     """Start this process's zygote now without waiting for it (``shmtrain train`` does
     this first, so the zygote imports torch while the launcher checks its input); not in
     a worker that torchrun started, which forks none."""
+    from shmtrain.fabric.job.context import under_torchrun
+
     if enabled() and not under_torchrun():
         get(START_S)
 

@@ -113,7 +113,7 @@ class WorkerSession:
         optimizer = build_optimizer(config, self.model.parameters())  # --optimizer (runtime/train/optimizers.py)
         self.timer = PhaseTimer(self.device)  # on a GPU: forward, backward, update timed by CUDA events
         self.dp = DataParallel(self.model, optimizer, config.strategy, config=config.strategy_config, ctx=ctx,
-                               timer=self.timer, grad_clip=config.grad_clip)
+                               timer=self.timer, grad_clip=config.grad_clip, plan=config.plan)
         mark("strategy")
         self.total = planned_iterations(config, self.data, ctx.world_size)
         # --sub-batch K: K threads per worker (SUB-BATCH)

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
+from shmtrain.fabric.job.context import under_torchrun
 from shmtrain.fabric.shm.control import PeerFailure, first_line
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launch import failures, runlock, smb_server
-from shmtrain.runtime.launch.zygote import under_torchrun
 from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.runtime.run.end import RunStopped, end_stretch, finish, stopped_message, warn
 from shmtrain.runtime.run.loop import train_worker

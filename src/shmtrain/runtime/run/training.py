@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from shmtrain import strategies
+from shmtrain.fabric.job.context import under_torchrun
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.launch import runlock
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
-from shmtrain.runtime.launch.zygote import under_torchrun
 from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.runtime.run.end import (
     RunStopped,

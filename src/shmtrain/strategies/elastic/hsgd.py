@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shmtrain.strategies.base import register
+from shmtrain.strategies.base import building, register
 from shmtrain.strategies.elastic.eq8 import Eq8Metrics
 from shmtrain.strategies.elastic.seasgd import ElasticExchange
 from shmtrain.strategies.elastic.shared_weights import ElasticConfig, SharedWeightsStrategy
@@ -65,8 +65,7 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
 
     @classmethod
     def check_world(cls, config: HSGD.Config, workers: int, num_nodes: int = 1) -> int:
-        """The group size for ``workers`` on one host; ValueError naming the options."""
-        cls.check_hosts(config, num_nodes)  # before the group arithmetic, whose error would mislead
+        """The group size for ``workers`` on ``num_nodes`` hosts; ValueError naming the options."""
         local = workers // max(num_nodes, 1)
         if num_nodes > 1 and config.groups == 1 and config.group_size == 0:
             return local  # across hosts, by default: one group per host (its shared memory)
@@ -116,7 +115,10 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
         """The group's weights live in a segment of the group: the root's are the ones
         every member copies (the broadcast of Fig. 4). The group itself is made here, the
         first thing the shared-weights set-up asks of HSGD."""
-        size = self.check_world(self.config, self.ctx.world_size, self.ctx.num_nodes)
+        planned = building.get()  # the plan this strategy is built from answered it already
+        fits = planned is not None and planned.config is self.config and planned.fits(
+            self.ctx.world_size, self.ctx.num_nodes)
+        size = planned.world if fits else self.check_world(self.config, self.ctx.world_size, self.ctx.num_nodes)
         self.subgroup = self.transports.subgroup(size)  # this worker's group of the host
         self.is_root = self.subgroup.local_rank == 0
         itemsize = torch.empty((), dtype=self.layout.dtype).element_size()

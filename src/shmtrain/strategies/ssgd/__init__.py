@@ -86,7 +86,7 @@ class SSGD(SlotGradients, Strategy):
                     f"--bucket-mb {self.bucket_mb}: the bucket size must be positive; "
                     "use e.g. --bucket-mb 25 (PyTorch DDP's default)"
                 )
-            SSGD.implementation(self)  # at most one variant, on an allreduce it runs on
+            SSGD.check_variants(self)  # at most one variant, on an allreduce it runs on
 
     @classmethod
     def variants(cls, config: StrategyConfig) -> list[tuple[str, type[Strategy]]]:
@@ -105,29 +105,28 @@ class SSGD(SlotGradients, Strategy):
         return chosen
 
     @classmethod
-    def chosen_by(cls, config: StrategyConfig) -> str:
-        chosen = cls.variants(config)
-        return chosen[0][0] if chosen else f"--strategy {cls.name}"
-
-    @classmethod
-    def implementation(cls, config: StrategyConfig) -> type[Strategy]:
-        """The class of the one variant ``config`` chooses (plain :class:`SSGD` for none);
-        ValueError naming both options when it chooses two, or an ``--allreduce`` the
-        variant cannot run on."""
+    def check_variants(cls, config: StrategyConfig) -> None:
+        """At most one variant, on an ``--allreduce`` it runs on: a ValueError naming both
+        options otherwise (the config's own check, made once when it is built)."""
         chosen = cls.variants(config)
         if len(chosen) > 1:
             (first, variant), (second, _) = chosen[:2]
             raise ValueError(f"{first} with {second}: {variant.variant_reason}; drop {second}, "
                              f"or drop {first}")
-        if not chosen:
-            return cls
-        flag, variant = chosen[0]
-        allreduce = getattr(config, "allreduce", "shm")
-        if variant.allreduces is not None and allreduce not in variant.allreduces:
-            choices = " or ".join(variant.allreduces)
-            raise ValueError(f"{flag} with --allreduce {allreduce!r}: {variant.variant_reason}; "
-                             f"use --allreduce {choices}, or drop {flag}")
-        return variant
+        if chosen:
+            flag, variant = chosen[0]
+            allreduce = getattr(config, "allreduce", "shm")
+            if variant.allreduces is not None and allreduce not in variant.allreduces:
+                choices = " or ".join(variant.allreduces)
+                raise ValueError(f"{flag} with --allreduce {allreduce!r}: {variant.variant_reason}; "
+                                 f"use --allreduce {choices}, or drop {flag}")
+
+    @classmethod
+    def choose(cls, config: StrategyConfig) -> tuple[type[Strategy], str]:
+        """The class of the one variant a checked ``config`` chooses (plain :class:`SSGD`
+        for none) and the option that chose it."""
+        chosen = cls.variants(config)
+        return (chosen[0][1], chosen[0][0]) if chosen else (cls, f"--strategy {cls.name}")
 
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
