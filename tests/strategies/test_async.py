@@ -126,7 +126,7 @@ def conservation_worker(ctx, payload: dict[str, Any]) -> dict[str, Any]:
         if smb.rank == victim and m == kill_at:
             if mode == "midwrite":  # die half-way through writing the next increment
                 smb.wait(ticket)
-                increment._storage[: NUMEL // 2] = float("nan")
+                increment.storage[: NUMEL // 2] = float("nan")
             os.kill(os.getpid(), signal.SIGKILL)
     smb.close()  # the owner returns only once every live peer has left
     out = {"rank": smb.rank}

@@ -97,7 +97,7 @@ def _worker(ctx: ProcessContext, payload: dict[str, Any]) -> list[dict[str, Any]
         private, private_cpu = _timed(lambda a=ar, t=mine: a.reduce_private(t), reps, 2,
                                       before=lambda t=mine: t.fill_(1.0), barrier=lambda: gate(token))
         ok_private = bool(torch.all(mine == expected))
-        plan = ar._pipeline.last_plan if ar._pipeline is not None else None
+        plan = ar.pipeline.last_plan if ar.pipeline is not None else None
         algorithm = plan.describe() if plan is not None else "-"
         ar.close()
         del ar

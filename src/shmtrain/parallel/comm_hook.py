@@ -100,7 +100,7 @@ class ShmHookState:
             steps = reducer.count
             reducer.close()
             self.replaced += 1
-        elif len(self.host._channels) + 3 > MAX_CHANNELS:  # ShmAllreduce takes 3 channels
+        elif self.host.channels_used() + 3 > MAX_CHANNELS:  # ShmAllreduce takes 3 channels
             raise ValueError(
                 f"shmtrain.ddp_comm_hook: DDP bucket {index} is one too many for the host's "
                 f"{MAX_CHANNELS} control channels (3 per bucket); raise DDP's bucket_cap_mb so the "

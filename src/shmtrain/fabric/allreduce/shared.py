@@ -154,6 +154,11 @@ class ShmAllreduce:
         flat.copy_(self())
         return tensor
 
+    @property
+    def pipeline(self) -> PipelinedAllreduce | None:
+        """The pipeline :meth:`reduce_private` runs on (None before its first call)."""
+        return self._pipeline
+
     def close(self) -> None:
         """Release the stitched views (the result tensors must not be used afterwards)."""
         self.results = []

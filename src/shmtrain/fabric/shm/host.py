@@ -68,6 +68,10 @@ class HostGroup:
     def ranks(self) -> range:
         return range(self.local_world)
 
+    def channels_used(self) -> int:
+        """How many channels of the control block this host's users have asked for."""
+        return len(self._channels)
+
     def channel(self, name: str) -> int:
         """A channel id for ``name``; every local rank must ask in the same order.
 

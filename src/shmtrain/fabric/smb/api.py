@@ -51,7 +51,8 @@ class Buffer:
 
     def __init__(self, key: BufferKey, storage: object) -> None:
         self.key = key
-        self._storage = storage  # transport-private (a tensor view for the local service)
+        #: the transport's own handle of the data (a tensor view for the local service)
+        self.storage = storage
 
     @property
     def numel(self) -> int:

@@ -310,14 +310,14 @@ class LocalBufferService(BufferService):
             segment.unlink()
 
     def read(self, buffer: Buffer, out: torch.Tensor) -> torch.Tensor:
-        out.copy_(buffer._storage)
+        out.copy_(buffer.storage)
         return out
 
     def write(self, buffer: Buffer, src: torch.Tensor) -> None:
         pending = self._pending.get(buffer.key.id)
         if pending is not None:
             self.wait(pending)
-        buffer._storage.copy_(src)
+        buffer.storage.copy_(src)
 
     # -- accumulation through the owner -------------------------------------------
     def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:

@@ -54,7 +54,8 @@ class InProcessWorld:
             raise ValueError(f"world size {world_size} must be at least 1")
         self.world_size = world_size
         self.timeout = timeout
-        self._mailbox = {
+        #: one queue per (sender, receiver) pair
+        self.mailbox = {
             (s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)
         }
 
@@ -100,10 +101,10 @@ class InProcessTransport(Transport):
 
     def exchange(self, sends, recvs) -> None:
         for peer, tensor in sends:
-            self.world._mailbox[(self.rank, peer)].put(tensor.clone())
+            self.world.mailbox[(self.rank, peer)].put(tensor.clone())
         for peer, tensor in recvs:
             try:
-                message = self.world._mailbox[(peer, self.rank)].get(timeout=self.timeout)
+                message = self.world.mailbox[(peer, self.rank)].get(timeout=self.timeout)
             except queue.Empty:
                 raise TransportTimeout(
                     f"rank {self.rank}: no message from peer {peer} within {self.timeout}s"
