@@ -269,6 +269,7 @@ def test_the_compressed_elastic_points_are_valid_train_commands_and_decay_their_
     decayed by --lr-schedule cosine."""
     from shmtrain.cli import build_parser
     from shmtrain.runtime.config import resolve
+    from shmtrain.runtime.defaults import settle
 
     preset = hosts.SETTINGS["mlp-100mbit"]
     chosen = {}
@@ -277,6 +278,7 @@ def test_the_compressed_elastic_points_are_valid_train_commands_and_decay_their_
             settings = {**hosts.DEFAULTS, **{key: v for key, v in preset.items() if key in hosts.DEFAULTS}, **point}
             args = vars(build_parser().parse_args(hosts._worker_command(method, settings, Path("/tmp/x"))))
             config = resolve({key: v for key, v in args.items() if v is not None and key not in ("handler", "command")})
+            config = settle(config, 2)  # across the bench's two hosts: the setting's defaults beside the point's
             options = config.strategy_config
             assert options.compress == "topk:0.1,bits:4" and options.host_lead == 0.05, (method, k)
             chosen[method, k] = (config.lr, config.lr_schedule, options.moving_rate)

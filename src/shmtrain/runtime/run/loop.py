@@ -121,6 +121,8 @@ class WorkerSession:
                                scheduler=schedule.from_config(optimizer, config, self.total),
                                sub_batch=config.sub_batch, amp=config.amp, accumulate=config.accumulate)
         self.loop.callback(self.trainer.close)
+        if config.defaults_taken:  # the first metrics row says which defaults the setting chose
+            self.trainer.first_row = {"defaults": list(config.defaults_taken)}
         self.dp.target_iterations = self.total
 
     def _open(self) -> RunServices:
