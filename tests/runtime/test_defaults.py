@@ -39,8 +39,12 @@ def test_across_hosts_seasgd_and_hsgd_take_the_measured_defaults_and_keep_what_w
 def test_the_hybrid_across_hosts_takes_h_10_unless_compressed_and_ssgd_takes_nothing() -> None:
     assert settle(resolve({"strategy": "diloco", "inner": "host-sync"}), 2).strategy_config.sync_every == 10
     assert settle(resolve({"strategy": "diloco", "inner": "host-sync"}), 1).strategy_config.sync_every == 20
-    compressed = {"strategy": "diloco", "inner": "host-sync", "compress": "topk:0.01,bits:4"}
-    assert settle(resolve(compressed), 2).strategy_config.sync_every == 20
+    for inner in ("host-sync", "local"):  # compressed across hosts: averaged every 4 steps
+        options = settle(resolve({"strategy": "diloco", "inner": inner, "compress": "topk:0.01,bits:4"}),
+                         2).strategy_config
+        assert (options.sync_every, options.outer_lr, options.outer_momentum) == (4, 1.0, 0.0)
+    one_host = settle(resolve({"strategy": "diloco", "compress": "topk:0.01,bits:4"}), 1).strategy_config
+    assert (one_host.sync_every, one_host.outer_lr, one_host.outer_momentum) == (20, None, None)
     assert settle(resolve({"strategy": "diloco"}), 2).strategy_config.sync_every == 20
     assert settle(resolve({"strategy": "diloco", "inner": "host-sync", "sync_every": 4}), 2).defaults_taken == ()
     config = resolve({"strategy": "ssgd"})
