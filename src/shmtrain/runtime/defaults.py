@@ -14,7 +14,8 @@ setting chooses them, once, before the run folder's ``config.toml`` is written:
   difference, so the consensus of two roots moves at 2/3 of a root's step, and a constant
   step keeps W_g swinging between the hosts' classes to the end (Zhang et al. 2015,
   "Deep learning with Elastic Averaging SGD", Section 3: beta = p alpha). On one host,
-  the ShmCaffe defaults (Ahn et al. 2018, Section III: alpha 0.2, ``--lr 0.05``, constant).
+  ShmCaffe's moving rate (Ahn et al., "ShmCaffe", the experiments' ``moving_rate`` 0.2
+  with ``update_interval`` 1) and the run's ``--lr 0.05``, constant.
 - **DiLoCo with ``--inner host-sync`` across hosts** (the hybrid), uncompressed:
   ``--sync-every 10`` (H 20 left each host's model 20 steps on its own classes before the
   outer step: 0.847 on the class split, against 0.978 at H 10; Douillard et al. 2023,
@@ -62,7 +63,7 @@ def rule(strategy: str, options: dict[str, Any], nodes: int) -> list[Taken]:
     where = f"{nodes} hosts" if nodes > 1 else "one host"
     if strategy in _ELASTIC:
         if nodes == 1:
-            why = (f"{strategy} on one host: ShmCaffe's elastic rate and a constant step "
+            why = (f"{strategy} on one host: ShmCaffe's moving rate 0.2 and a constant step "
                    "(docs/choosing_a_method.md, Defaults by setting)")
             return [Taken("moving-rate", 0.2, why), Taken("lr", 0.05, why), Taken("lr-schedule", "constant", why)]
         return [
