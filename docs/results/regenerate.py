@@ -784,6 +784,13 @@ TABLES = {t.name: t for t in [
         bold={"seasgd-topk": "method final vs_ddp_final", "hsgd-topk": "method final vs_ddp_final"}),
           _hosts(MLP, "--no-tune --grid-point 3 --methods seasgd-topk hsgd-topk ddp", "-elastic-topk"),
           ROOT_HOSTS + "; about 7 minutes"),
+    Table("choosing-defaults", CHOOSING, f"{MLP}-defaults.json", None, hosts_table(
+        [("method", "method"), ("s to 90%", "tta"), ("after start", "after"), ("best acc", "best"),
+         ("final acc", "final"), ("vs DDP's final", "vs_ddp_final"), ("iters a/b", "iters"),
+         ("link MB", "link_mb1")]),
+          _hosts(MLP, "--no-tune --methods ssgd hsgd seasgd diloco hybrid diloco-topk hybrid-topk seasgd-topk "
+                 "hsgd-topk ddp", "-defaults", plot=True),
+          ROOT_HOSTS + "; about 15 minutes"),
     Table("choosing-topk", CHOOSING, f"{MLP}-topk.json", None, hosts_table(
         [("method", "method"), ("s to 90%", "tta"), ("after start", "after"), ("vs DDP", "vs_ddp"),
          ("best acc", "best"), ("final acc", "final"), ("iters a/b", "iters"), ("comm ms/it", "comm_ms"),

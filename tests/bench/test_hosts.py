@@ -269,6 +269,7 @@ def test_the_compressed_elastic_points_are_valid_train_commands_and_decay_their_
     decayed by --lr-schedule cosine."""
     from shmtrain.cli import build_parser
     from shmtrain.runtime.config import resolve
+    from shmtrain.runtime.defaults import settle
 
     preset = hosts.SETTINGS["mlp-100mbit"]
     chosen = {}
@@ -277,9 +278,34 @@ def test_the_compressed_elastic_points_are_valid_train_commands_and_decay_their_
             settings = {**hosts.DEFAULTS, **{key: v for key, v in preset.items() if key in hosts.DEFAULTS}, **point}
             args = vars(build_parser().parse_args(hosts._worker_command(method, settings, Path("/tmp/x"))))
             config = resolve({key: v for key, v in args.items() if v is not None and key not in ("handler", "command")})
+            config = settle(config, 2)  # across the bench's two hosts: the setting's defaults beside the point's
             options = config.strategy_config
             assert options.compress == "topk:0.1,bits:4" and options.host_lead == 0.05, (method, k)
             chosen[method, k] = (config.lr, config.lr_schedule, options.moving_rate)
     for method in ("seasgd-topk", "hsgd-topk"):
         assert chosen[method, 3] == (0.2, "cosine", 0.5)
         assert chosen[method, 2] == (0.2, "constant", 0.5) and chosen[method, 1] == (0.1, "constant", 0.5)
+
+
+def test_untuned_without_lr_each_shmtrain_method_runs_at_its_own_defaults() -> None:
+    """``--setting S --no-tune`` without ``--lr``: shmtrain's methods get no --lr (their
+    defaults, which the hosts' setting picks: runtime/defaults.py), DDP the setting's lr;
+    with --lr, tuning, or a grid point every method gets the lr."""
+    from shmtrain.cli import build_parser
+    from shmtrain.runtime.config import resolve
+    from shmtrain.runtime.defaults import settle
+
+    def jobs(*words: str) -> list:
+        return hosts._jobs(build_parser().parse_args(["bench", "hosts", "--setting", "mlp-100mbit", *words]))
+
+    (_, settings, _, _, tune), = jobs("--no-tune")
+    assert settings["own_lr"] and not tune
+    assert "--lr" not in hosts._worker_command("hsgd", settings, Path("/tmp/x"))
+    ddp = hosts._worker_command("ddp", settings, Path("/tmp/x"))
+    assert ddp[ddp.index("--lr") + 1] == "0.05"
+    args = vars(build_parser().parse_args(hosts._worker_command("hsgd", settings, Path("/tmp/x"))))
+    config = settle(resolve({k: v for k, v in args.items() if v is not None and k not in ("handler", "command")}), 2)
+    assert (config.lr, config.lr_schedule, config.strategy_config.compress) == (0.2, "cosine", "topk:0.1,bits:4")
+    for words in (["--no-tune", "--lr", "0.1"], ["--no-tune", "--grid-point", "1"], []):
+        (_, settings, _, _, _), = jobs(*words)
+        assert not settings["own_lr"] and "--lr" in hosts._worker_command("hsgd", settings, Path("/tmp/x")), words

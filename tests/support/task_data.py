@@ -1,4 +1,5 @@
-"""Data sets and models of the task tests (``--data`` and ``--model`` module:callable)."""
+"""Data sets, models and loss functions of the task tests (``--data``, ``--model`` and ``--task``
+module:callable)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,27 @@ class TwoInputs(nn.Module):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.a(a) + self.b(b)))
+
+
+def mse_and_mae(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """A plain loss function (``--task support.task_data:mse_and_mae``): the mean squared
+    error of ``(x, y)`` batches, and the mean absolute error as a metric."""
+    x, y = batch
+    output = model(x).reshape(y.shape)
+    return torch.nn.functional.mse_loss(output, y), {"mae": (output - y).abs().mean()}
+
+
+def cross_entropy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A plain loss function returning the loss alone: cross-entropy of ``(image, class)`` batches."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def three_arguments(model: nn.Module, batch: torch.Tensor, scale: float) -> torch.Tensor:
+    """Neither a loss function nor a factory: refused by ``--task``."""
+    return model(batch).sum() * scale
+
+
+def loss_of_shape(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A loss function that forgets the mean: refused when it is called."""
+    return (model(batch[0]).reshape(batch[1].shape) - batch[1]) ** 2

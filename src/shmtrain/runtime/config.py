@@ -179,6 +179,11 @@ class TrainConfig(MonitorOptions, OptimOptions, TaskOptions, DataOptions, JobOpt
     #: the strategy checked for this job (:func:`shmtrain.strategies.plan.plan`): the
     #: workers build it from this plan and check nothing again
     plan: Plan = field(init=False, repr=False, compare=False)
+    #: the options the user gave (flag names with underscores; :func:`resolve` fills it), so
+    #: the run's setting may choose the others (``runtime/defaults.py``)
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    #: the defaults the setting chose, each ``{"option", "value", "why"}`` (``runtime/defaults.py``)
+    defaults_taken: tuple[dict[str, Any], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         hints = type_hints(TrainConfig)
@@ -318,7 +323,9 @@ def resolve(values: Mapping[str, Any]) -> TrainConfig:
         if f.name in options:
             _check_flag_value(f, hints[f.name], options[f.name])
             options[f.name] = coerce(hints[f.name], options[f.name])
-    return TrainConfig(**common, strategy_config=build_config(strategy, options))
+    config = TrainConfig(**common, strategy_config=build_config(strategy, options))
+    config.given = frozenset(values)
+    return config
 
 
 def to_toml(config: TrainConfig) -> str:
@@ -347,6 +354,9 @@ def to_toml(config: TrainConfig) -> str:
             lines.append(f"{key.replace('_', '-')} = {_toml_value(value)}")
         else:
             lines.append(f"# {key.replace('_', '-')}: {_unset_option(config, unset[key])} (default)")
+    if config.defaults_taken:
+        lines.append("# defaults this run's setting chose (docs/choosing_a_method.md, \"Defaults by setting\"):")
+        lines += [f"#   {t['option']} = {_toml_value(t['value'])}: {t['why']}" for t in config.defaults_taken]
     return "\n".join(lines) + "\n"
 
 

@@ -150,7 +150,8 @@ class DiLoCo(Strategy):
     class Config(StrategyConfig):
         #: inner steps H between outer steps (DiLoCo Algorithm 1; the paper uses 500)
         sync_every: int = field(default=20, metadata={
-            "help": "inner steps H between outer steps (DiLoCo Algorithm 1; the paper uses 500)"})
+            "help": "inner steps H between outer steps (DiLoCo Algorithm 1; the paper uses 500)",
+            "default_text": "20; --inner host-sync across hosts, uncompressed, 10 (docs/choosing_a_method.md)"})
         #: the outer SGD's learning rate; None: derived from the inner optimizer (outer_defaults)
         outer_lr: float | None = field(default=None, metadata={
             "default_text": _outer_default_text(0),

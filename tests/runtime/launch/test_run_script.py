@@ -87,6 +87,23 @@ def test_the_script_gets_torchruns_environment_argv_and_path(tmp_path: Path) -> 
     assert "--- shmtrain run" in (tmp_path / "logs" / "rank-1.log").read_text()
 
 
+def test_the_worker_target_is_the_function(tmp_path: Path, monkeypatch) -> None:
+    """run_command hands the launcher run_script itself (as shmtrain train hands it
+    train_worker); a fresh worker process imports it by the name derived from the function."""
+    import shmtrain.runtime.launch.launcher as launcher
+    import shmtrain.runtime.launch.script_launch as script_launch
+    from shmtrain.runtime.launch.script_worker import run_script
+    from shmtrain.runtime.launch.worker import resolve as resolve_target
+
+    given: list = []
+    monkeypatch.setattr(launcher, "launch", lambda target, workers, payload, **kw: given.append((target, payload)))
+    script = probe(tmp_path / "scripts")
+    assert script_launch.run_command([str(script), "a"], None, workers=2, log_dir=tmp_path / "logs") == 0
+    assert not hasattr(script_launch, "TARGET")
+    assert given == [(run_script, {"script": str(script), "module": None, "args": ["a"]})]
+    assert resolve_target(launcher.target_name(run_script)) is run_script
+
+
 def test_a_module_runs_as_python_m_runs_it(tmp_path: Path) -> None:
     package = tmp_path / "pkg"
     probe(package).rename(package / "train.py")

@@ -13,19 +13,24 @@ by torchrun inside each namespace with ``OMP_NUM_THREADS=1`` and no
   memory inside it, SEASGD between the two group roots);
 - ``seasgd``: every worker exchanges with the global weights on the memory server that
   global rank 0 starts;
-- ``diloco``: ``--sync-every 20``, DiLoCo's outer Nesterov step every 20 local steps;
-- ``hybrid``: ``diloco --inner host-sync --sync-every 20``, synchronous inside a host,
-  DiLoCo between the hosts;
+- ``diloco``: DiLoCo's outer Nesterov step every H local steps;
+- ``hybrid``: ``diloco --inner host-sync``, synchronous inside a host, DiLoCo between the
+  hosts;
 - ``diloco-topk``, ``hybrid-topk``: the same with ``--compress topk:0.01,bits:4`` (each
   host's leader sends the top 1% of its host's pseudo-gradient in 4 bits, with error
   feedback; docs/diloco.md) instead of the bfloat16 exchange;
-- ``seasgd-topk``, ``hsgd-topk``: ``--compress topk:0.1,bits:4 --host-lead 0.05`` (compressed
-  differences across the link, hosts paced; docs/async.md); grid: alpha 0.5 at lr 0.1, 0.2, and 0.2
-  with ``--lr-schedule cosine`` (docs/choosing_a_method.md);
+- ``seasgd-topk``, ``hsgd-topk``: ``--compress topk:0.1,bits:4`` (compressed differences
+  across the link; docs/async.md), which seasgd and hsgd take across hosts by default too;
+  grid: alpha 0.5 at lr 0.1, 0.2, and 0.2 with ``--lr-schedule cosine`` (docs/choosing_a_method.md);
 - ``ddp``: PyTorch DistributedDataParallel over gloo among all four workers, flat
   (:mod:`shmtrain.bench.hosts.ddp`);
 - ``one-host``: ssgd on host a alone (2 workers), the shard of one host: with
   ``--class-split 2`` it shows that a single host cannot reach the target.
+
+Every shmtrain method runs with the flags that choose it (:data:`METHODS`) and the
+setting's defaults for the rest (``runtime/defaults.py``: across hosts, e.g. H 10 for the
+hybrid, the hosts paced and a decayed step for seasgd and hsgd); ``--no-tune`` without
+``--lr`` leaves the learning rate to them too (DDP runs at the setting's ``--lr``).
 
 Fair to every method:
 
@@ -122,7 +127,7 @@ def _budget(grid: dict[str, Any], methods: list[str]) -> int:
 #: the bench's own settings keys beside :data:`DEFAULTS`' (which reach every command as
 #: fixed flags); any other key of a grid point is a method flag (``sync_every`` ->
 #: ``--sync-every``)
-_BENCH_KEYS = ("launcher", "grid", "preload")
+_BENCH_KEYS = ("launcher", "grid", "preload", "own_lr")
 
 
 def launcher(method: str, settings: dict[str, Any]) -> str:
@@ -134,13 +139,15 @@ def launcher(method: str, settings: dict[str, Any]) -> str:
 def _worker_command(method: str, settings: dict[str, Any], out: Path) -> list[str]:
     """What each host's launcher runs: ``train ...`` (``-m shmtrain train ...`` under plain
     torchrun) or the DDP script; a grid point's method flags go last (they win)."""
+    flags = METHODS[method]
+    # untuned with no --lr: shmtrain's methods at their own defaults (the setting's, runtime/defaults.py)
+    lr = [] if settings.get("own_lr") and flags is not None else ["--lr", str(settings["lr"])]
     common = ["--model", settings["model"], "--data", settings["data"], "--batch-size", str(settings["batch_size"]),
-              "--lr", str(settings["lr"]), "--iterations", str(settings["iterations"]),
+              *lr, "--iterations", str(settings["iterations"]),
               "--seed", str(settings["seed"]), "--eval-every", str(settings["eval_every"]),
               "--timeout", "60", "--out", str(out)]
     if settings.get("class_split"):
         common += ["--class-split", str(settings["class_split"])]
-    flags = METHODS[method]
     if flags is None:
         return ["-m", "shmtrain.bench.hosts.ddp", *common]
     extra = [w for k, v in settings.items() if k not in DEFAULTS and k not in _BENCH_KEYS
@@ -265,6 +272,8 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], list[str]
         methods = args.methods or preset.get("methods") or DEFAULT_METHODS
         rate = args.rate or preset.get("rate") or "1gbit"
         tune = (bool(name and not args.no_tune) or args.tune) and not args.grid_point
+        # a setting untuned, no --lr: each shmtrain method at its own defaults (DDP at the setting's lr)
+        settings["own_lr"] = bool(name and not tune and not args.grid_point and args.lr is None and not args.quick)
         jobs.append((name or "custom", settings, methods, rate, tune))
     return jobs
 
@@ -319,6 +328,7 @@ def _handler(args: argparse.Namespace) -> int:
               + f", {NODES} hosts x {PER_NODE} workers, batch {settings['batch_size']}/worker, "
               + (f"each method tuned on its {_budget(settings['grid'], methods)} grid points" if tune
                  else f"each method at its grid point {args.grid_point}, untuned" if args.grid_point
+                 else f"each method at its own defaults (DDP lr {settings['lr']})" if settings.get("own_lr")
                  else f"lr {settings['lr']}")
               + f", link {rate}" + (f"; medians of {args.repeat} rounds:" if args.repeat > 1 else ":"))
         print(print_table(rows, args.repeat))
@@ -368,7 +378,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                         "DDP always runs under plain torchrun (default fork)")
     p.add_argument("--tune", action="store_true", help="run every method once per grid point first and use the "
                                                        "best (on by default with --setting)")
-    p.add_argument("--no-tune", action="store_true", help="with --setting: use --lr, no tuning")
+    p.add_argument("--no-tune", action="store_true", help="with --setting: no tuning; shmtrain's methods at "
+                   "their own defaults (which the setting of hosts picks, docs/choosing_a_method.md) unless --lr "
+                   "is given, DDP at --lr")
     p.add_argument("--grid-point", type=int, metavar="K", help="no tuning: every method at the K-th point of its "
                    "own grid (1-based; the setting's grid, SETTINGS in shmtrain/bench/hosts/command.py)")
     p.add_argument("--grid-lr", type=float, nargs="+", metavar="LR", help="the learning rates of the grid "

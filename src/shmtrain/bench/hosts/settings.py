@@ -8,19 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-#: method -> the ``shmtrain train`` flags that choose it (None: the DDP script)
+#: method -> the ``shmtrain train`` flags that choose it (None: the DDP script); everything
+#: else is the method's defaults, which the job's setting picks (``runtime/defaults.py``)
 METHODS: dict[str, list[str] | None] = {
     "ssgd": ["--strategy", "ssgd", "--allreduce", "shm"],
     "hsgd": ["--strategy", "hsgd", "--groups", "2", "--group-size", "2"],
     "seasgd": ["--strategy", "seasgd"],
-    "diloco": ["--strategy", "diloco", "--sync-every", "20"],
-    "hybrid": ["--strategy", "diloco", "--inner", "host-sync", "--sync-every", "20"],
-    "diloco-topk": ["--strategy", "diloco", "--sync-every", "20", "--compress", "topk:0.01,bits:4"],
-    "hybrid-topk": ["--strategy", "diloco", "--inner", "host-sync", "--sync-every", "20",
-                    "--compress", "topk:0.01,bits:4"],
-    "seasgd-topk": ["--strategy", "seasgd", "--compress", "topk:0.1,bits:4", "--host-lead", "0.05"],
-    "hsgd-topk": ["--strategy", "hsgd", "--groups", "2", "--group-size", "2", "--compress", "topk:0.1,bits:4",
-                  "--host-lead", "0.05"],
+    "diloco": ["--strategy", "diloco"],
+    "hybrid": ["--strategy", "diloco", "--inner", "host-sync"],
+    "diloco-topk": ["--strategy", "diloco", "--compress", "topk:0.01,bits:4"],
+    "hybrid-topk": ["--strategy", "diloco", "--inner", "host-sync", "--compress", "topk:0.01,bits:4"],
+    "seasgd-topk": ["--strategy", "seasgd", "--compress", "topk:0.1,bits:4"],
+    "hsgd-topk": ["--strategy", "hsgd", "--groups", "2", "--group-size", "2", "--compress", "topk:0.1,bits:4"],
     "ddp": None,
     # not in the default set: ssgd averaging its gradients in bfloat16 (half the bytes on the link)
     "ssgd-bf16": ["--strategy", "ssgd", "--allreduce", "shm", "--comm-dtype", "bf16"],
@@ -60,7 +59,8 @@ def _average(lr: float, sync_every: int) -> dict[str, Any]:
 #: the grid points of seasgd-topk and hsgd-topk: moving rate 0.5 at lr 0.1 and 0.2, then lr
 #: 0.2 decayed to 0 by cosine
 def _elastic_topk() -> list[dict[str, Any]]:
-    return [{"lr": 0.1, "moving_rate": 0.5}, {"lr": 0.2, "moving_rate": 0.5},
+    return [{"lr": 0.1, "moving_rate": 0.5, "lr_schedule": "constant"},
+            {"lr": 0.2, "moving_rate": 0.5, "lr_schedule": "constant"},
             {"lr": 0.2, "moving_rate": 0.5, "lr_schedule": "cosine"}]
 
 

@@ -12,7 +12,9 @@ runs as ``__main__`` (``runtime/launch/script_worker.py``: ``runpy``; ``sys.argv
 its
 folder, as ``python script.py`` does) in its own session, as torchrun's workers are:
 a terminal's Ctrl-C reaches the launcher, which passes it on to every worker once
-(``launch(relay_signals=True)``), waits for them to end (30 s, then kills them) and
+(``launch(relay_signals=True)``; the worker target is
+:func:`~shmtrain.runtime.launch.script_worker.run_script` itself, imported by name in each
+worker as ``shmtrain train``'s is), waits for them to end (30 s, then kills them) and
 exits 130 (SIGTERM: 143). Each worker's stderr goes to ``LOG_DIR/rank-<r>.log``
 (appended; each launch adds a header line), its stdout to the terminal. The first worker
 to fail is named with its cause or exit status and the last lines of its log; the others
@@ -30,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-TARGET = "shmtrain.runtime.launch.script_worker:run_script"
 #: lines of the failing worker's log quoted under the failure
 TAIL_LINES = 10
 
@@ -54,6 +55,7 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
     local workers; return the exit status (see the module docstring)."""
     from shmtrain.runtime.launch.failures import exit_status
     from shmtrain.runtime.launch.launcher import StopNow, WorkerFailed, describe_exit, launch
+    from shmtrain.runtime.launch.script_worker import run_script
     from shmtrain.runtime.outputs.worker_logs import mark
 
     if workers < 1:
@@ -81,7 +83,7 @@ def run_command(command: list[str], module: str | None, *, workers: int, threads
     mark(log_dir, workers, header)
     payload = {"script": script, "module": module, "args": args}
     try:
-        launch(TARGET, workers, payload, threads=threads, timeout=timeout, env=worker_env(workers),
+        launch(run_script, workers, payload, threads=threads, timeout=timeout, env=worker_env(workers),
                relay_signals=True, listen=True, log_dir=log_dir, verbose=verbose)
     except WorkerFailed as exc:
         print(f"shmtrain run: error: {exc}", file=sys.stderr)

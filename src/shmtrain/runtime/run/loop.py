@@ -35,8 +35,8 @@ from shmtrain.runtime.files import save_output
 from shmtrain.runtime.outputs.progress import Progress
 from shmtrain.runtime.outputs.selection import Selection
 from shmtrain.runtime.run.monitor import Monitor, evaluate_batches
-from shmtrain.runtime.tasks.base import task_of
 from shmtrain.runtime.tasks.data import open_run_data, write_task_facts
+from shmtrain.runtime.tasks.lookup import task_of
 from shmtrain.runtime.train import schedule
 from shmtrain.runtime.train.device import worker_device
 from shmtrain.runtime.train.optimizers import build_optimizer
@@ -121,6 +121,8 @@ class WorkerSession:
                                scheduler=schedule.from_config(optimizer, config, self.total),
                                sub_batch=config.sub_batch, amp=config.amp, accumulate=config.accumulate)
         self.loop.callback(self.trainer.close)
+        if config.defaults_taken:  # the first metrics row says which defaults the setting chose
+            self.trainer.first_row = {"defaults": list(config.defaults_taken)}
         self.dp.target_iterations = self.total
 
     def _open(self) -> RunServices:

@@ -36,7 +36,8 @@ from torch.nn import functional
 
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.outputs.selection import Selection
-from shmtrain.runtime.tasks.base import Task, build_task
+from shmtrain.runtime.tasks.base import Task
+from shmtrain.runtime.tasks.lookup import build_task
 from shmtrain.runtime.train.finite import json_text
 
 #: samples per forward pass of the held-out evaluation

@@ -16,6 +16,7 @@ from shmtrain.fabric.job.context import under_torchrun
 from shmtrain.fabric.shm.control import PeerFailure, first_line
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
+from shmtrain.runtime.defaults import settle
 from shmtrain.runtime.launch import failures, runlock, smb_server
 from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.runtime.run.end import RunStopped, end_stretch, finish, stopped_message, warn
@@ -41,6 +42,7 @@ def run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     stretch: Stretch | None = None
     try:
         config.workers = ctx.world_size
+        config = settle(config, ctx.num_nodes)  # the defaults of the job's setting (runtime/defaults.py)
         if ctx.rank == 0:
             info, lock = torchrun_folder(config, echo)
             ctx.store.set("out", json.dumps(info))

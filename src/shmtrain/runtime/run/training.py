@@ -22,6 +22,7 @@ from shmtrain import strategies
 from shmtrain.fabric.job.context import under_torchrun
 from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
+from shmtrain.runtime.defaults import settle
 from shmtrain.runtime.launch import runlock
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
@@ -85,6 +86,7 @@ def run_training(config: TrainConfig, echo=print, *, resume: bool = False,
                          "with --resume RUN_DIR, or leave it out")
     if under_torchrun():
         return run_torchrun(config, echo)
+    config = settle(config, 1)  # one host: the defaults of its setting (runtime/defaults.py)
     from shmtrain.runtime.launch import zygote
 
     zygote.prestart()  # imports torch for the workers while the launcher checks the input

@@ -15,13 +15,12 @@ whatever the data's items collate to, of any structure:
 
 Tasks are registered by :func:`register` (the built-ins ``classification``,
 ``regression``, ``language-model``); ``--task module:callable`` names the user's own (a
-:class:`Task` subclass, or a callable returning a :class:`Task`), see :func:`build_task`.
+:class:`Task` subclass, a callable returning a :class:`Task`, or a plain loss function),
+see :mod:`shmtrain.runtime.tasks.lookup`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -30,9 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shmtrain.models.user import is_user_spec, resolve_callable
 from shmtrain.registry import Registry
-from shmtrain.typed_options import parse_kwargs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,7 +172,8 @@ class Task:
 
 
 #: every built-in task by name (importing :mod:`shmtrain.runtime.tasks` fills it)
-TASKS: Registry[type[Task]] = Registry("task", "--task", hint=", or module:callable for your own (a Task subclass)")
+TASKS: Registry[type[Task]] = Registry(
+    "task", "--task", hint=", or module:callable for your own (a Task subclass, or a loss function)")
 
 
 def register(cls: type[Task]) -> type[Task]:
@@ -186,60 +184,3 @@ def register(cls: type[Task]) -> type[Task]:
 def registry() -> dict[str, type[Task]]:
     """Every registered task by name (importing :mod:`shmtrain.runtime.tasks` fills it)."""
     return TASKS.items()
-
-
-def task_class(name: str) -> type[Task] | Callable[..., Any]:
-    """The class ``--task NAME`` names, or the callable of ``--task module:callable``."""
-    if is_user_spec(name):
-        return resolve_callable(name, "--task")
-    return TASKS.get(name)
-
-
-def build_config(name: str, args: str) -> TaskConfig:
-    """The typed Config of ``--task name`` from ``--task-args`` (``'k=v; k=v'``); an
-    option the task does not take is refused, naming what it takes."""
-    kwargs = parse_kwargs(args, "--task-args")
-    cls = task_class(name)
-    config_cls = cls.Config if isinstance(cls, type) and issubclass(cls, Task) else None
-    if config_cls is None:  # a factory: its own keyword arguments, checked when it is called
-        if kwargs:
-            _check_call(name, cls, kwargs)
-        return TaskConfig()
-    known = {f.name for f in dataclasses.fields(config_cls)}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        takes = ", ".join(sorted(known)) or "no options"
-        raise ValueError(f"--task-args {args!r}: {', '.join(unknown)} does not apply to --task {name} "
-                         f"(it takes {takes}); leave it out")
-    try:
-        return config_cls(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"--task-args {args!r}: {exc}; give the options --task {name} takes") from None
-
-
-def _check_call(name: str, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-    try:
-        inspect.signature(factory).bind(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"--task {name!r} with --task-args: {exc}; give the arguments it takes") from None
-    except ValueError:  # no signature to check
-        pass
-
-
-def build_task(name: str, args: str = "", config: TaskConfig | None = None) -> Task:
-    """The :class:`Task` ``--task name --task-args args`` names (``config``: its typed
-    Config, already built)."""
-    cls = task_class(name)
-    if isinstance(cls, type) and issubclass(cls, Task):
-        return cls(config if config is not None else build_config(name, args))
-    task = cls(**parse_kwargs(args, "--task-args"))
-    if not isinstance(task, Task):
-        raise ValueError(f"--task {name!r} returned a {type(task).__name__}, not a shmtrain Task; return an "
-                         "instance of a shmtrain.runtime.tasks.Task subclass (docs/tasks.md)")
-    return task
-
-
-def task_of(config: Any) -> Task:
-    """The task of a resolved ``TrainConfig`` (``classification`` for a config without one)."""
-    name = getattr(config, "task", "classification")
-    return build_task(name, getattr(config, "task_args", ""), getattr(config, "task_config", None))

@@ -24,7 +24,8 @@ from shmtrain.models.user import is_user_spec
 from shmtrain.runtime.data import user_data
 from shmtrain.runtime.data.sources import FACTS_MARK, DataSource, open_data
 from shmtrain.runtime.files import write_atomic
-from shmtrain.runtime.tasks.base import Task, task_of
+from shmtrain.runtime.tasks.base import Task
+from shmtrain.runtime.tasks.lookup import task_of
 
 
 def first_tensor(item: Any) -> torch.Tensor | None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from shmtrain.models.user import is_user_spec
 from shmtrain.runtime.options import option
 from shmtrain.runtime.tasks import registry
-from shmtrain.runtime.tasks.base import Task, build_config, build_task
+from shmtrain.runtime.tasks.base import Task
+from shmtrain.runtime.tasks.lookup import build_config, build_task
 
 
 def task_names() -> list[str]:
@@ -23,7 +24,8 @@ class TaskOptions:
     __slots__ = ()
 
     task: str = option("classification", "what the run learns, its loss and held-out metrics (docs/tasks.md): "
-                       "a built-in task, or module:callable, your own Task", "data", names=task_names)
+                       "a built-in task, or module:callable, your own Task or loss function (model, batch) -> loss",
+                       "data", names=task_names)
     task_args: str = option("", "options of --task, as k=v separated by ';' (Python literals), e.g. "
                             "--task-args 'label_smoothing=0.1'", "data", metavar="K=V;...")
 
@@ -31,7 +33,7 @@ class TaskOptions:
         """The task (its typed Config is ``task.config``); a task that reads only ``module:callable`` data with
         another ``--data`` is refused, naming the fix."""
         config = build_config(self.task, self.task_args)
-        task: Task = build_task(self.task, self.task_args, config)
+        task: Task = build_task(self.task, self.task_args, config, data)
         if not task.takes_builtin_data and not is_user_spec(data):
             raise ValueError(f"--task {self.task} with --data {data}: the built-in data kinds (digits, synthetic, "
                              "a folder of images) hold (image, class) items for --task classification; give "

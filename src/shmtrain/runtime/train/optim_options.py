@@ -36,7 +36,9 @@ class OptimOptions:
     optimizer_args: str = option(
         "", "more keyword arguments of the optimizer, as k=v separated by ';' (Python literals), "
         "e.g. --optimizer-args 'betas=(0.9, 0.95); eps=1e-8'", "optim", metavar="K=V;...")
-    lr: float = option(0.05, "learning rate", "optim")
+    lr: float = option(0.05, "learning rate", "optim",
+                       default_text="0.05; seasgd and hsgd across hosts 0.2 (docs/choosing_a_method.md, Defaults by "
+                       "setting)")
     grad_clip: float | None = option(
         None, "clip the gradient's global L2 norm to this before each optimizer step (the norm "
         "of the gradient the optimizer steps with: averaged, for synchronous strategies)", "optim",
@@ -56,7 +58,7 @@ class OptimOptions:
     lr_schedule: Schedule = option(
         "constant", "learning-rate schedule, stepped every iteration: constant; step (times "
         "--lr-gamma every --lr-step-every iterations); cosine (down to --lr-min at the last planned "
-        "iteration)", "optim")
+        "iteration)", "optim", default_text="constant; seasgd and hsgd across hosts cosine")
     warmup_iterations: int = option(0, "linear warm-up from --lr/(N+1) to --lr over the first N "
                                     "iterations, then the schedule", "optim")
     lr_step_every: int | None = option(None, "step schedule: iterations between decays", "optim",

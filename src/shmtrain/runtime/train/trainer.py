@@ -210,6 +210,8 @@ class Trainer:
                 strategy.whole_step_reason = (f"--sub-batch {sub_batch}: the parts' threads run copies of the "
                                               "model while backward goes on")
         self.state = TrainState()
+        #: keys added to this stretch's first metrics row (``defaults``: what the run's setting chose)
+        self.first_row: dict[str, Any] = {}
         #: the learning rate the last :meth:`step` used (None before the first step, or
         #: when the engine has no ``optimizer`` and there is no scheduler)
         self.lr: float | None = None
@@ -309,6 +311,8 @@ class Trainer:
             iteration = engine.iteration
             row = {"iteration": iteration, "loss": value, "lr": self.lr,
                    "t0": run.monitor.stamp(iter_start), "time": phases, **timer.take_details()}
+            if iteration == first + 1 and self.first_row:  # e.g. the defaults the run's setting chose
+                row.update(self.first_row)
             run.log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/train/finite.py)
             check_loss(value, iteration, run.rank, self.lr)  # diverged: stop, name it
             run.monitor.after_iteration(row, run.log)  # outside the iteration's time

@@ -84,7 +84,7 @@ class AsyncConfig(StrategyConfig):
         default=0.0,
         metadata={"help": "across hosts: a worker more than this share of the target ahead of a host's mean "
                           "waits for it (keeps the hosts' exchanges at one pace; 0: never waits, fully "
-                          "asynchronous)"},
+                          "asynchronous)", "default_text": "0; across hosts 0.05 (docs/choosing_a_method.md)"},
     )
 
     def __post_init__(self) -> None:
@@ -102,14 +102,16 @@ class ElasticConfig(AsyncConfig):
 
     #: moving averaging rate alpha in (0, 1] of eqs. (3)-(7)
     moving_rate: float = field(
-        default=0.2, metadata={"help": "elastic averaging rate alpha in (0, 1] (ShmCaffe eqs. (3)-(7))"}
+        default=0.2, metadata={"help": "elastic averaging rate alpha in (0, 1] (ShmCaffe eqs. (3)-(7))",
+                               "default_text": "0.2; seasgd and hsgd across hosts 0.5 (docs/choosing_a_method.md)"}
     )
 
     #: the compressed exchange of a worker whose memory server is on another host
     compress: str = field(default="", metadata={
         "help": "between hosts: exchange compressed differences with the memory server, topk:F,bits:B "
                 "(the kept share F of every chunk of 4096, B-bit values; error feedback on the increment, "
-                "a mirror of W_g per client; docs/async.md); default: whole weights"})
+                "a mirror of W_g per client; docs/async.md); none: whole weights",
+        "default_text": "seasgd and hsgd across hosts topk:0.1,bits:4, else whole weights"})
 
     def __post_init__(self) -> None:
         AsyncConfig.__post_init__(self)

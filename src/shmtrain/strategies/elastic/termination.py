@@ -32,7 +32,8 @@ iterations of those of its workers still training (this one included) below
 the total as before). A host whose workers all died or finished is not waited for, so a
 lost host never holds the job; on one host nothing changes.
 
-Pacing the hosts (``lead``, ``--host-lead F``, off by default): a worker more than
+Pacing the hosts (``lead``, ``--host-lead F``; off on one host, 0.05 by default across
+hosts for seasgd and hsgd, ``runtime/defaults.py``): a worker more than
 ``F x target`` iterations ahead of a host's mean (that host's live training workers)
 sleeps in :meth:`Termination.decide` until it is not, so the hosts' exchanges with the
 global weights keep the same pace (bounded staleness between hosts; asynchronous within
