@@ -1,6 +1,7 @@
-"""The ``shm`` backend's collectives against their definitions: AVG of integers as NCCL's
-``ncclAvg`` (the sum in the tensor's type, wrapping around, divided by the ranks rounding
-toward zero), in one host and across hosts, every tensor through shared memory."""
+"""The ``shm`` backend's collectives against gloo's and their definitions: every op and dtype
+inside a host equal to gloo's bit for bit, through shared memory (counted per op); AVG of
+integers as NCCL's ``ncclAvg`` (the sum in the tensor's type, wrapping around, divided by
+the ranks rounding toward zero), in one host and across hosts."""
 
 from __future__ import annotations
 
@@ -19,10 +20,13 @@ pytestmark = pytest.mark.timeout(180)
 SCRIPT = str(SUPPORT / "backend_ops_script.py")
 
 
-def _run(case: str, world: int, local_world: int | None = None) -> dict[int, dict]:
-    """Every rank's report of ``case`` (hosts of ``local_world`` ranks; default one host)."""
+def _run(case: str, world: int, local_world: int | None = None, reporting: int | None = None,
+         **extra: str) -> dict[int, dict]:
+    """Every rank's report of ``case`` (hosts of ``local_world`` ranks; default one host;
+    ``reporting``: how many ranks report, default all)."""
     port = str(free_port())
-    extra = {"LOCAL_WORLD_SIZE": str(local_world)} if local_world else {}
+    if local_world:
+        extra["LOCAL_WORLD_SIZE"] = str(local_world)
     procs = [subprocess.Popen([sys.executable, SCRIPT, case, str(r), port, str(world)],
                               env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
@@ -34,6 +38,7 @@ def _run(case: str, world: int, local_world: int | None = None) -> dict[int, dic
                 p.kill()
                 p.wait()
     assert all(p.returncode == 0 for p in procs), outputs
+    world = reporting or world
     results = {}
     for out in outputs:
         for line in out.splitlines():
@@ -83,3 +88,46 @@ def test_the_definition_rounds_toward_zero_and_wraps() -> None:
     assert nccl_avg([[-3], [-4]], torch.int32) == [-3]
     assert nccl_avg([[100], [100]], torch.int8) == [-28]
     assert nccl_avg([[250], [10]], torch.uint8) == [2]
+
+
+#: every op the backend declares, by the name its counts use
+OPS = {"all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
+       "all_gather_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter", "reduce_scatter_tensor",
+       "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier"}
+
+
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])  # 25-40 s each
+def test_every_op_and_dtype_equals_gloo_through_shared_memory(world: int) -> None:
+    """In one host of 2, 3 and 4 ranks: each op of ``backend_ops_script.every_op`` (every
+    reduction of every dtype gloo has, two sizes, one over several blocks of the ring;
+    broadcast, gather, scatter from the first and the last rank; uneven all_to_all splits;
+    strided tensors; the coalesced forms) equals what a gloo group of the same ranks
+    returns, bit for bit (whole-number inputs: the sums and products are exact), and went
+    through shared memory: no call fell back to gloo."""
+    results = _run("every_op", world)
+    for rank, result in results.items():
+        outputs = result["outputs"]
+        assert outputs["mismatches"] == [], (rank, outputs["mismatches"][:5])
+        assert outputs["checked"] == 449, outputs["checked"]
+        # gloo has no complex gather: the one case not compared
+        assert all(line.startswith("gather torch.complex64") for line in outputs["gloo_lacks"]), outputs["gloo_lacks"]
+        assert set(result["through_shm"]) == OPS, sorted(OPS - set(result["through_shm"]))
+        assert result["through_gloo"] == {} and result["fallbacks"] == 0, result["through_gloo"]
+
+
+@pytest.mark.parametrize("first", ["all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single",
+                                   "barrier", "all_reduce MAX"])
+def test_a_peer_that_dies_fails_every_ops_work_naming_it(first: str) -> None:
+    """Rank 1 exits; rank 0's ``first`` op, waiting for it, fails at once naming the dead
+    rank and the op; every op called after it fails too, naming the same cause."""
+    results = _run("peer_dies", 2, reporting=1, FIRST_OP=first, SHMTRAIN_PG_THREAD="0")
+    outputs = results[0]["outputs"]
+    failed = outputs[first]
+    assert failed["raised"] == "ShmBackendError", failed
+    op = first.split()[0]
+    assert f"{op} #" in failed["text"] and "rank 1 (pid" in failed["text"] and "died" in failed["text"], failed
+    assert failed["seconds"] < 30  # found dead, not waited out (the group's timeout is 60 s)
+    assert len(outputs) == 13
+    for name, later in outputs.items():
+        assert later["raised"] == "ShmBackendError", (name, later)
+        assert "rank 1 (pid" in later["text"] and "died" in later["text"], (name, later["text"])

@@ -34,3 +34,23 @@ def average(summed: torch.Tensor, ranks: int) -> torch.Tensor:
     if summed.is_floating_point() or summed.is_complex():
         return summed.div_(ranks)
     return average_integers(summed, ranks)
+
+#: dtypes the other collectives move through shared memory (gloo's: no int16, no uint16-64)
+MOVED = DTYPES + (torch.bool, torch.complex64, torch.complex128)
+#: the reductions by their c10d names (``dist.ReduceOp``)
+REDUCTIONS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR")
+#: the calls' kinds in the call header (its code is the index; 0 and 1: SUM and AVG of all_reduce)
+KINDS = (REDUCTIONS + tuple(f"reduce_scatter {r}" for r in REDUCTIONS) + tuple(f"reduce {r}" for r in REDUCTIONS)
+         + ("broadcast", "all_gather", "all_to_all", "gather", "scatter", "barrier"))
+#: the kinds whose header carries a root
+ROOTED = frozenset({"broadcast", "gather", "scatter", *(f"reduce {r}" for r in REDUCTIONS)})
+
+
+def reduction(op: object) -> str | None:
+    """The name in :data:`REDUCTIONS` of a ``dist.ReduceOp`` (None: PREMUL_SUM or another)."""
+    import torch.distributed as dist
+
+    for name in REDUCTIONS:
+        if op == getattr(dist.ReduceOp, name):
+            return name
+    return None
