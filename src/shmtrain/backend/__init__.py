@@ -9,9 +9,11 @@ script gets the speed-up by naming it::
 It is declared as PyTorch expects of a third-party CPU backend:
 ``dist.Backend.register_backend("shm", creator, extended_api=True, devices=["cpu"])``,
 whose creator returns a c10d ``Backend`` (:class:`~shmtrain.backend.group.ShmBackend`)
-that torch.distributed wraps in its own ``ProcessGroup``. SUM and AVG of float CPU
-tensors go through shared memory (:mod:`shmtrain.backend.reducer`); everything else is
-gloo's. A failure fails the call's ``Work`` (:mod:`shmtrain.backend.work`) and the group.
+that torch.distributed wraps in its own ``ProcessGroup``. SUM and AVG of float and
+integer CPU tensors (AVG of integers as NCCL's) go through shared memory
+(:mod:`shmtrain.backend.reducer`), and inside a host every other collective too
+(:mod:`shmtrain.backend.collectives`); the rest is gloo's. A failure fails the call's
+``Work`` (:mod:`shmtrain.backend.work`) and the group.
 
 This module imports neither torch nor the backend's modules until they are needed: the
 registration runs inside ``import torch.distributed`` (``shmtrain/__init__.py``'s hook).

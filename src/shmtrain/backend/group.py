@@ -4,13 +4,16 @@
 out-of-tree backends), so group names, ``destroy_process_group``, per-device dispatch,
 ``monitored_barrier``, subgroups and DDP work as they do on gloo.
 
-``allreduce`` of one CPU float tensor (float32, float64, bfloat16, float16; contiguous or
-not; one that requires grad is reduced on its ``.detach()``\\ ed data, as gloo does) with
-SUM or AVG goes through the host's shared memory (:class:`~shmtrain.backend.reducer.HostReducer`);
-so does each such tensor of ``allreduce_coalesced``. Everything else is gloo's, on a gloo
-backend built over the same store: other ops and dtypes (one tensor at a time in
-``allreduce_coalesced``, whose list gloo's ``allreduce`` would take for copies of one
-buffer), sparse tensors, and every other collective.
+``allreduce`` of one CPU float or integer tensor (float32, float64, bfloat16, float16, and
+gloo's integers; contiguous or not; one that requires grad is reduced on its
+``.detach()``\\ ed data, as gloo does) with SUM or AVG (of integers as NCCL's,
+:mod:`~shmtrain.backend.reduce_ops`) goes through the host's shared memory
+(:class:`~shmtrain.backend.reducer.HostReducer`);
+so does each such tensor of ``allreduce_coalesced``. Inside a host the other collectives go
+through shared memory too (:mod:`~shmtrain.backend.collectives`). The rest is gloo's, on a
+gloo backend built over the same store: those collectives across hosts, other ops and
+dtypes (one tensor at a time in ``allreduce_coalesced``, whose list gloo's ``allreduce``
+would take for copies of one buffer), sparse tensors, monitored_barrier and send/recv.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, Work
 
-from shmtrain.backend.reducer import FLOATS, HostReducer
+from shmtrain.backend.collectives import Collectives
+from shmtrain.backend.reduce_ops import DTYPES, reduction
+from shmtrain.backend.reducer import HostReducer
 from shmtrain.backend.work import ShmBackendError, ShmWork
 
 NAME = "shm"
@@ -32,10 +37,10 @@ _live: set[ShmBackend] = set()  # groups not yet shut down (c10d holds them thro
 
 def _ours(tensor: torch.Tensor) -> bool:
     """A tensor the shared-memory path reduces."""
-    return tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.dtype in FLOATS
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.dtype in DTYPES
 
 
-class ShmBackend(Backend):
+class ShmBackend(Collectives, Backend):
     """The ``shm`` backend of one group (module docstring).
 
     Args:
@@ -95,12 +100,16 @@ class ShmBackend(Backend):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts if opts is not None else dist.AllreduceOptions()
         mean = _mean(opts.reduceOp)
+        if mean is None and len(tensors) == 1 and self._other_reduction(tensors, reduction(opts.reduceOp)):
+            return self._reduce_in_host(tensors, reduction(opts.reduceOp), _profile("all_reduce", tensors))
         if mean is None or len(tensors) != 1 or not _ours(tensors[0]):
             # other ops and tensors; a list of several is gloo's too (it reduces the list as
             # copies of one buffer, the old multi-device semantics)
             self.reducer.check()
             ShmBackend.fallbacks += 1
+            Collectives.through_gloo["all_reduce"] += 1
             return self.gloo.allreduce(tensors, opts)
+        Collectives.through_shm["all_reduce"] += 1
         work = ShmWork(tensors)
         self.reducer.submit(list(tensors), mean, work, self._count, _profile("all_reduce", tensors))
         return work
@@ -115,13 +124,18 @@ class ShmBackend(Backend):
         self.reducer.check()
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         mean = _mean(opts.reduceOp)
+        if mean is None and self._other_reduction(tensors, reduction(opts.reduceOp)):
+            return self._reduce_in_host(list(tensors), reduction(opts.reduceOp), _profile("all_reduce", tensors),
+                                        "all_reduce_coalesced")
         ours = [t for t in tensors if mean is not None and _ours(t)]
         if tensors and len(ours) == len(tensors):
+            Collectives.through_shm["all_reduce_coalesced"] += 1
             work = ShmWork(tensors)
             self.reducer.submit(ours, bool(mean), work, self._count, _profile("all_reduce", ours))
             return work
         if not ours:
             ShmBackend.fallbacks += 1
+            Collectives.through_gloo["all_reduce_coalesced"] += 1
             return self._gloo("allreduce_coalesced", tensors, opts)
         gloo = []
         for tensor in tensors:
@@ -142,12 +156,6 @@ class ShmBackend(Backend):
         return getattr(self.gloo, name)(*args)
 
     # (each of torch's Backend methods, handed to gloo; the group's failure is said first)
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        return self._gloo("broadcast", tensors, opts or dist.BroadcastOptions())
-
-    def barrier(self, opts: Any = None) -> Work:
-        return self._gloo("barrier", opts or dist.BarrierOptions())
-
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         self.reducer.check()
         timeout = getattr(opts, "timeout", None)
@@ -155,54 +163,6 @@ class ShmBackend(Backend):
             self.gloo.monitored_barrier(wait_all_ranks=wait_all_ranks)
         else:
             self.gloo.monitored_barrier(timeout, wait_all_ranks)
-
-    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        return self._gloo("allgather", outputs, inputs, opts or dist.AllgatherOptions())
-
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
-        return self._gloo("_allgather_base", output, input, opts or dist.AllgatherOptions())
-
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
-        return self._gloo("all_gather_single", output, input, opts or dist.AllgatherOptions())
-
-    def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        return self._gloo("allgather_coalesced", outputs, inputs, opts or dist.AllgatherOptions())
-
-    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        return self._gloo("all_gather_single_coalesced", outputs, inputs, opts or dist.AllgatherOptions())
-
-    def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        return self._gloo("gather", outputs, inputs, opts or dist.GatherOptions())
-
-    def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        return self._gloo("scatter", outputs, inputs, opts or dist.ScatterOptions())
-
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        return self._gloo("reduce", tensors, opts or dist.ReduceOptions())
-
-    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        return self._gloo("reduce_scatter", outputs, inputs, opts or dist.ReduceScatterOptions())
-
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
-        return self._gloo("reduce_scatter_single", output, input, opts or dist.ReduceScatterOptions())
-
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
-        return self._gloo("_reduce_scatter_base", output, input, opts or dist.ReduceScatterOptions())
-
-    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        return self._gloo("reduce_scatter_single_coalesced", outputs, inputs, opts or dist.ReduceScatterOptions())
-
-    def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        return self._gloo("alltoall", outputs, inputs, opts or dist.AllToAllOptions())
-
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
-                          input_splits: list[int], opts: Any = None) -> Work:
-        return self._gloo("all_to_all_single", output, input, output_splits, input_splits,
-                          opts or dist.AllToAllOptions())
-
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
-                      input_splits: list[int], opts: Any = None) -> Work:
-        return self.all_to_all_single(output, input, output_splits, input_splits, opts)
 
     def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         return self._gloo("allreduce_sparse", tensors, opts or dist.AllreduceOptions())

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shmtrain.backend.host_ops import HostOps
+from shmtrain.backend.reduce_ops import DTYPES, FLOATS, KINDS, MOVED, ROOTED, average
 from shmtrain.backend.work import ShmBackendError, ShmWork
 from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
 from shmtrain.fabric.job import hosts
@@ -38,8 +40,6 @@ from shmtrain.fabric.shm.affinity import allowed_cores
 from shmtrain.fabric.shm.control import DIED, PeerFailure, PeerTimeout, first_line
 from shmtrain.fabric.shm.stitch import PAGE
 
-#: dtypes reduced in shared memory (the header's dtype code is the index)
-FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: abort codes beside :data:`~shmtrain.fabric.shm.control.DIED`: the rank named did not answer
 #: within the timeout (recorded by the peer that gave up on it), or failed on its own
 TIMED_OUT, FAILED = 254, 1
@@ -123,11 +123,13 @@ class HostReducer:
         self._reasons = lines[:, _REASON_AT:]
         self._header_segment = segment
         self._channel = self.host.channel("pg.header")
+        self.ops = HostOps(self.host, self.spin)  # every other collective's ring
         self.host.barrier("the shm backend's set-up")
         self.calls = 0  # allreduce calls so far (every rank counts alike: the header's number)
         self.failure: ShmBackendError | None = None
         self._cause = ""
         self._phase = ""
+        self._op = "all_reduce"  # the op of the call under way (errors name it)
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0  # calls queued for the thread and not yet done
@@ -146,14 +148,31 @@ class HostReducer:
         ended when the reduction is; a profiled call runs on the group's thread even where
         reductions are inline, so that its event is asynchronous like gloo's (upstream's
         profiling tests check it). Calls queued before it keep their order."""
+        self.submit_call(lambda: self._reduce_each(tensors, mean, counted), work, profile)
+
+    def submit_call(self, run: Callable[[], None], work: ShmWork, profile: Any = None) -> None:
+        """Run ``run`` (a call's shared-memory part, which begins with :meth:`begin`) and
+        finish ``work``, as :meth:`submit` does: in the order of the calls, of any op."""
         if self.inline and profile is None and not self._pending:
-            self._reduce_all(tensors, mean, work, counted)
+            self._reduce_all(run, work)
             return
         if not self._thread.is_alive():
             self._thread.start()
         with self._pending_lock:
             self._pending += 1
-        self._queue.put((tensors, mean, work, counted, profile))
+        self._queue.put((run, work, profile))
+
+    def begin(self, op: str, numel: int, dtype: torch.dtype, kind: str, extra: int = 1) -> int:
+        """Start call ``n`` (returned) of ``op``: the header hand-off of ``(numel, dtype,
+        kind, extra)`` (``kind`` one of :data:`~shmtrain.backend.reduce_ops.KINDS`, ``extra``
+        the root or the tensors in the call), which every local rank must pass alike."""
+        self.calls += 1
+        n = self.calls
+        self._op = op
+        self._phase = f"call {op} #{n}"
+        self._exchange_headers(n, (numel, MOVED.index(dtype), KINDS.index(kind), extra))
+        self._phase = f"finish a block of {op} #{n}"
+        return n
 
     def check(self) -> None:
         """Raise if the group failed earlier (every later call of the group says so)."""
@@ -172,16 +191,18 @@ class HostReducer:
                 with self._pending_lock:
                     self._pending -= 1
 
-    def _reduce_all(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
-                    counted: Callable[[], None], profile: Any = None) -> None:
+    def _reduce_each(self, tensors: list[torch.Tensor], mean: bool, counted: Callable[[], None]) -> None:
+        for tensor in tensors:
+            self._reduce(tensor, mean, len(tensors))
+            counted()
+
+    def _reduce_all(self, run: Callable[[], None], work: ShmWork, profile: Any = None) -> None:
         error: BaseException | None = None
         interrupted: BaseException | None = None
-        with self._lock:  # one reduction at a time: callers on several threads share the ring
+        with self._lock:  # one call at a time: callers on several threads share the rings
             try:
                 self.check()
-                for tensor in tensors:
-                    self._reduce(tensor, mean, len(tensors))
-                    counted()
+                run()
             except ShmBackendError as exc:  # the group had failed before
                 error = exc
             except Exception as exc:  # this call failed: so does the group from here on
@@ -202,16 +223,17 @@ class HostReducer:
         self.calls += 1
         n = self.calls
         data = tensor.detach()
-        self._phase = f"call all_reduce #{n}"
-        self._exchange_headers(n, data, mean, count)
+        self._op, self._phase = "all_reduce", f"call all_reduce #{n}"
+        self._exchange_headers(n, (data.numel(), MOVED.index(data.dtype), int(mean), count))
         buffer = data if data.is_contiguous() else data.contiguous()
         self._phase = f"finish a block of all_reduce #{n}"
-        if self.hosts == 1:  # the mean is taken block by block while each is in cache
-            self.pipeline(buffer, op="mean" if mean else "sum")
+        blockwise = mean and buffer.is_floating_point()  # integers: NCCL's average of the sum
+        if self.hosts == 1:  # a float mean is taken block by block while each is in cache
+            self.pipeline(buffer, op="mean" if blockwise else "sum")
         else:  # the host's sum, the leaders' sum, back inside the host
             self.hierarchy.reduce_private(buffer, self._host_sum(n))
-            if mean:
-                buffer.div_(self.size)
+        if mean and (self.hosts > 1 or not blockwise):
+            average(buffer, self.size)
         if buffer is not data:
             data.copy_(buffer)
 
@@ -229,19 +251,18 @@ class HostReducer:
 
         return host_sum
 
-    def _exchange_headers(self, n: int, data: torch.Tensor, mean: bool, count: int) -> None:
-        """Publish ``(numel, dtype, op, tensors in the call)`` for call ``n``, wait for every
-        local rank's and compare (two slots alternate: a rank writes slot ``n + 2`` only
-        after every rank posted ``n + 1``, that is after every rank compared ``n``)."""
+    def _exchange_headers(self, n: int, mine: tuple[int, int, int, int]) -> None:
+        """Publish ``(numel, dtype, kind, tensors in the call or root)`` for call ``n``, wait
+        for every local rank's and compare (two slots alternate: a rank writes slot ``n + 2``
+        only after every rank posted ``n + 1``, that is after every rank compared ``n``)."""
         L, me = self.local_world, self.host.local_rank
         slot = (n % 2) * 4
-        mine = (data.numel(), FLOATS.index(data.dtype), int(mean), count)
         self._headers[me, slot:slot + 4] = mine
         local: _Mismatch | None = None
         if L > 1:
             self.control.post(self._channel, me, n)
             self.control.wait(self._channel, self.host.ranks, n, timeout=self.timeout,
-                              what=f"all_reduce #{n}", spin=self.spin)
+                              what=f"{self._op} #{n}", spin=self.spin)
             rows = self._headers[:, slot:slot + 4]
             if not (rows == rows[me]).all():
                 local = _Mismatch(self._mismatch(n, [tuple(int(v) for v in row) for row in rows],
@@ -262,12 +283,16 @@ class HostReducer:
         def one(numel: int, dtype: int, op: int, count: int) -> str:
             if (numel, dtype, op, count) == _DISAGREE:
                 return "its own ranks passed different tensors"
-            kind = str(FLOATS[dtype]).replace("torch.", "") if 0 <= dtype < len(FLOATS) else f"dtype #{dtype}"
-            call = f" in a call of {count} tensors" if count > 1 else ""
-            return f"{numel} x {kind} {'AVG' if op else 'SUM'}" + call
+            kind = str(MOVED[dtype]).replace("torch.", "") if 0 <= dtype < len(MOVED) else f"dtype #{dtype}"
+            what = KINDS[op] if 0 <= op < len(KINDS) else f"op #{op}"
+            if what in ROOTED:
+                call = f" to or from rank {count}"
+            else:
+                call = f" in a call of {count} tensors" if count > 1 else ""
+            return f"{numel} x {kind} {what}" + call
 
         said = ", ".join(f"{name(r)}: {one(*row)}" for r, row in enumerate(rows))
-        return (f"{self.who}: all_reduce #{n}: the ranks passed different tensors ({said}); "
+        return (f"{self.who}: {self._op} #{n}: the ranks passed different tensors ({said}); "
                 "every rank must pass the same numel, dtype and op, in the same calls and order")
 
     # -- failures ------------------------------------------------------------------------
@@ -282,9 +307,9 @@ class HostReducer:
             blame = (me, FAILED) if exc.across_hosts else None
         elif isinstance(exc, PeerTimeout) and exc.peer is not None:
             peer = exc.peer
-            text = (f"{self.who}: all_reduce #{n} failed: {self._local(peer)} did not {self._phase} within "
-                    f"{self.timeout:g} s (the group's timeout): it is alive but did not call the collective, "
-                    "or is stuck")
+            text = (f"{self.who}: {self._op} #{n} failed: {self._local(peer)} did not {self._phase} within "
+                    f"{self.timeout:g} s (the group's timeout; Timed out waiting for it): it is alive but did not call "
+                    "the collective, or is stuck")
             blame = (peer, TIMED_OUT)
         elif isinstance(exc, PeerFailure) and aborted is not None:
             who, code = aborted
@@ -297,9 +322,9 @@ class HostReducer:
                 cause = f"{self._local(who)} did not answer within the group's timeout ({self._reasons_of_peers()})"
             else:
                 cause = f"{self._local(who)} failed ({self._reasons_of_peers() or 'no reason recorded'})"
-            text = f"{self.who}: all_reduce #{n} failed: {cause}"
+            text = f"{self.who}: {self._op} #{n} failed: {cause}"
         else:
-            text = f"{self.who}: all_reduce #{n} failed on this rank: {type(exc).__name__}: {first_line(exc, 400)}"
+            text = f"{self.who}: {self._op} #{n} failed on this rank: {type(exc).__name__}: {first_line(exc, 400)}"
             blame = (me, FAILED)
         error = ShmBackendError(f"{text}. The group cannot continue: {_WHAT_TO_DO[0].lower()}{_WHAT_TO_DO[1:]}")
         self._write_reason(text)  # before the abort: a peer woken by it reads the reason
@@ -352,5 +377,9 @@ class HostReducer:
             leaders.shutdown()
             del leaders
         self.pipeline.close()
+        self.ops.close()
         self._header_segment.close()
         self.control.segment.close()
+
+
+__all__ = ["DTYPES", "FLOATS", "HostReducer", "ShmBackendError", "ShmWork", "inline", "layout"]

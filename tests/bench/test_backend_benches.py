@@ -1,0 +1,51 @@
+"""``shmtrain bench floors`` and ``shmtrain bench ops`` end to end on few calls: every layer
+and op measured and checked, the JSON written, and a bad size refused naming the option."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shmtrain.bench.floors import LABELS
+from shmtrain.bench.ops import OPS
+
+
+@pytest.mark.slow  # ~40 s on the shared 2-core VM: three interpreters, two process groups
+def test_bench_floors_measures_every_layer(tmp_path: Path) -> None:
+    out = tmp_path / "floors.json"
+    result = subprocess.run([sys.executable, "-m", "shmtrain", "bench", "floors", "--reps", "20", "--json", str(out)],
+                            capture_output=True, text=True, timeout=170, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(out.read_text())
+    assert figures["bytes"] == 4096 and set(figures["seconds_per_call"]) == set(LABELS)
+    assert all(0 < seconds < 1 for seconds in figures["seconds_per_call"].values()), figures
+    assert all(label in result.stdout for label in LABELS.values()), result.stdout
+
+
+def test_bench_floors_refuses_a_size_that_is_not_whole_floats() -> None:
+    result = subprocess.run([sys.executable, "-m", "shmtrain", "bench", "floors", "--bytes", "6"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--bytes 6: must be a positive multiple of 4" in result.stderr, result.stderr
+
+
+@pytest.mark.slow  # ~60 s on the shared 2-core VM: 12 rows of two process groups
+def test_bench_ops_checks_every_peer_and_goes_through_shared_memory(tmp_path: Path) -> None:
+    """``shmtrain bench ops`` on 2 processes, one size: each op's rows on shm and gloo,
+    every result checked, nothing of shm's handed to gloo; MPICH named when it cannot run."""
+    out = tmp_path / "ops.json"
+    result = subprocess.run([sys.executable, "-m", "shmtrain", "bench", "ops", "--procs", "2", "--sizes", "4KiB",
+                             "--reps", "2", "--peers", "--json", str(out)],
+                            capture_output=True, text=True, timeout=170, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    timed = [r for r in rows if "median_s" in r]
+    assert {(r["impl"], r["op"]) for r in timed} == {(i, op) for i in ("shm", "gloo") for op in OPS}
+    assert all(r["correct"] and r["median_s"] > 0 for r in timed), timed
+    counts = next(r for r in rows if "through_shm" in r)
+    assert counts["through_gloo"] == {} and counts["through_shm"]["all_to_all_single"] >= 3, counts
+    assert "| all_gather_into_tensor | 2 | 4 KiB |" in result.stdout
