@@ -205,7 +205,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.bench import allreduce, checkpoint, collectives, overlap, ps, smb, step, subbatch
+    from shmtrain.bench import allreduce, checkpoint, collectives, floors, overlap, ps, smb, step, subbatch
     from shmtrain.bench.compress import add_bench_compress_parser
     from shmtrain.bench.hosts.command import add_parser as add_bench_hosts_parser
 
@@ -223,6 +223,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     checkpoint.add_bench_checkpoint_parser(bench)
     subbatch.add_bench_subbatch_parser(bench)
     add_bench_compress_parser(bench)
+    floors.add_parser(bench)
 
 
 def _add_experiment(sub: argparse._SubParsersAction) -> None:

@@ -40,9 +40,6 @@ before = ShmProcessGroup.reductions
 t = torch.full((10,), float(r))
 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # gloo's
 assert float(t[0]) == w - 1
-i = torch.full((10,), r, dtype=torch.int64)
-dist.all_reduce(i)  # integers: gloo's
-assert int(i[0]) == w * (w - 1) // 2
 b = torch.full((5,), float(r))
 dist.broadcast(b, src=w - 1)
 assert float(b[0]) == w - 1
@@ -50,9 +47,18 @@ gathered = [torch.zeros(3) for _ in range(w)]
 dist.all_gather(gathered, torch.full((3,), float(r)))
 assert [float(g[0]) for g in gathered] == [float(k) for k in range(w)]
 dist.barrier()
-through_shm(before, 0)  # MAX, integers, broadcast, all_gather: gloo's
+through_shm(before, 0)  # MAX, broadcast, all_gather: gloo's
 fallbacks = ShmProcessGroup.fallbacks
-assert not shm or fallbacks >= 2, fallbacks  # MAX and the integers were counted as gloo's
+assert not shm or fallbacks >= 1, fallbacks  # MAX was counted as gloo's
+before = ShmProcessGroup.reductions
+i = torch.full((10,), r, dtype=torch.int64)
+dist.all_reduce(i)  # integers: shared memory
+assert int(i[0]) == w * (w - 1) // 2
+if shm:  # Lightning's sync_dist counter: NCCL's integer AVG (gloo raises: Float can't be cast to Long)
+    steps = torch.tensor([2 * r - 3], dtype=torch.int64)
+    dist.all_reduce(steps, op=dist.ReduceOp.AVG)
+    assert steps.dtype == torch.int64 and int(steps) == int((w * (w - 1) - 3 * w) / w), steps  # toward zero
+through_shm(before, 2)
 
 # a real c10d backend (group names, per-device dispatch, subgroups), and
 # allreduce_coalesced reducing each tensor on its own whatever the op and the dtypes
@@ -65,12 +71,12 @@ assert pair[0].tolist() == [w, w + 3.0] and pair[1].tolist() == [2.0, 3.0], pair
 before = ShmProcessGroup.reductions
 total = w * (w + 1) / 2
 ints = [torch.full((4,), r + 1), torch.full((3,), 10 * (r + 1))]
-dist.all_reduce_coalesced(ints)  # integers: gloo's, one tensor at a time
+dist.all_reduce_coalesced(ints)  # integers: shared memory too
 assert ints[0].tolist() == [total] * 4 and ints[1].tolist() == [10 * total] * 3, ints
 floats = [torch.full((4,), float(r + 1)), torch.full((6, 4), float(r + 1))[:, ::2]]
 dist.all_reduce_coalesced(floats)
 assert floats[0].tolist() == [total] * 4 and bool((floats[1] == total).all()), floats
-through_shm(before, 2)  # the two float tensors (one of them strided) in shared memory
+through_shm(before, 4)  # the two integer and the two float tensors (one strided) in shared memory
 gathered = [[torch.zeros(2), torch.zeros(3)] for _ in range(w)]  # per rank, its two tensors
 dist.all_gather_coalesced(gathered, [torch.full((2,), float(r)), torch.full((3,), float(-r))])
 assert [(float(a[0]), float(b[0])) for a, b in gathered] == [(float(k), float(-k)) for k in range(w)], gathered

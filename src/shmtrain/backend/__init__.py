@@ -9,8 +9,8 @@ script gets the speed-up by naming it::
 It is declared as PyTorch expects of a third-party CPU backend:
 ``dist.Backend.register_backend("shm", creator, extended_api=True, devices=["cpu"])``,
 whose creator returns a c10d ``Backend`` (:class:`~shmtrain.backend.group.ShmBackend`)
-that torch.distributed wraps in its own ``ProcessGroup``. SUM and AVG of float CPU
-tensors go through shared memory (:mod:`shmtrain.backend.reducer`); everything else is
+that torch.distributed wraps in its own ``ProcessGroup``. SUM and AVG of float and integer
+CPU tensors (AVG of integers as NCCL's) go through shared memory (:mod:`shmtrain.backend.reducer`); everything else is
 gloo's. A failure fails the call's ``Work`` (:mod:`shmtrain.backend.work`) and the group.
 
 This module imports neither torch nor the backend's modules until they are needed: the

@@ -4,9 +4,11 @@
 out-of-tree backends), so group names, ``destroy_process_group``, per-device dispatch,
 ``monitored_barrier``, subgroups and DDP work as they do on gloo.
 
-``allreduce`` of one CPU float tensor (float32, float64, bfloat16, float16; contiguous or
-not; one that requires grad is reduced on its ``.detach()``\\ ed data, as gloo does) with
-SUM or AVG goes through the host's shared memory (:class:`~shmtrain.backend.reducer.HostReducer`);
+``allreduce`` of one CPU float or integer tensor (float32, float64, bfloat16, float16, and
+gloo's integers; contiguous or not; one that requires grad is reduced on its
+``.detach()``\\ ed data, as gloo does) with SUM or AVG (of integers as NCCL's,
+:mod:`~shmtrain.backend.reduce_ops`) goes through the host's shared memory
+(:class:`~shmtrain.backend.reducer.HostReducer`);
 so does each such tensor of ``allreduce_coalesced``. Everything else is gloo's, on a gloo
 backend built over the same store: other ops and dtypes (one tensor at a time in
 ``allreduce_coalesced``, whose list gloo's ``allreduce`` would take for copies of one
@@ -23,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, Work
 
-from shmtrain.backend.reducer import FLOATS, HostReducer
+from shmtrain.backend.reduce_ops import DTYPES
+from shmtrain.backend.reducer import HostReducer
 from shmtrain.backend.work import ShmBackendError, ShmWork
 
 NAME = "shm"
@@ -32,7 +35,7 @@ _live: set[ShmBackend] = set()  # groups not yet shut down (c10d holds them thro
 
 def _ours(tensor: torch.Tensor) -> bool:
     """A tensor the shared-memory path reduces."""
-    return tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.dtype in FLOATS
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.dtype in DTYPES
 
 
 class ShmBackend(Backend):

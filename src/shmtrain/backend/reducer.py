@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shmtrain.backend.reduce_ops import DTYPES, FLOATS, average
 from shmtrain.backend.work import ShmBackendError, ShmWork
 from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
 from shmtrain.fabric.job import hosts
@@ -37,8 +38,6 @@ from shmtrain.fabric.shm.affinity import allowed_cores
 from shmtrain.fabric.shm.control import DIED, PeerFailure, PeerTimeout, first_line
 from shmtrain.fabric.shm.stitch import PAGE
 
-#: dtypes reduced in shared memory (the header's dtype code is the index)
-FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: abort codes beside :data:`~shmtrain.fabric.shm.control.DIED`: the rank named did not answer
 #: within the timeout (recorded by the peer that gave up on it), or failed on its own
 TIMED_OUT, FAILED = 254, 1
@@ -204,8 +203,9 @@ class HostReducer:
         self._exchange_headers(n, data, mean, count)
         buffer = data if data.is_contiguous() else data.contiguous()
         self._phase = f"finish a block of all_reduce #{n}"
-        if self.hosts == 1:  # the mean is taken block by block while each is in cache
-            self.pipeline(buffer, op="mean" if mean else "sum")
+        blockwise = mean and buffer.is_floating_point()  # integers: NCCL's average of the sum
+        if self.hosts == 1:  # a float mean is taken block by block while each is in cache
+            self.pipeline(buffer, op="mean" if blockwise else "sum")
         else:
             self.pipeline(buffer, op="sum")  # the host sums among the hosts' leaders, then back inside the host
             if self.leaders is not None:
@@ -214,8 +214,8 @@ class HostReducer:
             if self.host.local_rank != 0:
                 buffer.zero_()
             self.pipeline(buffer, op="sum")  # local rank 0's sum into every local rank's
-            if mean:
-                buffer.div_(self.size)
+        if mean and (self.hosts > 1 or not blockwise):
+            average(buffer, self.size)
         if buffer is not data:
             data.copy_(buffer)
 
@@ -225,7 +225,7 @@ class HostReducer:
         after every rank posted ``n + 1``, that is after every rank compared ``n``)."""
         L, me = self.local_world, self.host.local_rank
         slot = (n % 2) * 4
-        mine = (data.numel(), FLOATS.index(data.dtype), int(mean), count)
+        mine = (data.numel(), DTYPES.index(data.dtype), int(mean), count)
         self._headers[me, slot:slot + 4] = mine
         local: _Mismatch | None = None
         if L > 1:
@@ -253,7 +253,7 @@ class HostReducer:
         def one(numel: int, dtype: int, op: int, count: int) -> str:
             if (numel, dtype, op, count) == _DISAGREE:
                 return "its own ranks passed different tensors"
-            kind = str(FLOATS[dtype]).replace("torch.", "") if 0 <= dtype < len(FLOATS) else f"dtype #{dtype}"
+            kind = str(DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(DTYPES) else f"dtype #{dtype}"
             call = f" in a call of {count} tensors" if count > 1 else ""
             return f"{numel} x {kind} {'AVG' if op else 'SUM'}" + call
 
@@ -345,3 +345,6 @@ class HostReducer:
         self.pipeline.close()
         self._header_segment.close()
         self.control.segment.close()
+
+
+__all__ = ["DTYPES", "FLOATS", "HostReducer", "ShmBackendError", "ShmWork", "inline", "layout"]

@@ -1,0 +1,36 @@
+"""What the ``shm`` backend's reductions compute per dtype: the dtypes that go through shared
+memory, and AVG of integers as NCCL defines it.
+
+NCCL's ``ncclAvg`` of an integer type (its ``FuncSumPostDiv``) sums in the tensor's own type,
+wrapping around in two's complement as the type's addition does, and divides the sum by the
+number of ranks once, at the end, rounding toward zero: the absolute value is divided and the
+sign put back, so ``-7`` over 2 ranks is ``-3``, not ``-4``. The result keeps the input's
+dtype (gloo and torch's true division would make it float, which an integer tensor cannot
+hold: ``result type Float can't be cast to the desired output type Long``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: floating dtypes reduced in shared memory
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: integer dtypes reduced in shared memory (SUM wraps; AVG as NCCL's, :func:`average_integers`):
+#: gloo's, which the hosts' leaders reduce with across hosts (gloo has no int16 nor uint16-64)
+INTEGERS = (torch.int8, torch.int32, torch.int64, torch.uint8)
+#: every dtype of the shared-memory reductions (the call header's dtype code is the index)
+DTYPES = FLOATS + INTEGERS
+
+
+def average_integers(summed: torch.Tensor, ranks: int) -> torch.Tensor:
+    """NCCL's ``ncclAvg`` of an integer tensor, from its sum over ``ranks`` ranks (in place):
+    the quotient rounded toward zero, in the tensor's dtype."""
+    return summed.div_(ranks, rounding_mode="trunc")
+
+
+def average(summed: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The AVG of ``ranks`` ranks from their sum, in place: true division of floats (gloo's),
+    NCCL's rounding toward zero of integers (:func:`average_integers`)."""
+    if summed.is_floating_point() or summed.is_complex():
+        return summed.div_(ranks)
+    return average_integers(summed, ranks)
