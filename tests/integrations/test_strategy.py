@@ -46,7 +46,7 @@ ASYNC: dict[str, tuple[str, dict[str, Any]]] = {
     "easgd": ("easgd", {"update_interval": 2}),
     "downpour": ("downpour", {}),
     "hsgd": ("hsgd", {"groups": 2, "group_size": 1}),
-    "diloco-compress": ("diloco", {"inner_steps": 4, "compress": "topk:0.25"}),
+    "diloco-compress": ("diloco", {"sync_every": 4, "compress": "topk:0.25"}),
     "ps_weight": ("ps_weight", {}),
 }
 
