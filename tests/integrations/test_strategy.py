@@ -1,6 +1,7 @@
 """ShmtrainStrategy: a Lightning run of each shmtrain method equals the same method through
-``shmtrain.DataParallel`` in a plain loop (the synchronous ones to rel < 1e-6, the
-asynchronous ones to the same accuracy within noise), and its loggers see the phase times."""
+``shmtrain.DataParallel`` in a plain loop (the synchronous ones to rel < 1e-6, under
+Lightning's own launcher and under torchrun; the asynchronous ones to the same accuracy
+within noise), and its loggers see the phase times."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import pytest
 
 pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[test]')")
 
-from support.lightning_runs import lightning_command, plain_command, rel, run, seen, weights  # noqa: E402
+from support.lightning_runs import (  # noqa: E402
+    lightning_command,
+    lightning_torchrun_command,
+    plain_command,
+    rel,
+    run,
+    seen,
+    weights,
+)
 
 SYNC = {
     "ssgd": ("ssgd", {}),
@@ -25,11 +34,13 @@ SYNC = {
 @pytest.mark.parametrize("case", [c if c == "ssgd" else pytest.param(c, marks=pytest.mark.slow) for c in SYNC])
 def test_a_lightning_run_equals_dataparallel_in_a_plain_loop(tmp_path: Path, case: str) -> None:
     method, options = SYNC[case]
-    ours, plain = tmp_path / "lightning.pt", tmp_path / "plain.pt"
+    ours, torchrun, plain = tmp_path / "lightning.pt", tmp_path / "torchrun.pt", tmp_path / "plain.pt"
     logs = tmp_path / "logs"
     run({"lightning": lightning_command(ours, method=method, options=options, log_dir=str(logs)),
+         "torchrun": lightning_torchrun_command(torchrun, method=method, options=options),
          "plain": plain_command(plain, method=method, options=options)})
-    assert rel(weights(plain), weights(ours)) < 1e-6, case
+    assert rel(weights(plain), weights(ours)) < 1e-6, case  # Lightning's own launcher
+    assert rel(weights(plain), weights(torchrun)) < 1e-6, case  # Lightning under torchrun
     assert seen(ours)["iteration"] == seen(plain)["iteration"] == 16  # 2 epochs of 8 steps
     assert seen(ours)["accuracy"] > seen(plain)["initial_accuracy"]  # it trained
     # the loggers saw shmtrain's phases: the CSV logger's columns, a row every 2 steps

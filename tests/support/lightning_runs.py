@@ -24,6 +24,16 @@ def lightning_command(out: Path, **settings: Any) -> tuple[list[str], dict[str, 
     return [sys.executable, SCRIPT, "lightning", str(out), json.dumps(settings)], run_env
 
 
+def lightning_torchrun_command(out: Path, workers: int = 2, nodes: int = 1, node: int = 0, port: int = 0,
+                               **settings: Any) -> tuple[list[str], dict[str, str]]:
+    """Lightning's Trainer under torchrun (host ``node`` of ``nodes``, ``workers`` each; one
+    ``port`` for all the hosts of a job), writing ``out``."""
+    settings = {"workers": workers, "nodes": nodes, **settings}
+    return (TORCHRUN + ["--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", str(workers),
+                        "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()), SCRIPT, "lightning",
+                        str(out), json.dumps(settings)], env())
+
+
 def plain_command(out: Path, workers: int = 2, **settings: Any) -> tuple[list[str], dict[str, str]]:
     """DataParallel in a plain loop under torchrun writing ``out``."""
     return (TORCHRUN + ["--nproc-per-node", str(workers), "--master-addr", "127.0.0.1", "--master-port",

@@ -2,7 +2,8 @@
 or the same method through ``shmtrain.DataParallel`` in a plain loop under torchrun.
 
 ``python lightning_script.py MODE OUT [JSON]``; MODE ``lightning`` (Lightning's own
-launcher starts the other ranks: this script again), ``plain`` (under torchrun), JSON the
+launcher starts the other ranks: this script again; or under torchrun, ``workers`` per
+host of ``nodes``), ``plain`` (under torchrun), JSON the
 run's settings (:data:`DEFAULTS`). Rank 0 writes ``OUT`` (``torch.save``): the final
 parameters (flat), and what the run saw (``OUT.json``)."""
 
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 DEFAULTS = {
     "method": "ssgd", "options": {}, "backend": "gloo", "strategy": "shmtrain", "epochs": 2, "batch": 8,
     "samples": 128, "lr": 0.05, "momentum": 0.9, "sync_dist": False, "workers": 2, "ckpt_dir": None,
-    "resume": None, "log_dir": None, "log_every": 2,
+    "resume": None, "log_dir": None, "log_every": 2, "nodes": 1,
 }
 
 
@@ -124,7 +125,8 @@ def lightning(cfg: dict, out: Path) -> None:
         callbacks.append(ModelCheckpoint(dirpath=cfg["ckpt_dir"], save_top_k=-1, every_n_epochs=1,
                                          filename="{epoch}"))
     logger = CSVLogger(cfg["log_dir"], name="run") if cfg["log_dir"] else False
-    trainer = pl.Trainer(accelerator="cpu", devices=cfg["workers"], strategy=strategy, max_epochs=cfg["epochs"],
+    trainer = pl.Trainer(accelerator="cpu", devices=cfg["workers"], num_nodes=cfg["nodes"], strategy=strategy,
+                         max_epochs=cfg["epochs"],
                          enable_progress_bar=False, enable_model_summary=False, logger=logger,
                          enable_checkpointing=bool(cfg["ckpt_dir"]), callbacks=callbacks,
                          log_every_n_steps=cfg["log_every"])

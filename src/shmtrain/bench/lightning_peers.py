@@ -14,6 +14,8 @@ batches), or the command fails naming it.
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import statistics
 import subprocess
 import sys
@@ -63,7 +65,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 times[peer].append(result["step_s"])
             numel = int(results["ddp-gloo"]["numel"])
     base = statistics.median(times["ddp-gloo"])
-    return [{"peer": peer, "params_m": numel / 1e6, "median_ms": 1e3 * statistics.median(samples),
+    when = {"utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
+            "load_1min": round(os.getloadavg()[0], 2), "workers": args.workers, "width": args.width,
+            "depth": args.depth, "batch_size": args.batch_size, "timed_steps": args.steps - args.warmup}
+    return [{**when, "peer": peer, "params_m": numel / 1e6, "median_ms": 1e3 * statistics.median(samples),
              "min_ms": 1e3 * min(samples), "max_ms": 1e3 * max(samples), "speedup": base / statistics.median(samples),
              "rounds": len(samples), "samples_ms": [1e3 * s for s in samples]}
             for peer, samples in times.items()]
