@@ -52,7 +52,7 @@ def _metadata_path(tmp_path: Path) -> str:
     return str(info.parent)
 
 
-@pytest.mark.parametrize("backend", ["cpu:shm", "shm"])
+@pytest.mark.parametrize("backend", ["cpu:shm", pytest.param("shm", marks=pytest.mark.slow)])
 def test_plain_torchrun_initialises_the_backend_without_importing_shmtrain(tmp_path: Path, backend: str) -> None:
     run_env = env()
     extra = _metadata_path(tmp_path)

@@ -57,7 +57,7 @@ def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).norm() / max(float(a[k].double().norm()), 1e-12)) for k in a)
 
 
-@pytest.mark.parametrize("name", ["accelerate", "transformers"])
+@pytest.mark.parametrize("name", ["accelerate", pytest.param("transformers", marks=pytest.mark.slow)])
 def test_a_trainer_on_the_backend_equals_gloo(tmp_path: Path, name: str) -> None:
     pytest.importorskip(name, reason=f"{name} is not installed (pip install -e '.[test]')")
     code = recipe(name)

@@ -62,7 +62,8 @@ ASYNC: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@pytest.mark.parametrize("case", [c if c == "seasgd" else pytest.param(c, marks=pytest.mark.slow) for c in ASYNC])
+@pytest.mark.slow  # ~40 s each on 2 cores; the default suite resumes seasgd (test_checkpoint.py)
+@pytest.mark.parametrize("case", list(ASYNC))
 def test_an_asynchronous_method_reaches_the_accuracy_of_its_plain_loop(tmp_path: Path, case: str) -> None:
     method, options = ASYNC[case]
     ours, plain = tmp_path / "lightning.pt", tmp_path / "plain.pt"
