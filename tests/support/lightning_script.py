@@ -134,6 +134,7 @@ def lightning(cfg: dict, out: Path) -> None:
     loader = DataLoader(data(cfg["samples"]), batch_size=cfg["batch"], shuffle=False)
     trainer.fit(module, loader, ckpt_path=cfg["resume"])
     seen = {"global_step": trainer.global_step, "accuracy": accuracy(module, cfg["samples"]),
+            "initial_accuracy": accuracy(net(), cfg["samples"]),
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
     if isinstance(strategy, ShmtrainStrategy):
         seen["phases"] = strategy.phases.last
