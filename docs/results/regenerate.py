@@ -201,6 +201,15 @@ def render_checkpoint(rows: list) -> str:
     return "\n".join(lines)
 
 
+def render_lightning(rows: list) -> str:
+    lines = ["| peer | ms per step (median) | min | max | vs DDP on gloo | rounds |", "|---|---|---|---|---|---|"]
+    names = {"ddp-gloo": "`DDPStrategy` on gloo", "ddp-shm": "`DDPStrategy(process_group_backend=\"shm\")`",
+             "shmtrain": "`ShmtrainStrategy(\"ssgd\")`"}
+    lines += [f"| {names[r['peer']]} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['rounds']} |" for r in rows]
+    return "\n".join(lines)
+
+
 def render_allreduce(rows: list) -> str:
     lines = ["| procs | MiB | shm | gloo | gloo/shm | floor | shm/floor | read floor | gloo/read floor |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -731,6 +740,8 @@ TABLES = {t.name: t for t in [
     Table("diloco-measured", "docs/diloco.md", "diloco-measured.json", measured_runs, render_measured),
     Table("bench-allreduce", "README.md", "bench_allreduce.json", None, render_allreduce,
           ("shmtrain bench allreduce --json docs/results/bench_allreduce.json",)),
+    Table("bench-lightning", "docs/integrations.md", "bench_lightning.json", None, render_lightning,
+          ("shmtrain bench lightning --rounds 5 --json docs/results/bench_lightning.json",)),
     Table("bench-checkpoint", "README.md", "bench_checkpoint.json", None, render_checkpoint,
           ("shmtrain bench checkpoint --model smallcnn resnet18 resnet50 --reps 5 --json "
            "docs/results/bench_checkpoint.json",)),

@@ -208,6 +208,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     from shmtrain.bench import allreduce, checkpoint, collectives, floors, ops, overlap, ps, smb, step, subbatch
     from shmtrain.bench.compress import add_bench_compress_parser
     from shmtrain.bench.hosts.command import add_parser as add_bench_hosts_parser
+    from shmtrain.bench.lightning_peers import add_bench_lightning_parser
 
     p = sub.add_parser("bench", help=COMMANDS["bench"][0],
                        description="Benchmarks: each prints a table and writes --json.")
@@ -223,6 +224,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     checkpoint.add_bench_checkpoint_parser(bench)
     subbatch.add_bench_subbatch_parser(bench)
     add_bench_compress_parser(bench)
+    add_bench_lightning_parser(bench)
     floors.add_parser(bench)
     ops.add_parser(bench)
 

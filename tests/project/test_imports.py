@@ -18,7 +18,7 @@ LAYERS = {
     "fabric": 1,
     "strategies": 2,
     "parallel": 3, "backend": 3,
-    "runtime": 4, "sim": 4,
+    "runtime": 4, "sim": 4, "lightning": 4,
     "bench": 5, "experiments": 5, "reproduce": 5,
     "cli": 6, "__main__": 6, "fork_torchrun": 6, "fork_worker": 6,
 }

@@ -25,6 +25,8 @@ FOLDERS_WITHOUT_CODE = {
     "gpu": "the CUDA tests and prove.sh",
     "core": "the modules of layer 0 (memory.py, timing.py, ...), below every part",
     "runtime/hosts": "jobs across hosts (runtime/run/torchrun.py with fabric/job/)",
+    # a tests/lightning/ on the tests' path would shadow the lightning package itself
+    "integrations": "shmtrain inside others' trainers: src/shmtrain/lightning/ and docs/integrations.md's recipes",
 }
 #: ``module:name`` strings that name a missing callable on purpose (the refusal is tested)
 MISSING_ON_PURPOSE = {"support.data_sets:nothing", "support.task_data:nothing"}

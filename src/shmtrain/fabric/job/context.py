@@ -206,8 +206,8 @@ def _choose_gloo_interface(addr: str, world: int, local_rank: int) -> None:
 
 def _open_store(addr: str, rank: int, world: int, timeout: float) -> dist.Store:
     """The job's store: shmtrain's launcher's (a FileStore in its private folder, or a
-    TCPStore on loopback), torchrun's (per restart attempt), or one in this process for
-    a job of one."""
+    TCPStore on loopback), torchrun's (per restart attempt), the caller's default process
+    group's when it made one outside torchrun, or one in this process for a job of one."""
     wait = timedelta(seconds=timeout)
     store_file = os.environ.get("SHMTRAIN_STORE_FILE")
     if store_file:
@@ -218,6 +218,10 @@ def _open_store(addr: str, rank: int, world: int, timeout: float) -> dist.Store:
         return store
     store_port = env_int("SHMTRAIN_STORE_PORT", 0)
     port = store_port or env_int("MASTER_PORT", 29500)
+    if not store_port and world > 1 and dist.is_initialized() and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        # the caller's process group, made outside torchrun (Lightning's launcher, mp.spawn): its
+        # rank 0 already serves the store on MASTER_PORT, where a second server could not bind
+        return dist.PrefixStore("shmtrain/", dist.distributed_c10d._get_default_store())
     try:
         if store_port:
             store = dist.TCPStore(addr, store_port, world, is_master=False, timeout=wait)
