@@ -10,3 +10,29 @@ from torch import nn
 def fixed(input_shape: tuple[int, ...], outputs: int = 3) -> nn.Module:
     """A linear model with ``outputs`` scores whatever the data's class count."""
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), outputs))
+
+
+class _NanAfter(nn.Module):
+    """A linear model whose output turns NaN at its ``after``-th forward on worker ``rank``."""
+
+    def __init__(self, inputs: int, outputs: int, rank: int, after: int) -> None:
+        super().__init__()
+        import os
+
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(inputs, outputs))
+        self.poisoned = int(os.environ.get("RANK", "0")) == rank
+        self.after, self.calls = after, 0
+
+    def forward(self, x):
+        out = self.body(x)
+        if self.training and self.poisoned:
+            self.calls += 1
+            if self.calls >= self.after:
+                out = out * float("nan")
+        return out
+
+
+def nan_loss(input_shape: tuple[int, ...], num_classes: int = 10, rank: int = 1, after: int = 5) -> nn.Module:
+    """A linear model whose training loss on worker ``rank`` is NaN from its ``after``-th
+    iteration on (the other ranks' stays finite)."""
+    return _NanAfter(math.prod(input_shape), num_classes, rank, after)
