@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import at_once
-from shmtrain.fabric.shm.segment import leftover
+from conftest import at_once, new_segments
 from support.torchrun import FORK, TORCHRUN, env, free_port
 
 PROBE = """\
@@ -59,7 +58,7 @@ def test_two_forked_hosts_train_as_two_torchrun_hosts(tmp_path: Path) -> None:
         assert float((b[key] - a[key]).norm() / a[key].norm()) < 1e-6, key
     summary = json.loads((tmp_path / "fork" / "summary.json").read_text())
     assert summary["workers"] == 4 and summary["iterations"] == 12
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path) -> None:
@@ -130,4 +129,4 @@ def test_ctrl_c_stops_the_workers_saves_and_leaves_nothing(tmp_path: Path) -> No
     assert list((out / "checkpoints").glob("step-*"))
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # the whole group is gone
-    assert not leftover()
+    assert not new_segments(), new_segments()
