@@ -341,6 +341,12 @@ class Strategy:
         """
         return self.target_iterations is not None and self.iteration >= self.target_iterations
 
+    def lost_now(self) -> set[int]:
+        """The ranks known lost now, for a strategy that trains on without them (its
+        checkpoints keep their last state: ``runtime/checkpoint/checkpointer.py``); none
+        by default (a synchronous strategy's run ends with its first lost rank)."""
+        return set()
+
     # -- state ------------------------------------------------------------------
     def quiesce(self) -> None:
         """Drain exchanges still in flight, so ``state_dict`` is consistent (between

@@ -133,7 +133,8 @@ class WorkerSession:
                 write_task_facts(out, data, self.task)
         # checkpoints (runtime/checkpoint/checkpointer.py): a resumed run loads every rank's state here,
         # collectively, before the data position is used
-        checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size))
+        checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size),
+                                   lost=self.dp.lost_now)  # a lost rank's last state is carried on
         rejoined = getattr(ctx, "rejoined", False)
         if rejoined:  # a host started again: the job's state, not a file's
             rejoin_position(self.trainer, self.dp.iteration)

@@ -251,6 +251,11 @@ class SharedWeightsStrategy(Strategy):
             self.service.close()
             super().finish()
 
+    def lost_now(self) -> set[int]:
+        """The workers the buffer service's board holds for lost now (their ranks)."""
+        board = self.service.board
+        return {r for r in range(board.world) if r != self.service.rank and not board.alive(r)}
+
     def global_weights_now(self) -> torch.Tensor | None:
         """W_g now, on the master (rank 0's evaluation of the job's model); None elsewhere."""
         if self.service.rank != MASTER:
