@@ -36,3 +36,22 @@ def nan_loss(input_shape: tuple[int, ...], num_classes: int = 10, rank: int = 1,
     """A linear model whose training loss on worker ``rank`` is NaN from its ``after``-th
     iteration on (the other ranks' stays finite)."""
     return _NanAfter(math.prod(input_shape), num_classes, rank, after)
+
+
+class _NanGradAt(_NanAfter):
+    """A linear model whose gradient (not its loss) is NaN at its ``after``-th backward on
+    worker ``rank``, once."""
+
+    def forward(self, x):
+        out = self.body(x)
+        if self.training and self.poisoned:
+            self.calls += 1
+            if self.calls == self.after:
+                out.register_hook(lambda grad: grad * float("nan"))
+        return out
+
+
+def nan_gradient(input_shape: tuple[int, ...], num_classes: int = 10, rank: int = 1, after: int = 5) -> nn.Module:
+    """A linear model whose gradient on worker ``rank`` is NaN at its ``after``-th iteration
+    (its loss there stays finite; the weights it updates do not)."""
+    return _NanGradAt(math.prod(input_shape), num_classes, rank, after)

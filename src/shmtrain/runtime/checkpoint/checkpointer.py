@@ -73,6 +73,7 @@ from shmtrain.runtime.checkpoint.files import (
 )
 from shmtrain.runtime.config import TrainConfig, to_toml
 from shmtrain.runtime.files import LineLog, cannot_write, fsync_dir, write_atomic
+from shmtrain.runtime.train.finite import check_state
 
 
 # -- the worker side ----------------------------------------------------------------------
@@ -155,6 +156,8 @@ class Checkpointer:
         if not lost_ranks.claim(ctx.store, step, ctx.rank):
             return  # held for lost, its slot filled by another rank: the job goes on without it
         state = trainer.state_dict(copy=False)  # serialized at once: no snapshot copy
+        last = latest(self.out)
+        check_state(state, step, ctx.rank, str(last) if last else None)  # only finite ones are committed
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             size, crc = save_file(state, file)
