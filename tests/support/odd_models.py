@@ -55,3 +55,18 @@ def nan_gradient(input_shape: tuple[int, ...], num_classes: int = 10, rank: int 
     """A linear model whose gradient on worker ``rank`` is NaN at its ``after``-th iteration
     (its loss there stays finite; the weights it updates do not)."""
     return _NanGradAt(math.prod(input_shape), num_classes, rank, after)
+
+
+def loud(input_shape: tuple[int, ...], num_classes: int = 10, scale: float = 1e6) -> nn.Module:
+    """A linear model whose scores are ``scale`` times a plain one's: finite in float32,
+    past float16's range (65504) under ``--amp fp16``."""
+
+    class Loud(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+        def forward(self, x):
+            return self.body(x) * scale
+
+    return Loud()

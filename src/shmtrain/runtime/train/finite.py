@@ -53,14 +53,32 @@ def json_text(obj: dict[str, Any], **dumps: Any) -> str:
     return json.dumps(finite(obj), allow_nan=False, **dumps)
 
 
-def check_loss(value: float, iteration: int, rank: int, lr: float | None) -> None:
-    """Raise :class:`TrainingDiverged` when the training loss of ``iteration`` is not finite."""
+def check_loss(value: float, iteration: int, rank: int, lr: float | None, amp: str | None = None,
+               first: bool = False) -> None:
+    """Raise :class:`TrainingDiverged` when the training loss of ``iteration`` is not finite.
+
+    The cause it names: under ``--amp fp16`` (``amp``), float16's range (a forward pass or
+    loss past 65504 is inf there while the float32 weights are fine); at the run's first
+    iteration (``first``: no update has been made), the data or the model's output; else
+    the weights, which the updates have driven past any number."""
     if math.isfinite(value):
         return
     rate = f" (now {lr:g})" if lr is not None else ""
+    said = f"the training diverged: rank {rank}'s loss at iteration {iteration} is {value!r}; its metrics row has " \
+           "\"loss\": null; "
+    if amp == "fp16":
+        raise TrainingDiverged(
+            said + "under --amp fp16 the forward pass and the loss run in float16, which holds numbers up to "
+            "65504 only: this batch's activations or loss went past it (the float32 weights need not be "
+            f"broken{', no update has been made yet' if first else ''}); use --amp bf16 (float32's range in "
+            "16 bits), leave --amp out, or scale the model's inputs or outputs down")
+    if first:
+        raise TrainingDiverged(
+            said + "no update has been made yet, so the weights are as initialised: the model's output or the "
+            "loss on this batch is not a number; check the data for NaN or inf and the model's initialisation "
+            "and loss, then start again with another --out")
     raise TrainingDiverged(
-        f"the training diverged: rank {rank}'s loss at iteration {iteration} is {value!r}; its "
-        f"metrics row has \"loss\": null; the weights are no longer numbers, so the run stops "
+        said + "the weights are no longer numbers, so the run stops "
         f"here: lower --lr{rate}, or add --warmup-iterations or --grad-clip, and start again "
         "with another --out"
     )
