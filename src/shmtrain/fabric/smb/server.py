@@ -140,6 +140,7 @@ class MemoryServer(Gate):
     def _resume(self, path: str) -> None:
         self.keys, self.buffers, self.applied = read_snapshot(path)
         self.names = {key.name: i for i, key in self.keys.items()}
+        self.restored = set(self.names)  # each taken over by the first create of its name
 
     # -- serving -----------------------------------------------------------------------
     def serve(self) -> None:
