@@ -342,9 +342,8 @@ class Strategy:
         return self.target_iterations is not None and self.iteration >= self.target_iterations
 
     def lost_now(self) -> set[int]:
-        """The ranks known lost now, for a strategy that trains on without them (its
-        checkpoints keep their last state: ``runtime/checkpoint/checkpointer.py``); none
-        by default (a synchronous strategy's run ends with its first lost rank)."""
+        """The ranks known lost now, for a strategy that trains on without them (their last
+        state is checkpointed on); none by default (a synchronous run ends with one)."""
         return set()
 
     # -- state ------------------------------------------------------------------
