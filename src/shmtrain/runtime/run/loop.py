@@ -150,7 +150,7 @@ class WorkerSession:
         self.loop.callback(self.prefetch.close)  # the loader processes end on every exit path
         # rank 0's persistent evaluation processes: open until the final evaluation is done
         self.held_out = HeldOut(data, (config.loader_workers or 0) if ctx.rank == 0 else 0,
-                                self.device.type == "cuda")
+                                self.device.type == "cuda", limit=config.eval_samples)  # --eval-samples
         self.stack.callback(self.held_out.close)
         log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", start, keep=rejoined)
         self.loop.callback(log.close)
@@ -162,6 +162,7 @@ class WorkerSession:
         monitor = Monitor(config, out, ctx.rank, self.model, data, ctx.world_size, self.held_out,
                           self.dp.strategy, task=self.task, selection=selection)  # rank 0: eval, TensorBoard
         self.loop.callback(monitor.close)
+        self.monitor = monitor
         return RunServices(checkpoints, self.stop, monitor, log, progress, ctx.rank)
 
     def run(self) -> dict[str, Any]:
@@ -207,7 +208,11 @@ class WorkerSession:
                 with torch.no_grad():
                     model.load_state_dict(global_state)
                 result["model"] = "global weights (W_g); rank 0's own in model-rank0.pt"
-            metrics = self.task.evaluate(model, self.held_out)
+            last = self.monitor
+            if global_state is None and last.last_eval == dp.iteration and not last.last_was_global:
+                metrics = dict(last.last_metrics or {})  # the model the final evaluation row has: not again
+            else:
+                metrics = self.task.evaluate(model, self.held_out)
             result["metrics"] = metrics
             result[primary] = metrics[primary]
             save_output(self.out / "model.pt", model.state_dict())
