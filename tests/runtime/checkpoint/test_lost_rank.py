@@ -56,3 +56,44 @@ def test_a_killed_async_worker_leaves_complete_checkpoints_and_a_resume_goes_on(
         assert resumed[resumed.index(ends[rank]) + 1] == ends[rank] + 1 and resumed == sorted(set(resumed))
     rows = iterations_logged(out, 2)
     assert rows[rows.index(kept) + 1] == kept + 1 and rows == sorted(set(rows))
+
+
+class _Trainer:
+    """What Checkpointer.save reads of a Trainer: its state (weights, iteration)."""
+
+    def __init__(self, value: float, iteration: int) -> None:
+        self.value, self.iteration = value, iteration
+
+    def state_dict(self, copy: bool = True) -> dict:
+        return {"model": {"w": torch.full((4,), self.value)}, "optimizer": {}, "strategy": {},
+                "train": {"iteration": self.iteration}}
+
+
+def test_each_lost_rank_is_adopted_once_and_a_stand_in_is_marked(tmp_path: Path) -> None:
+    """Rank 2 lost before its first checkpoint: rank 0 (first to claim its slot) stands its
+    own file in, marked; rank 1 does not adopt it again; the next checkpoint carries the
+    same state on; rank 2's own slot, claimed by another, is not written by it."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
+    from shmtrain.runtime.config import TrainConfig
+
+    store = dist.HashStore()
+    config = TrainConfig(checkpoint_every=10)
+    ranks = [Checkpointer(SimpleNamespace(rank=r, world_size=3, store=store), config, tmp_path, 10,
+                          lost=(lambda: {2}) if r < 2 else None) for r in range(3)]
+    for step in (10, 20):
+        ranks[0].save(_Trainer(1.0, step), step)
+        ranks[1].save(_Trainer(2.0, step + 1), step)
+        meta = json.loads((tmp_path / "checkpoints" / f"step-{step}" / "meta.json").read_text())
+        assert [r["iteration"] for r in meta["ranks"]] == [step, step + 1, 10]
+        assert meta["ranks"][2]["lost"] == {"state_of_rank": 0}
+        state = torch.load(tmp_path / "checkpoints" / f"step-{step}" / "rank-2.pt", weights_only=True)
+        assert float(state["model"]["w"][0]) == 1.0 and state["train"]["iteration"] == 10
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-20"
+    ranks[2].save(_Trainer(3.0, 20), 20)  # the lost rank after all: its slot was filled
+    state = torch.load(tmp_path / "checkpoints" / "step-20" / "rank-2.pt", weights_only=True)
+    assert float(state["model"]["w"][0]) == 1.0
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))

@@ -11,7 +11,8 @@ names in ``ckpt/last/rank-<r>``, or the checkpoint the run resumed from) into
 last state. The rank's record in ``meta.json`` says so (``"lost": {"state_of": M}``), and
 the adopter's log has one warning line. A rank lost before its first checkpoint of a
 fresh run has no state to carry: the adopter's own file stands in for it (its record says
-``"state_of_rank"``), a start as good as any for an asynchronous method's worker.
+``"state_of_rank"``), a start as good as any for an asynchronous method's worker; so does
+it for a rank whose file this rank cannot read (a run folder not shared across hosts).
 
 A rank claims its own slot too, before it writes its file, so a slot is filled once.
 """
@@ -91,7 +92,8 @@ def adopt(store: Any, folder: Path, step: int, rank: int, me: int, own: Path,
         data = own.read_bytes()
         iteration = int(json.loads(store.get(f"ckpt/{step}/rank-{me}"))["iteration"])
         lost = {"state_of_rank": me}
-        said = f"no state of its own (lost before its first checkpoint): rank {me}'s stands in"
+        said = (f"no state of its own (it was lost before its first checkpoint, or its file is on another "
+                f"host's disk): rank {me}'s stands in")
     write_atomic(tmp / f"rank-{rank}.pt", data)
     entry = {"rank": rank, "iteration": iteration, "bytes": len(data), "crc32": zlib.crc32(data), "lost": lost}
     store.set(f"ckpt/{step}/rank-{rank}", json.dumps(entry))
