@@ -109,10 +109,22 @@ def cpu_unless_a_cuda_test(request, monkeypatch):
     yield
 
 
+#: the shmtrain names in /dev/shm when the running test began (other jobs' on this machine)
+_BEFORE: set[str] = set()
+
+
+def new_segments() -> list[str]:
+    """The shmtrain names in /dev/shm that were not there when this test began: what a test
+    judges as its own leak (another job of this machine may hold names of its own)."""
+    return sorted(set(leftover()) - _BEFORE)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Fail the test if it leaves a shmtrain segment in /dev/shm or a child process."""
     before = set(leftover())
+    _BEFORE.clear()
+    _BEFORE.update(before)
     yield
     deadline = time.monotonic() + 5.0
     while True:

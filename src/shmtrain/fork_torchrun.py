@@ -85,6 +85,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _workers(args: argparse.Namespace) -> int:
+    """The job's workers as torchrun's options give them (the most nodes it may have)."""
+    per_node = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
+    nodes = str(args.nnodes).split(":")[-1]
+    return per_node * (int(nodes) if nodes.isdigit() else 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``shmtrain torchrun [torchrun options] (train ... | SCRIPT ...)``."""
     args = parse(sys.argv[1:] if argv is None else argv)
@@ -92,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS and not Path(command).is_file():
         raise SystemExit(f"shmtrain torchrun: {command!r} is neither a shmtrain command ({', '.join(COMMANDS)}) "
                          f"nor a script file; give `train ...` or the path of a Python script")
+    from shmtrain.runtime.launch.open_files import ensure_open_files
+
+    try:  # before torchrun's agent makes a socket: a low ulimit -n fails there far from its cause
+        ensure_open_files(_workers(args), f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes}")
+    except ValueError as exc:
+        print(f"shmtrain torchrun: error: {exc}", file=sys.stderr)
+        return 2
     try:
         preload(command, args.training_script_args if command in COMMANDS else [])
     except KeyboardInterrupt:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import at_once
-from shmtrain.fabric.shm.segment import leftover
+from conftest import at_once, new_segments
 from support.torchrun import FORK, TORCHRUN, env, free_port
 
 PROBE = """\
@@ -59,7 +58,7 @@ def test_two_forked_hosts_train_as_two_torchrun_hosts(tmp_path: Path) -> None:
         assert float((b[key] - a[key]).norm() / a[key].norm()) < 1e-6, key
     summary = json.loads((tmp_path / "fork" / "summary.json").read_text())
     assert summary["workers"] == 4 and summary["iterations"] == 12
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 def test_a_script_starts_with_torch_and_shmtrain_already_imported(tmp_path: Path) -> None:
@@ -130,4 +129,35 @@ def test_ctrl_c_stops_the_workers_saves_and_leaves_nothing(tmp_path: Path) -> No
     assert list((out / "checkpoints").glob("step-*"))
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # the whole group is gone
-    assert not leftover()
+    assert not new_segments(), new_segments()
+
+
+def _limit_open_files(soft: int, hard: int):
+    def limit() -> None:  # in the child only
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return limit
+
+
+@pytest.mark.parametrize("launcher", ["fork", "torchrun"])
+def test_an_open_file_limit_too_low_for_the_job_is_named_before_it_starts(tmp_path: Path, launcher: str) -> None:
+    """``ulimit -n 32``: one line naming the limit and the fix (gloo's sockets failed far from
+    it: "could not connect ... within 120 s"); a low soft limit under a high hard one is raised."""
+    port = free_port()
+    job = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    argv = [*FORK, *job, "train"] if launcher == "fork" else [*TORCHRUN, *job, "-m", "shmtrain", "train"]
+    argv += ["--iterations", "2", "--timeout", "20", "--no-progress", "--out", str(tmp_path / "run")]
+    done = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=120,
+                          preexec_fn=_limit_open_files(32, 32))
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if "open-file limit (ulimit -n) is 32 here" in line]
+    assert lines and "needs about 272 open files per process" in lines[0] and "ulimit -n 4096" in lines[0], \
+        done.stderr[-2000:]
+    if launcher == "fork":
+        assert done.returncode == 2 and "--nproc-per-node 2" in lines[0]
+        raised = subprocess.run([*FORK, *job, "train", "--iterations", "2", "--timeout", "20", "--no-progress",
+                                 "--out", str(tmp_path / "raised")], env=env(), capture_output=True, text=True,
+                                timeout=120, preexec_fn=_limit_open_files(32, 4096))
+        assert raised.returncode == 0, raised.stderr[-2000:]

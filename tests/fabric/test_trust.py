@@ -120,7 +120,8 @@ def _segment_as(name: str, uid: int, mode: int) -> Path:
 @pytest.mark.parametrize("attack", ["other name", "same name, another user's", "same name, anyone's"])
 def test_a_segment_another_user_planted_is_not_attached(attack: str) -> None:
     """Another local user writes the name of its own world-writable segment into the
-    host's store (or makes the run's name first): local rank 1 refuses to attach it."""
+    host's store, with a process and descriptor holding it (or announces the run's name
+    for such a segment): local rank 1 refuses to attach it."""
     import secrets
 
     import torch.distributed as dist
@@ -132,12 +133,14 @@ def test_a_segment_another_user_planted_is_not_attached(attack: str) -> None:
     planted = f"shmtrain-{secrets.token_hex(4)}-evil" if attack == "other name" else ours
     owner = os.geteuid() if attack == "same name, anyone's" else NOBODY
     path = _segment_as(planted, owner, 0o666)
+    held = os.open(path, os.O_RDWR)  # where the announcement says the segment is open
     store = dist.HashStore()
-    store.set("segment/0", planted)
+    store.set("segment/0", f"{planted} {os.getpid()} {held}")
     try:
         with pytest.raises(UntrustedError) as refused:
             HostGroup(store, 1, 2, prefix, None, timeout=2.0)
     finally:
+        os.close(held)
         path.unlink()
     message = str(refused.value)
     if attack == "other name":

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import new_segments
 from shmtrain.strategies.base import build_config
 from support.fake_hosts import inner_sgd, peer_batches, peer_model, run_peers
 from support.reference import flat_params, relative_error
@@ -291,7 +292,6 @@ def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
     import subprocess
     import sys
 
-    from shmtrain.fabric.shm.segment import leftover
     from support.torchrun import env, same_weights, two_hosts
 
     common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress"]
@@ -306,4 +306,4 @@ def test_two_hosts_through_the_hierarchical_allreduce(tmp_path) -> None:
     subprocess.run([sys.executable, "-m", "shmtrain", "train", *hybrid, "--batch-size", "16", "--workers", "2",
                     "--out", str(tmp_path / "lone-2")], check=True, timeout=150, env=env(), capture_output=True)
     same_weights(tmp_path / "lone-2", tmp_path / "hybrid-2x2")
-    assert not leftover()
+    assert not new_segments(), new_segments()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import new_segments
 from shmtrain.fabric.compress.codec import Codec, parse_compress
 from shmtrain.strategies.base import build_config
 from shmtrain.strategies.diloco import OUTER_DILOCO, OUTER_UNDER_MOMENTUM, outer_defaults
@@ -174,7 +175,6 @@ def test_two_hosts_through_the_leaders_all_gather(tmp_path) -> None:
     import subprocess
     import sys
 
-    from shmtrain.fabric.shm.segment import leftover
     from support.torchrun import env, same_weights, two_hosts
 
     common = ["--strategy", "diloco", "--iterations", "12", "--seed", "3", "--no-progress", "--batch-size", "8",
@@ -186,4 +186,4 @@ def test_two_hosts_through_the_leaders_all_gather(tmp_path) -> None:
     two_hosts(tmp_path / "hybrid-2x2", [*common, "--inner", "host-sync", "--compress", "topk:0.1,bits:4"])
     summary = json.loads((tmp_path / "hybrid-2x2" / "summary.json").read_text())
     assert summary["workers"] == 4 and summary["iterations"] == 12
-    assert not leftover()
+    assert not new_segments(), new_segments()

@@ -10,10 +10,11 @@ import sys
 from support.torchrun import free_port
 
 
-def start_server(clients: int, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """``shmtrain smb-server --clients CLIENTS EXTRA`` on a free port of 127.0.0.1, once it
-    says it is serving: the process and its ``host:port``."""
-    port = free_port()
+def start_server(clients: int, *extra: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """``shmtrain smb-server --clients CLIENTS EXTRA`` on a free port of 127.0.0.1 (or
+    ``port``), once it says it is serving: the process and its ``host:port``."""
+    port = free_port() if port is None else port
     proc = subprocess.Popen([sys.executable, "-m", "shmtrain", "smb-server", "--clients", str(clients),
                              "--port", str(port), "--timeout", "60", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

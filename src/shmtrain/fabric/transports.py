@@ -87,21 +87,22 @@ BUFFER_SERVICES = ("local", "remote")
 
 
 def open_buffer_service(ctx: ProcessContext, name: str = "local", address: str = "",
-                        secret: bytes | None = None) -> BufferService:
+                        secret: bytes | None = None, job_server: bool = False) -> BufferService:
     """The buffer service ``name`` for this worker of ``ctx`` (collective: every worker
     opens it, in the same order as its other collectives).
 
     ``local`` is :class:`LocalBufferService` on the host's shared memory (every worker
     of the host a client); ``remote`` is
     :class:`~shmtrain.fabric.smb.remote.RemoteBufferService` on the memory server at
-    ``address`` (every worker of the job a client; ``secret``, else ``SHMTRAIN_SECRET``).
+    ``address`` (every worker of the job a client; ``secret``, else ``SHMTRAIN_SECRET``;
+    ``job_server``: the job's own, which keeps no snapshot, so its loss is told apart).
     The name is checked before ``ctx`` is used.
     """
     if name not in BUFFER_SERVICES:
         raise ValueError(f"buffer service {name!r} is unknown; choose one of: {', '.join(BUFFER_SERVICES)}")
     if name == "remote":
         return RemoteBufferService(address, ctx.rank, ctx.world_size, secret=secret or read_secret(None),
-                                   timeout=ctx.host.timeout)
+                                   timeout=ctx.host.timeout, job_server=job_server)
     return LocalBufferService(ctx.host)
 
 
@@ -111,6 +112,7 @@ class Transports:
 
     def __init__(self, ctx: ProcessContext) -> None:
         self.ctx = ctx
+        self._job_server = ""  # the address of the memory server this job started, if any
 
     def allreduce(
         self,
@@ -196,15 +198,18 @@ class Transports:
         """The shared buffer service (SMB-API) of this job: ``local`` is the host's shared
         memory (every worker of the host a client), ``remote`` the memory server at
         ``address`` (every worker of the job a client; ``secret``, or ``SHMTRAIN_SECRET``)."""
-        return open_buffer_service(self.ctx, name, address, secret)
+        return open_buffer_service(self.ctx, name, address, secret,
+                                   job_server=bool(address) and address == self._job_server)
 
     def memory_server(self) -> tuple[str, bytes]:
         """Start this job's memory server next to global rank 0 (collective); its
         ``HOST:PORT`` and the secret the clients prove."""
         from shmtrain.fabric.smb.job_server import start_memory_server
 
-        return start_memory_server(self.ctx.store, self.ctx.rank, self.ctx.world_size, timeout=self.ctx.timeout,
-                                   rejoined=getattr(self.ctx, "rejoined", False))
+        address, secret = start_memory_server(self.ctx.store, self.ctx.rank, self.ctx.world_size,
+                                              timeout=self.ctx.timeout, rejoined=getattr(self.ctx, "rejoined", False))
+        self._job_server = address
+        return address, secret
 
     def host_combiner(self, order: Sequence[int], tensor, done, *, ready=None,
                       name: str = "combiner") -> HostCombiner | None:

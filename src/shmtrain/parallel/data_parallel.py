@@ -230,6 +230,10 @@ class DataParallel(nn.Module):
         strategies that train on without them."""
         return dict(self.strategy.lost_peers)
 
+    def lost_now(self) -> set[int]:
+        """The ranks known lost now (asynchronous strategies train on without them)."""
+        return self.strategy.lost_now()
+
     def global_state_dict(self) -> dict[str, torch.Tensor] | None:
         """After :meth:`close`, on the worker that held them: the module's state with its
         parameters replaced by the job's global weights (W_g, the centre variable the

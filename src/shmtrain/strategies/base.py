@@ -354,6 +354,11 @@ class Strategy:
         """
         return self.target_iterations is not None and self.iteration >= self.target_iterations
 
+    def lost_now(self) -> set[int]:
+        """The ranks known lost now, for a strategy that trains on without them (their last
+        state is checkpointed on); none by default (a synchronous run ends with one)."""
+        return set()
+
     # -- state ------------------------------------------------------------------
     def quiesce(self) -> None:
         """Drain exchanges still in flight, so ``state_dict`` is consistent (between

@@ -488,3 +488,17 @@ def test_bench_smb_remote_reports_the_service_beside_gloo(tmp_path: Path) -> Non
     assert ops == {"gloo-read", "gloo-write", "read", "write", "readwrite", "accumulate"}
     assert all(r["aggregate_GBps"] > 0 for r in rows)
     assert all("vs_gloo" in r for r in rows if r["op"] in ("read", "write"))
+
+
+@pytest.mark.parametrize("job_server", [False, True])
+def test_a_lost_server_s_advice_fits_the_server(job_server: bool) -> None:
+    """A stand-alone server is restarted from its snapshot; the job's own (started next to
+    global rank 0) writes none, so its loss points to the job's checkpoint instead."""
+    service = RemoteBufferService.__new__(RemoteBufferService)  # only the advice: no connection
+    service.address, service.timeout, service.job_server = "10.0.0.1:29600", 30.0, job_server
+    message = str(service._lost(RuntimeError("Connection closed by peer [10.0.0.1]:29600"), "reading W_g"))
+    assert "was lost" in message and "reading W_g" in message and "shmtrain train --resume RUN_DIR" in message
+    if job_server:
+        assert "keeps no snapshot" in message and "--resume from its snapshot" not in message, message
+    else:
+        assert "--resume from its snapshot" in message and "on the same address" in message, message

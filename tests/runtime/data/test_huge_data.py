@@ -75,3 +75,39 @@ def test_the_memory_check_counts_what_opening_the_data_costs_the_launcher() -> N
     private, _ = preflight.estimate_bytes(config, facts, 2)
     without, _ = preflight.estimate_bytes(config, light, 2)
     assert private - without >= 3 * (90 << 20)  # two workers open it, and the launcher holds it
+
+
+def test_an_evaluation_reads_at_most_eval_samples_items_spread_over_the_split() -> None:
+    from shmtrain.runtime.data.loader import HeldOut
+
+    class Source:  # the part of a DataSource HeldOut reads
+        tensors = None
+        num_classes, name = 2, "support.data_sets:huge"
+
+        def __init__(self, val) -> None:
+            self.val, self.val_samples = val, len(val)
+
+    _, val = split_user_data("support.data_sets:huge", Huge(2 * 10**7), None)
+    held = HeldOut(Source(val), limit=1000)
+    try:
+        seen = torch.cat([x[:, 0] for x, _ in held])
+    finally:
+        held.close()
+    assert len(held) == 1000 and len(seen) == 1000  # of 4 million held out
+    everything = HeldOut(Source(val), limit=0)
+    assert len(everything) == 4 * 10**6
+    everything.close()
+
+
+@pytest.mark.slow  # ~35 s: the bounded final evaluation of 50,000 lazy items on this VM
+@pytest.mark.timeout(150)
+def test_a_huge_lazy_data_set_trains_and_ends_without_evaluating_its_whole_split(tmp_path) -> None:
+    from conftest import run_main
+
+    start = time.monotonic()
+    done = run_main("train", "--data", "support.data_sets:huge", "--data-args", "size=20000000", "--model", "mlp",
+                    "--workers", "2", "--iterations", "3", "--loader-workers", "0", "--no-progress",
+                    "--out", str(tmp_path / "run"))
+    took = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    assert took < 90, f"{took:.0f} s"  # the whole split of 4e6 items did not end within 120 s

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shmtrain.fabric.shm.segment import leftover
+from conftest import new_segments
 from support.torchrun import env, two_hosts
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,7 +46,7 @@ def test_termination_policies_across_hosts(tmp_path: Path, policy: str) -> None:
         assert max(done.values()) == target  # the first finisher stopped at its target, no one passed it
     else:
         assert sum(done.values()) >= 4 * target and sum(done.values()) <= 4 * target + 4
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 @pytest.mark.slow  # 24 runs of 20 epochs: about 4 minutes on 2 cores

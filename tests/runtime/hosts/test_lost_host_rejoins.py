@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conftest import new_segments
 from shmtrain import strategies
 from shmtrain.fabric.job import context
 from shmtrain.fabric.shm.control import PeerFailure
-from shmtrain.fabric.shm.segment import leftover
 from support.memory_server import running_servers
 from support.torchrun import agent_workers, env, free_port, host_command, training_rows
 
@@ -149,4 +149,4 @@ def test_a_lost_host_started_again_rejoins_and_both_train_to_the_end(tmp_path: P
     while set(running_servers()) - before:
         assert time.monotonic() < deadline, "the memory server outlived the job"
         time.sleep(0.2)
-    assert not leftover()
+    assert not new_segments(), new_segments()

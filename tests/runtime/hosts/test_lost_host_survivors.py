@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shmtrain.fabric.shm.segment import leftover
+from conftest import new_segments
 from support.memory_server import running_servers
 from support.torchrun import agent_workers, start_hosts, training_rows
 
@@ -74,7 +74,7 @@ def test_the_other_host_trains_on_and_names_the_lost_workers(tmp_path: Path, str
     while set(running_servers()) - before:
         assert time.monotonic() < deadline, "the memory server outlived the job"
         time.sleep(0.2)
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 def test_a_synchronous_job_that_loses_a_host_ends_naming_it(tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_a_synchronous_job_that_loses_a_host_ends_naming_it(tmp_path: Path) -> N
     assert codes[0] != 0 and codes[1] != 0
     assert "with the other hosts' leaders failed" in outputs[0], outputs[0][-3000:]
     assert time.monotonic() - start < 100
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 @pytest.mark.slow  # ~20 s; the dead agent checked in for at the exit barrier: the hsgd whole-host loss by default
@@ -117,4 +117,4 @@ def test_a_lost_agent_does_not_keep_the_other_host_at_its_exit_barrier(tmp_path:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["workers_finished"] == 4, summary  # host 1's workers finished, without their agent
     assert ended - (out / "summary.json").stat().st_mtime < 60, output  # not torchrun's 300 s
-    assert not leftover()
+    assert not new_segments(), new_segments()

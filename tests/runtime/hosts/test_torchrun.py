@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import new_segments
 from shmtrain.cli import main
-from shmtrain.fabric.shm.segment import leftover
 from shmtrain.runtime.data.tensors import load_digits_data
 from support.paths import ROOT
 from support.torchrun import TORCHRUN, env, free_port, same_weights, two_hosts
@@ -36,7 +36,7 @@ def test_own_loop_example_under_torchrun_matches_single_process(tmp_path: Path) 
         opt.step()
     for name, value in model.state_dict().items():
         assert float((got[name] - value).norm() / value.norm()) < 1e-5, name
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 COMMON = ["--strategy", "ssgd", "--iterations", "15", "--batch-size", "8", "--seed", "3", "--no-progress"]
@@ -63,7 +63,7 @@ def test_two_hosts_equal_one_host_of_four(tmp_path: Path, overlap: bool) -> None
             assert float((two[key] - one[key]).norm() / one[key].norm()) < 1e-5, (name, key)
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["workers"] == 4 and summary["iterations"] == 15
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 @pytest.mark.slow  # ~48 s: two torchrun hosts twice; two hosts equal one host of four by default above
@@ -80,7 +80,7 @@ def test_gpi_and_cpu_acc_across_hosts_equal_one_host(tmp_path: Path) -> None:
         same_weights(tmp_path / f"{strategy}-1x4", tmp_path / f"{strategy}-2x2")
         summary = json.loads((tmp_path / f"{strategy}-2x2" / "summary.json").read_text())
         assert summary["workers"] == 4 and summary["iterations"] == 12
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 # staged equals unstaged on one host by default in strategies/layout/test_staged.py
@@ -103,7 +103,7 @@ def test_staged_strategies_across_hosts_equal_one_host_unstaged(tmp_path: Path, 
         phases = {name: json.loads((tmp_path / name / "summary.json").read_text())["phases_ms"]
                   for name in (f"{strategy}-1x4", f"{strategy}-2x2")}
         assert "copy_to_host" in phases[f"{strategy}-2x2"] and "copy_to_host" not in phases[f"{strategy}-1x4"]
-    assert not leftover()
+    assert not new_segments(), new_segments()
 
 
 @pytest.mark.slow  # two more launches of the same code path
@@ -114,4 +114,4 @@ def test_cpu_acc_on_three_hosts_equals_one_host_of_three(tmp_path: Path) -> None
     subprocess.run([sys.executable, "-m", "shmtrain", "train", *args, "--workers", "3",
                     "--out", str(tmp_path / "cpu_acc-1x3")], check=True, timeout=150, env=env(), capture_output=True)
     same_weights(tmp_path / "cpu_acc-1x3", tmp_path / "cpu_acc-3x1")
-    assert not leftover()
+    assert not new_segments(), new_segments()

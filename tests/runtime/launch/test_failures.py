@@ -14,8 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import descendants, worker_process
-from shmtrain.fabric.shm.segment import leftover
+from conftest import descendants, new_segments, worker_process
 
 
 def start_long_run(out: Path) -> subprocess.Popen:
@@ -45,7 +44,7 @@ def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
 def assert_all_gone(launcher: subprocess.Popen, workers: list[int]) -> None:
     assert not [pid for pid in workers
                 if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert not leftover(), leftover()
+    assert not new_segments(), new_segments()
 
 
 def test_sigkill_of_a_worker_fails_the_run_naming_it(tmp_path: Path) -> None:
@@ -85,7 +84,7 @@ def test_sigkill_of_the_launcher_takes_the_workers_down(tmp_path: Path) -> None:
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in workers):
         time.sleep(0.2)
     assert not [p for p in workers if psutil.pid_exists(p)]
-    assert not leftover(), leftover()
+    assert not new_segments(), new_segments()
 
 
 # killed workers whose peers train on: runtime/hosts/test_lost_host_survivors.py (hsgd, a whole host) by default

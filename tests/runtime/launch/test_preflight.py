@@ -99,3 +99,44 @@ def test_bad_input_is_one_clear_line(workspace: Path, capsys, args: list[str], w
     created = set(workspace.iterdir()) - before - {workspace / "run.toml"}
     assert not created, f"left behind: {created}"
     assert elapsed < 20, elapsed
+
+
+def _fake_cgroup_v2(root: Path, monkeypatch, limit: int, used: int) -> Path:
+    """A cgroup v2 tree under ``root`` whose leaf (this process's) is under a parent with
+    ``limit``, ``used`` bytes in use."""
+    from shmtrain.runtime.launch import preflight
+
+    leaf = root / "job.slice" / "run"
+    leaf.mkdir(parents=True)
+    (root / "job.slice" / "memory.max").write_text(f"{limit}\n")
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.current").write_text(f"{used}\n")
+    proc = root / "self-cgroup"
+    proc.write_text("0::/job.slice/run\n")
+    monkeypatch.setattr(preflight, "CGROUP_ROOT", root)
+    monkeypatch.setattr(preflight, "PROC_CGROUP", proc)
+    return root / "job.slice" / "memory.max"
+
+
+def test_a_cgroup_memory_limit_below_what_the_run_needs_is_refused_naming_it(workspace: Path, capsys,
+                                                                            monkeypatch) -> None:
+    limit = _fake_cgroup_v2(workspace / "cgroup", monkeypatch, limit=int(1.2 * (1 << 30)), used=300 << 20)
+    argv = ["--model", "resnet18", "--data", "synthetic", "--input-shape", "3x64x64", "--samples", "2000",
+            "--batch-size", "256", "--workers", "2", "--out", str(workspace / "run")]
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert "cgroup memory limit (1.2 GiB in " + str(limit) in err and "300.0 MiB in use" in err, err
+    assert "--force" in err and "--batch-size" in err
+
+
+def test_a_tiny_dev_shm_is_named_with_real_sizes(monkeypatch) -> None:
+    from shmtrain.runtime.config import TrainConfig
+    from shmtrain.runtime.launch import preflight
+
+    config = TrainConfig(model="mlp", data="digits", workers=2)
+    facts = preflight.check_data(config)
+    monkeypatch.setattr(preflight, "available_bytes", lambda: (64 << 30, 1 << 20, "available"))
+    with pytest.raises(ValueError) as refused:
+        preflight.check_memory(config, facts, 2, preflight.ModelProbe(4 << 20, 0, 10))
+    assert "the shared buffers need about 16.0 MiB in /dev/shm but 1.0 MiB is free there" in str(refused.value)

@@ -137,3 +137,14 @@ def test_bf16_trains_to_within_one_point_of_float32(tmp_path: Path) -> None:
         accuracy[amp] = json.loads((tmp_path / amp / "summary.json").read_text())["accuracy"]
     assert accuracy["none"] > 0.9
     assert abs(accuracy["bf16"] - accuracy["none"]) <= 0.01, accuracy
+
+
+def test_an_fp16_overflow_at_the_first_iteration_says_float16_not_the_learning_rate(tmp_path: Path) -> None:
+    from conftest import run_main
+
+    done = run_main("train", "--amp", "fp16", "--model", "support.odd_models:loud", "--workers", "2",
+                    "--iterations", "5", "--no-progress", "--out", str(tmp_path / "run"))
+    assert done.returncode == 1, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "loss at iteration 1 is " in line and "float16, which holds numbers up to 65504" in line, line
+    assert "--amp bf16" in line and "no update has been made yet" in line and "lower --lr" not in line, line

@@ -169,7 +169,7 @@ class OneSidedWindow:
             control = self.host.control
             raise PeerTimeout(
                 f"local rank {peer} (pid {control.pid(peer) if peer >= 0 else '?'}) did not "
-                f"send {what} within {self.host.timeout:.0f} s"
+                f"send {what} within {self.host.timeout:.0f} s", peer=peer if peer >= 0 else None
             )
         futex_wait(self._doorbell_addr[self.rank], token, min(_SLICE_S, deadline - now))
 
@@ -181,7 +181,7 @@ class OneSidedWindow:
             who, code = failed
             raise PeerFailure(
                 f"local rank {who} (pid {control.pid(who)}) failed (code {code}) while this "
-                f"worker waited for {what}"
+                f"worker waited for {what}", peer=who
             )
         for peer in senders:
             finished = control.finished_failure(peer, what, self.rank)
@@ -191,7 +191,7 @@ class OneSidedWindow:
                 control.abort(peer, DIED)  # the root cause, before this worker's own failure
                 raise PeerFailure(
                     f"local rank {peer} (pid {control.pid(peer)}) died while this worker "
-                    f"waited for {what}"
+                    f"waited for {what}", peer=peer
                 )
 
     def wait(self, notification: int, value: int, *, sender: int, timeout: float, what: str) -> None:

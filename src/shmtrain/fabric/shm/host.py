@@ -1,22 +1,25 @@
 """The workers of one host: collective allocation of shared segments, channels, barriers.
 
 Set-up is a collective among the host's local ranks, in the same order on each: local
-rank 0 creates a segment, announces its name through the torch.distributed store, the
-others attach and acknowledge, and rank 0 unlinks the name at once (see
-:mod:`shmtrain.fabric.shm.segment` for why that makes leaks impossible after set-up). Every
-rank knows the name (the run's prefix, the segment's index and tag): a different name
-in the store is refused, and the segment is attached only if this user alone can open it.
+rank 0 creates a segment and unlinks its name at once, before it is even sized (see
+:mod:`shmtrain.fabric.shm.segment`), announces its name, process id and descriptor
+through the torch.distributed store, and the others open that descriptor
+(``/proc/<pid>/fd/<fd>``), map it and acknowledge. No name waits in /dev/shm for the
+peers, so a SIGKILL of any local rank at any point of set-up leaves nothing behind. Every
+rank knows the name (the run's prefix, the segment's index and tag): a different name in
+the store is refused, and the segment is attached only if this user alone can open it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
-from shmtrain.fabric.shm.control import ControlBlock, PeerTimeout
-from shmtrain.fabric.shm.segment import SharedSegment
+from shmtrain.fabric.shm.control import ControlBlock, PeerFailure, PeerTimeout
+from shmtrain.fabric.shm.segment import SharedSegment, open_descriptor
 from shmtrain.fabric.trust import UntrustedError
 
 
@@ -102,24 +105,34 @@ class HostGroup:
         name = f"{self.prefix}-{index}-{tag}"[:200]
         key = f"segment/{index}"
         if self.local_rank == 0:
-            segment = SharedSegment(name, nbytes, create=True)
-            try:
-                if init is not None:
-                    init(segment)
-                if self.local_world == 1:
-                    return segment
-                self.store.set(key, name)
-                self._await_count(f"{key}/attached", self.local_world - 1, f"attach of {name}")
-            finally:
-                segment.unlink()
+            segment = SharedSegment(name, nbytes, create=True, named=False)  # no name left behind
+            if init is not None:
+                init(segment)
+            if self.local_world == 1:
+                return segment
+            self.store.set(key, f"{name} {os.getpid()} {segment.fd}")
+            self._await_count(f"{key}/attached", self.local_world - 1, f"attach of {name}")
         else:
             announced = self.store.get(key).decode(errors="replace")
-            if announced != name:  # every rank knows the name: the store only says it is ready
+            words = announced.split(" ")
+            if len(words) != 3 or words[0] != name or not (words[1].isdigit() and words[2].isdigit()):
+                # every rank knows the name: the store only says where it is open
                 raise UntrustedError(
                     f"the job's store announced segment {announced[:80]!r} where this run's is {name!r}: "
                     "someone other than local rank 0 wrote the store; refused (run on a host and a store "
                     "that only this user reaches: docs/security.md)")
-            segment = SharedSegment(name, nbytes, create=False)
+            pid, fd = int(words[1]), int(words[2])
+            if self.control is not None and self.control.pid(0) > 0 and pid != self.control.pid(0):
+                raise UntrustedError(
+                    f"the job's store announced segment {name!r} open in process {pid}, which is not local "
+                    f"rank 0 (pid {self.control.pid(0)}); refused (run on a host and a store that only this "
+                    "user reaches: docs/security.md)")
+            try:
+                own = open_descriptor(pid, fd, f"shared-memory segment {name!r}")
+            except OSError as exc:
+                raise PeerFailure(f"local rank 0 (pid {pid}) ended before this worker attached segment "
+                                  f"{name!r} ({exc.strerror})", peer=0) from None
+            segment = SharedSegment(name, nbytes, create=False, fd=own)
             self.store.add(f"{key}/attached", 1)
         return segment
 

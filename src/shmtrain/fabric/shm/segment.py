@@ -7,8 +7,11 @@ another user made first, or a world-writable file, is refused, whoever announced
 outliving a run is: the creator makes the name, every peer attaches (maps it), then the
 creator unlinks the name at once; the mappings stay valid until each process exits, so
 nothing is left in /dev/shm whatever way a process ends after set-up (normal end,
-exception, Ctrl-C, SIGKILL). :func:`sweep` removes a run's names left by a failure
-during set-up.
+exception, Ctrl-C, SIGKILL). A host's collective segments (``fabric/shm/host.py``) close
+the set-up window too: their name is unlinked right after it is made (``named=False``)
+and the peers open the creator's descriptor (:func:`open_descriptor`), so a SIGKILL while
+the creator waits for its peers leaves nothing. :func:`sweep` removes a run's names left
+by a failure during the set-up of the others.
 """
 
 from __future__ import annotations
@@ -40,9 +43,14 @@ class SharedSegment:
         create: create it (mode 0600, fails if it exists) or attach to an existing one.
         fd: attach through this inherited descriptor instead of the name (which may
             already be unlinked); the segment takes ownership of it.
+        named: with ``create``, False unlinks the name right after it is made, before
+            the segment is sized or mapped (peers then open it through the creator's
+            descriptor, :func:`open_descriptor`): nothing of it can outlive the processes
+            that map it, whenever they are killed.
     """
 
-    def __init__(self, name: str, nbytes: int, *, create: bool, fd: int | None = None) -> None:
+    def __init__(self, name: str, nbytes: int, *, create: bool, fd: int | None = None,
+                 named: bool = True) -> None:
         if not name.startswith(PREFIX) or "/" in name:
             raise ValueError(f"segment name {name!r} must start with {PREFIX!r} and hold no '/'")
         if nbytes <= 0:
@@ -56,6 +64,8 @@ class SharedSegment:
                 raise ValueError(f"segment {name!r} (fd {fd}) is smaller than {nbytes} bytes")
         elif create:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            if not named:
+                path.unlink(missing_ok=True)
             try:
                 os.ftruncate(fd, nbytes)
             except BaseException:
@@ -81,7 +91,7 @@ class SharedSegment:
             os.close(fd)
             raise
         self.fd = fd  # kept open: stitched views map pieces of the segment again
-        self._unlinked = False
+        self._unlinked = create and not named
 
     def tensor(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
         """A zero-copy tensor over ``numel`` elements starting at byte ``offset``."""
@@ -119,6 +129,25 @@ class SharedSegment:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def open_descriptor(pid: int, fd: int, what: str) -> int:
+    """A descriptor of the file that process ``pid`` (a peer of this host, this user's) has
+    open at ``fd`` (``/proc/<pid>/fd/<fd>``: a segment whose name is already unlinked),
+    refused unless this user alone can open that file.
+
+    Raises:
+        UntrustedError: the file is another user's, or others may open it.
+        OSError: the process or its descriptor is gone (it ended during set-up).
+    """
+    own = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR)
+    try:
+        check_fd(own, what, "shmtrain attaches only its own segments (another user's, or one anyone can "
+                 "open, could read or change this run's tensors)", private=True)
+    except BaseException:
+        os.close(own)
+        raise
+    return own
 
 
 def sweep(prefix: str) -> list[str]:

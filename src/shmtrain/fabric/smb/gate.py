@@ -66,6 +66,8 @@ class Gate:
     def _open_gate(self) -> None:
         self.keys: dict[int, BufferKey] = {}  # by id; given out by this server only
         self.names: dict[str, int] = {}
+        #: names restored from a snapshot (``--resume``) that no create has taken over yet
+        self.restored: set[str] = set()
         self._audit = StoreAudit(self.store, self.secret, self.nonce, self._own, self.clients)
         self._last_audit = 0.0
         self._proofs: dict[bytes, int] = {}  # every client proof received -> its connection
@@ -161,6 +163,15 @@ class Gate:
                 return self._reply(client, NOT_FOUND, seq)
             key = self.keys[known]
             return self._reply(client, OK, seq, known, extra=(key.numel, DTYPES.index(key.dtype)))
+        if known is not None and name in self.restored:
+            key = self.keys[known]
+            if key.numel == numel and 0 <= code < len(DTYPES) and key.dtype == DTYPES[code]:
+                # a job started again after the server was: its first create of each name
+                # takes over the buffer restored from the snapshot (its values kept; once)
+                self.restored.discard(name)
+                self.log(f"shmtrain smb-server: {self._who(client)}: create of {name!r} takes over the buffer "
+                         "restored from the snapshot")
+                return self._reply(client, OK, seq, known)
         if known is not None:
             self.log(f"shmtrain smb-server: {self._who(client)}: create of {name!r} refused: the name is already "
                      "taken (look it up instead)")

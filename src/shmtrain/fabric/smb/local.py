@@ -365,12 +365,12 @@ class LocalBufferService(BufferService):
         failed = self.control.aborted()
         if failed is not None:
             who, code = failed
-            raise PeerFailure(f"local rank {who} failed (code {code}) while this worker waited for {what}")
+            raise PeerFailure(f"local rank {who} failed (code {code}) while this worker waited for {what}", peer=who)
         if not self.board.alive(self.owner):
             self.control.abort(self.owner, DIED)  # the root cause, for every other waiter
             raise PeerFailure(
                 f"SMB owner (local rank {self.owner}, pid {self.control.pid(self.owner)}) died "
-                f"while this worker waited for {what}"
+                f"while this worker waited for {what}", peer=self.owner
             )
 
     def close(self) -> None:

@@ -84,7 +84,9 @@ class RemoteBufferService(BufferService):
     """
 
     def __init__(self, address: str, rank: int, world: int, *, secret: bytes | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, job_server: bool = False) -> None:
+        #: the job's own server (started next to global rank 0): it keeps no snapshot
+        self.job_server = job_server
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--smb-server {address!r} must be HOST:PORT, e.g. 127.0.0.1:29600")
@@ -165,9 +167,16 @@ class RemoteBufferService(BufferService):
         text = str(exc)
         if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused",
                                    "Connection was likely closed")):  # the last: the store's words
+            if self.job_server:
+                return PeerFailure(f"the job's memory server at {self.address} (started next to global rank 0) "
+                                   f"was lost (its connection closed: it died or was stopped) while {what}; it "
+                                   "keeps no snapshot, so the job ends here: continue it from its latest "
+                                   "checkpoint (shmtrain train --resume RUN_DIR, under torchrun as well), or run "
+                                   "a `shmtrain smb-server --snapshot-every S` of your own and pass --smb-server")
             return PeerFailure(f"the memory server at {self.address} was lost (its connection closed: it died "
-                               f"or was stopped) while {what}; restart it, with --resume from its "
-                               "snapshot if it wrote one")
+                               f"or was stopped) while {what}; restart it on the same address, with --resume from "
+                               "its snapshot if it wrote one, then continue the job with shmtrain train --resume "
+                               "RUN_DIR")
         if "Timed out" in text or "timed out" in text:
             return PeerTimeout(f"the memory server at {self.address} did not answer within "
                                f"{self.timeout:.0f} s while {what}")

@@ -9,8 +9,7 @@ address alone (:func:`~shmtrain.fabric.trust.bound_store`); a non-loopback bind 
 which client and server prove to each other on each connection (:mod:`~shmtrain.fabric.smb.handshake`);
 a client that has not is refused with one logged line and nothing changes. Buffer names and ids are
 given out on the authenticated link only; :class:`~shmtrain.fabric.smb.board.StoreAudit` logs every
-store entry a party without the secret wrote.
-"""
+store entry a party without the secret wrote."""
 
 from __future__ import annotations
 
@@ -65,7 +64,7 @@ class MemoryServer(Gate):
         secret: shared secret every client must prove; required for a non-loopback bind.
         timeout: seconds a connection, a payload or a reply may take.
         log: where reasons for refusals and errors go.
-        resume: a snapshot file (:meth:`snapshot`) to start the buffers from.
+        resume: a snapshot file (:meth:`snapshot`) to start the buffers from (taken over by creates).
     """
 
     def __init__(self, clients: int, *, bind: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
@@ -140,6 +139,7 @@ class MemoryServer(Gate):
     def _resume(self, path: str) -> None:
         self.keys, self.buffers, self.applied = read_snapshot(path)
         self.names = {key.name: i for i, key in self.keys.items()}
+        self.restored = set(self.names)
 
     # -- serving -----------------------------------------------------------------------
     def serve(self) -> None:

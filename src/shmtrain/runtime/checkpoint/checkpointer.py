@@ -24,7 +24,9 @@ set, whichever it is, finishes the checkpoint: ``meta.json`` and ``config.toml``
 atomically, then the oldest complete checkpoints beyond ``--keep-checkpoints`` are
 removed. Nobody waits for anybody: asynchronous strategies keep their asynchrony, and
 a rank that dies leaves an incomplete ``.tmp`` folder while the previous checkpoint stays
-intact. Every rank saves at the same iteration numbers (multiples of
+intact, unless its strategy trains on without it: then the others carry its last state
+into each checkpoint (``runtime/checkpoint/lost_ranks.py``), which completes. Every rank
+saves at the same iteration numbers (multiples of
 ``--checkpoint-every``, below the planned total); the final checkpoint, written when
 a rank's loop ends (target reached, termination alignment, or an agreed stop), takes the
 name the first finisher proposes (``store.compare_set``), so ranks of an asynchronous
@@ -52,9 +54,11 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shmtrain.runtime.checkpoint import lost_ranks
 from shmtrain.runtime.checkpoint.files import (
     CHECKPOINTS,
     FORMAT,
@@ -69,6 +73,7 @@ from shmtrain.runtime.checkpoint.files import (
 )
 from shmtrain.runtime.config import TrainConfig, to_toml
 from shmtrain.runtime.files import LineLog, cannot_write, fsync_dir, write_atomic
+from shmtrain.runtime.train.finite import check_state
 
 
 # -- the worker side ----------------------------------------------------------------------
@@ -80,9 +85,12 @@ class Checkpointer:
         config: the run's configuration (``checkpoint_every``, ``keep_checkpoints``).
         out: the run folder.
         steps_per_epoch: iterations per epoch (the default interval).
+        lost: the ranks known lost now (an asynchronous strategy's ``lost_now``): their
+            last state is carried into each checkpoint (``runtime/checkpoint/lost_ranks.py``).
     """
 
-    def __init__(self, ctx: Any, config: TrainConfig, out: Path, steps_per_epoch: int) -> None:
+    def __init__(self, ctx: Any, config: TrainConfig, out: Path, steps_per_epoch: int,
+                 lost: Callable[[], set[int]] | None = None) -> None:
         self.ctx = ctx
         self.out = Path(out)
         self.folder = self.out / CHECKPOINTS
@@ -91,6 +99,8 @@ class Checkpointer:
         self.keep = config.keep_checkpoints
         self.config_toml = to_toml(config)
         self.strategy = config.strategy
+        self.lost = lost if lost is not None else set
+        self._adopted: set[int] = set()  # lost ranks whose state this rank carried on (warned once)
         #: step of the checkpoint this run started from (None: a fresh run)
         self.resumed_from: int | None = None
         #: the last checkpoint this rank took part in
@@ -140,10 +150,14 @@ class Checkpointer:
             CheckpointError: a file could not be written (names it; the previous
                 checkpoint stays intact).
         """
-        state = trainer.state_dict(copy=False)  # serialized at once: no snapshot copy
         ctx = self.ctx
         tmp = self.folder / f"step-{step}.tmp"
         file = tmp / f"rank-{ctx.rank}.pt"
+        if not lost_ranks.claim(ctx.store, step, ctx.rank):
+            return  # held for lost, its slot filled by another rank: the job goes on without it
+        state = trainer.state_dict(copy=False)  # serialized at once: no snapshot copy
+        last = latest(self.out)
+        check_state(state, step, ctx.rank, str(last) if last else None)  # only finite ones are committed
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             size, crc = save_file(state, file)
@@ -151,8 +165,22 @@ class Checkpointer:
             raise CheckpointError(self._cannot(file, exc, tensor_bytes(state))) from None
         record = {"rank": ctx.rank, "iteration": int(state["train"]["iteration"]), "bytes": size, "crc32": crc}
         ctx.store.set(f"ckpt/{step}/rank-{ctx.rank}", json.dumps(record))
+        lost_ranks.note_state(ctx.store, step, ctx.rank)
         self.last = self.folder / f"step-{step}"
-        if ctx.store.add(f"ckpt/{step}/count", 1) == ctx.world_size:
+        self._count_in(step, tmp)
+        for rank in sorted(self.lost()):  # the lost ranks' last state, so the checkpoint completes
+            if lost_ranks.claim(ctx.store, step, rank):
+                try:
+                    lost_ranks.adopt(ctx.store, self.folder, step, rank, ctx.rank, file, self.resumed_from,
+                                     warn=rank not in self._adopted)
+                    self._adopted.add(rank)
+                except OSError as exc:
+                    raise CheckpointError(self._cannot(tmp / f"rank-{rank}.pt", exc)) from None
+                self._count_in(step, tmp)
+
+    def _count_in(self, step: int, tmp: Path) -> None:
+        """Count one rank's file of checkpoint ``step`` in; the last one finishes it."""
+        if self.ctx.store.add(f"ckpt/{step}/count", 1) == self.ctx.world_size:
             self._complete(step, tmp)
 
     def save_final(self, trainer: Any, proposal: int) -> Path | None:

@@ -48,7 +48,7 @@ _STEP = re.compile(r"^step-(\d+)$")
 MAY_CHANGE = frozenset({
     "iterations", "epochs", "out", "timeout", "progress", "verbose", "threads", "prefetch", "force",
     "checkpoint_every", "keep_checkpoints", "max_restarts",
-    "eval_every", "tensorboard", "trace", "loader_workers", "keep_best", "early_stop",
+    "eval_every", "eval_samples", "tensorboard", "trace", "loader_workers", "keep_best", "early_stop",
 })
 
 

@@ -201,23 +201,54 @@ def open_batches(source: DataSource, sampler: ShardSampler, config: Any, device:
                          config.seed, start)
 
 
-class HeldOut:
-    """Rank 0's held-out set in batches of :data:`EVAL_BATCH`: slices of tensors, or a
-    DataLoader whose processes persist between evaluations (ended by :meth:`close`)."""
+class Spread:
+    """``count`` indices spread evenly over ``range(size)`` (``i * size // count``), computed
+    per index: a bounded evaluation's subset of a huge held-out split in O(1) memory."""
 
-    def __init__(self, source: DataSource, workers: int = 0, pin: bool = False) -> None:
-        self.source = source
-        self.loader: DataLoader | None = None
-        if source.tensors is None:
-            self.loader = _loader(source.val, workers, pin, 2 * max(1, workers), 0, batch_size=EVAL_BATCH)
+    def __init__(self, size: int, count: int) -> None:
+        self.size, self.count = size, min(count, size)
 
     def __len__(self) -> int:
-        return self.source.val_samples
+        return self.count
+
+    def __getitem__(self, i: int) -> int:
+        if not -self.count <= i < self.count:
+            raise IndexError(i)
+        return (i % self.count) * self.size // self.count
+
+
+class HeldOut:
+    """Rank 0's held-out set in batches of :data:`EVAL_BATCH`: slices of tensors, or a
+    DataLoader whose processes persist between evaluations (ended by :meth:`close`).
+    ``limit`` (``--eval-samples``; 0: none) bounds the items an evaluation reads: a larger
+    split is evaluated on :class:`Spread` of it, the same items every time, so an
+    evaluation of a huge lazy data set's split ends in bounded time."""
+
+    def __init__(self, source: DataSource, workers: int = 0, pin: bool = False, limit: int = 0) -> None:
+        self.source = source
+        self.loader: DataLoader | None = None
+        total = source.val_samples
+        #: the held-out items each evaluation reads (all of them, or ``limit`` spread over them)
+        self.samples = min(total, limit) if limit else total
+        self.spread = Spread(total, self.samples) if self.samples < total else None
+        if source.tensors is None:
+            val = source.val if self.spread is None else torch.utils.data.Subset(source.val, self.spread)
+            self.loader = _loader(val, workers, pin, 2 * max(1, workers), 0, batch_size=EVAL_BATCH)
+
+    def __len__(self) -> int:
+        return self.samples
 
     def __iter__(self) -> Iterator[Any]:
         if self.loader is None:
             assert self.source.tensors is not None
-            yield from self.source.tensors.held_out_batches(EVAL_BATCH)
+            if self.spread is None:
+                yield from self.source.tensors.held_out_batches(EVAL_BATCH)
+                return
+            index = torch.arange(self.samples, dtype=torch.int64) * self.spread.size // self.samples
+            x, y = self.source.tensors.test_x, self.source.tensors.test_y
+            for start in range(0, self.samples, EVAL_BATCH):
+                part = index[start : start + EVAL_BATCH]
+                yield x[part], y[part]
             return
         try:
             for batch in self.loader:

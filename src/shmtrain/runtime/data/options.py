@@ -62,6 +62,11 @@ class DataOptions:
         None, "the share of the data held out for evaluation when no separate validation set is given "
         "(a permutation with seed 0, the same for every --seed)", "data", default_text=str(VAL_FRACTION),
         example=VAL_FRACTION, metavar="F")
+    eval_samples: int = option(
+        50_000, "held-out items each evaluation uses at most (ImageNet's validation set is 50,000): a "
+        "fixed subset spread evenly over a larger held-out split (every k-th item; the same at every "
+        "evaluation), so a huge lazy data set's evaluation ends; 0: all of them", "data",
+        metavar="N")
     transform: Transform | None = option(
         None, "image-folder transforms: none (resize, values in [0, 1]); normalize (resize, then "
         "ImageNet mean/std); standard (training: random resized crop and horizontal flip; evaluation: "
@@ -96,6 +101,8 @@ class DataOptions:
               "use e.g. --image-size 32")
         _need(self.loader_workers is None or self.loader_workers >= 0, "loader-workers", self.loader_workers,
               "must not be negative", "use e.g. --loader-workers 2, or 0 to decode in the training process")
+        _need(self.eval_samples >= 0, "eval-samples", self.eval_samples, "must not be negative",
+              "use e.g. --eval-samples 10000, or 0 to evaluate the whole held-out split")
         _need(self.val_fraction is None or 0 < self.val_fraction < 1, "val-fraction", self.val_fraction,
               "the held-out share must be in (0, 1)", "use e.g. --val-fraction 0.2")
         self._check_model()

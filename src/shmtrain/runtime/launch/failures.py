@@ -31,6 +31,9 @@ class WorkerFailed(RuntimeError):
         self.cause: str | None = None
         #: True when the zygote that forked the workers died (and they with it)
         self.zygote = False
+        #: True when the worker's training diverged (a non-finite loss or state): a restart
+        #: from the same checkpoint would meet it again, so none is made
+        self.diverged = False
 
 
 #: the exit status of a job one of whose ranks ended with status 0 while the others needed it
@@ -177,6 +180,7 @@ def failure_of(children: list[Any], rank: int, code: int, record: dict[str, Any]
         failure = WorkerFailed(f"worker rank {rank} (pid {pid}) failed: {describe_exit(code)}"
                                + shm_note(code) + logs.last_line(rank) + logs.where(rank), rank, code)
     failure.cause = cause
+    failure.diverged = bool(record.get("diverged"))
     return failure
 
 

@@ -6,8 +6,8 @@ class count, a sample of its files readable, no link to a folder in a folder of 
 no ``train``/``val`` split folders taken for classes), the batch size against the
 training set, the model's outputs against the data's classes (one forward pass on a zero
 batch, which the memory estimate uses too), the ``--out`` path, the worker count against
-the cores, and the memory the run needs against what is free in RAM and in /dev/shm
-(admission control). ``--force`` lets a run
+the cores, and the memory the run needs against what is free in RAM (or under this process's cgroup
+memory limit, when that is lower) and in /dev/shm (admission control). ``--force`` lets a run
 past the last two, which are estimates. Every message names the option, the value, the
 rule and a fix.
 """
@@ -154,15 +154,86 @@ def estimate_bytes(config: TrainConfig, facts: DataFacts, workers: int,
     return private, shared
 
 
-def available_bytes() -> tuple[int, int]:
-    """(RAM available, /dev/shm free) in bytes."""
+#: where the cgroup file systems are mounted, and this process's cgroups
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+#: a cgroup limit at or above this is no limit (the kernel's "max" of cgroup v1)
+NO_LIMIT = 1 << 60
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return NO_LIMIT if text == "max" else int(text) if text.isdigit() else None
+
+
+def cgroup_memory() -> tuple[int, int, str] | None:
+    """This process's cgroup memory limit: ``(limit, in use, the file that sets it)``, the
+    lowest of its cgroup and the cgroups above it (v2: ``memory.max``; v1: the hierarchical
+    limit in ``memory.stat``); None when no limit applies or none can be read."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    found: tuple[int, int, str] | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: every folder from this one up to the root
+            folder = CGROUP_ROOT / path.lstrip("/")
+            if not folder.is_dir():
+                folder = CGROUP_ROOT  # a namespace whose root is this cgroup
+            used = _read_int(folder / "memory.current")
+            while True:
+                limit = _read_int(folder / "memory.max")
+                if limit is not None and limit < NO_LIMIT and (found is None or limit < found[0]):
+                    found = (limit, used or 0, str(folder / "memory.max"))
+                if folder == CGROUP_ROOT or CGROUP_ROOT not in folder.parents:
+                    break
+                folder = folder.parent
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = CGROUP_ROOT / "memory"
+            folder = base / path.lstrip("/")
+            folder = folder if folder.is_dir() else base
+            limit = None
+            try:
+                for row in (folder / "memory.stat").read_text().splitlines():
+                    if row.startswith("hierarchical_memory_limit "):
+                        limit = int(row.split()[1])
+            except (OSError, ValueError):
+                limit = _read_int(folder / "memory.limit_in_bytes")
+            if limit is not None and limit < NO_LIMIT and (found is None or limit < found[0]):
+                found = (limit, _read_int(folder / "memory.usage_in_bytes") or 0,
+                         str(folder / "memory.limit_in_bytes"))
+    return found
+
+
+def available_bytes() -> tuple[int, int, str]:
+    """(RAM available, /dev/shm free) in bytes, and where the first figure comes from: the
+    host's MemAvailable, or a cgroup memory limit less what the cgroup uses when that is
+    lower (a container's limit: the OOM killer enforces it, MemAvailable does not show it)."""
     available = 0
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1]) * 1024
+    source = "available (MemAvailable in /proc/meminfo)"
+    limit = cgroup_memory()
+    if limit is not None and limit[0] - limit[1] < available:
+        available = max(0, limit[0] - limit[1])
+        source = (f"left under this process's cgroup memory limit ({size_text(limit[0])} in {limit[2]}, "
+                  f"{size_text(limit[1])} in use; the OOM killer enforces it)")
     shm = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").exists() else available
-    return available, shm
+    return available, shm, source
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes in the unit that shows it (``1.0 MiB``, ``3.2 GiB``, ``512 KiB``)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def check_memory(config: TrainConfig, facts: DataFacts, workers: int, probe: ModelProbe | None = None) -> None:
@@ -170,21 +241,21 @@ def check_memory(config: TrainConfig, facts: DataFacts, workers: int, probe: Mod
     if config.force:
         return
     private, shared = estimate_bytes(config, facts, workers, probe)
-    available, shm = available_bytes()
-    gib = 1 << 30
+    available, shm, source = available_bytes()
     if private + shared > available:
         raise ValueError(
             f"--model {config.model} --batch-size {config.batch_size} --workers {workers}: the run "
-            f"needs about {(private + shared) / gib:.1f} GiB of memory (weights, gradients, "
+            f"needs about {size_text(private + shared)} of memory (weights, gradients, "
             f"momentum, data and activations per worker, plus shared buffers) but "
-            f"{available / gib:.1f} GiB is available; use a smaller --batch-size or fewer "
+            f"{size_text(available)} is {source}; use a smaller --batch-size or fewer "
             "--workers, or add --force to try anyway"
         )
     if shared > shm:
         raise ValueError(
             f"--model {config.model} --workers {workers}: the shared buffers need about "
-            f"{shared / gib:.1f} GiB in /dev/shm but {shm / gib:.1f} GiB is free there; use "
-            "fewer --workers, free /dev/shm, or add --force to try anyway"
+            f"{size_text(shared)} in /dev/shm but {size_text(shm)} is free there; use "
+            "fewer --workers, free /dev/shm (df -h /dev/shm; a container's is set by docker run "
+            "--shm-size), or add --force to try anyway"
         )
 
 

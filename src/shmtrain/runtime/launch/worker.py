@@ -84,7 +84,11 @@ def _report(job, rank: int, exc: BaseException) -> None:
     location, raised_by_user = where(exc)
     if location and (raised_by_user or not _says_it_all(exc)):
         cause += f" (at {location}; the traceback is in this rank's log)"
+    from shmtrain.runtime.train.finite import TrainingDiverged
+
     record = {"cause": " ".join(cause.split()), "peer": getattr(exc, "peer", None),
+              # a restart would meet it again: the launcher does not restart
+              "diverged": isinstance(exc, TrainingDiverged),
               # gloo's own timeouts are RuntimeErrors that say so
               "timeout": isinstance(exc, PeerTimeout | TimeoutError) or "timed out" in cause.lower()}
     try:

@@ -135,7 +135,8 @@ class WorkerSession:
                 write_task_facts(out, data, self.task)
         # checkpoints (runtime/checkpoint/checkpointer.py): a resumed run loads every rank's state here,
         # collectively, before the data position is used
-        checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size))
+        checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size),
+                                   lost=self.dp.lost_now)  # a lost rank's last state is carried on
         rejoined = getattr(ctx, "rejoined", False)
         if rejoined:  # a host started again: the job's state, not a file's
             rejoin_position(self.trainer, self.dp.iteration)
@@ -151,7 +152,7 @@ class WorkerSession:
         self.loop.callback(self.prefetch.close)  # the loader processes end on every exit path
         # rank 0's persistent evaluation processes: open until the final evaluation is done
         self.held_out = HeldOut(data, (config.loader_workers or 0) if ctx.rank == 0 else 0,
-                                self.device.type == "cuda")
+                                self.device.type == "cuda", limit=config.eval_samples)  # --eval-samples
         self.stack.callback(self.held_out.close)
         log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", start, keep=rejoined)
         self.loop.callback(log.close)
@@ -163,6 +164,7 @@ class WorkerSession:
         monitor = Monitor(config, out, ctx.rank, self.model, data, ctx.world_size, self.held_out,
                           self.dp.strategy, task=self.task, selection=selection)  # rank 0: eval, TensorBoard
         self.loop.callback(monitor.close)
+        self.monitor = monitor
         return RunServices(checkpoints, self.stop, monitor, log, progress, ctx.rank)
 
     def run(self) -> dict[str, Any]:
@@ -208,7 +210,11 @@ class WorkerSession:
                 with torch.no_grad():
                     model.load_state_dict(global_state)
                 result["model"] = "global weights (W_g); rank 0's own in model-rank0.pt"
-            metrics = self.task.evaluate(model, self.held_out)
+            last = self.monitor
+            if global_state is None and last.last_eval == dp.iteration and not last.last_was_global:
+                metrics = dict(last.last_metrics or {})  # the model the final evaluation row has: not again
+            else:
+                metrics = self.task.evaluate(model, self.held_out)
             result["metrics"] = metrics
             result[primary] = metrics[primary]
             save_output(self.out / "model.pt", model.state_dict())

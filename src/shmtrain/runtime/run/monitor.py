@@ -116,6 +116,9 @@ class Monitor:
         self.held_out = held_out if held_out is not None else _Slices(data.test_x, data.test_y)
         self.every = eval_interval(config, data.train_samples, world) if self.active else 0
         self.last_eval: int | None = None
+        #: the metrics of that evaluation, and whether they were the job model's (W_g, θ)
+        self.last_metrics: dict[str, Any] | None = None
+        self.last_was_global = False
         self.writer: Any = None
         if self.active and config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -163,6 +166,7 @@ class Monitor:
         if self.selection is not None:  # best.pt, the early stop
             self.selection.after_eval(entry, job_model or self.model)
         self.last_eval = iteration
+        self.last_metrics, self.last_was_global = dict(metrics), job_model is not None
         if self.writer is not None:
             for name, value in metrics.items():
                 self.writer.add_scalar(f"{name}/held_out", value, iteration)

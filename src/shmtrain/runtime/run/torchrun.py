@@ -18,6 +18,7 @@ from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.defaults import settle
 from shmtrain.runtime.launch import failures, runlock, smb_server
+from shmtrain.runtime.launch.open_files import ensure_open_files
 from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.runtime.run.end import RunStopped, end_stretch, finish, stopped_message, warn
 from shmtrain.runtime.run.loop import train_worker
@@ -35,6 +36,8 @@ def run_torchrun(config: TrainConfig, echo) -> dict[str, Any] | None:
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     mark("imports")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ensure_open_files(world, f"torchrun's job of {world} workers")  # ulimit -n, before any socket
     if smb_server.wanted(config):  # rank 0 of an asynchronous job across hosts: its memory server
         smb_server.prefork(int(os.environ["WORLD_SIZE"]), config.timeout)  # forked now, no second torch import
     ctx = from_env(config.timeout)

@@ -125,6 +125,11 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
             break
         except WorkerFailed as exc:
             end_stretch(stretch, "failed")  # its own failure (a full disk) must not hide the worker's
+            if exc.diverged and config.max_restarts:  # the same data and weights would diverge again
+                last = checkpoint_files.latest(out)
+                exc.args = (f"{exc} (not restarted: a restart from {last or 'the beginning'} would meet the same "
+                            "divergence; every checkpoint written is finite)",)
+                raise
             if not exc.stop_signal and restarts < config.max_restarts:  # a dead zygote too: a new one forks
                 restarts += 1
                 start_from = checkpoint_files.resume_point(out, warn)

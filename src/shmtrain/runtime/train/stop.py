@@ -165,7 +165,7 @@ class StopRequest:
             failed = self.control.aborted()
             if failed is not None:
                 raise PeerFailure(f"local rank {failed[0]} failed (code {failed[1]}) while this "
-                                  "worker agreed on the iteration to stop at")
+                                  "worker agreed on the iteration to stop at", peer=failed[0])
             if time.monotonic() > deadline:
                 raise PeerTimeout(f"ranks {missing} did not answer the stop request within "
                                   f"{ctx.timeout:.0f} s")

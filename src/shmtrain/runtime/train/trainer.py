@@ -162,6 +162,7 @@ class Trainer:
         if amp not in ("none", "bf16", "fp16"):
             raise ValueError(f"--amp {amp!r}: choose none, bf16 or fp16")
         self.bf16 = amp == "bf16"
+        self.amp = amp
         self.engine = engine
         if isinstance(engine, DDPStyled) and engine.ddp_style:  # this loop steps with engine.step()
             engine.ddp_style = False
@@ -314,7 +315,8 @@ class Trainer:
             if iteration == first + 1 and self.first_row:  # e.g. the defaults the run's setting chose
                 row.update(self.first_row)
             run.log.write(json_text(row) + "\n")  # NaN/inf as null, flagged (runtime/train/finite.py)
-            check_loss(value, iteration, run.rank, self.lr)  # diverged: stop, name it
+            # diverged: stop, name it (and the cause: --amp fp16's range, the data, the updates)
+            check_loss(value, iteration, run.rank, self.lr, self.amp, first=first == 0 and iteration == 1)
             run.monitor.after_iteration(row, run.log)  # outside the iteration's time
             run.progress.update(iteration, value)
             if run.stop.check(iteration):

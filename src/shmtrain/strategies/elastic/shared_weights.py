@@ -25,7 +25,7 @@ import torch
 
 from shmtrain.fabric.compress.codec import parse_compress
 from shmtrain.fabric.exchanges.weights import broadcast_parameters
-from shmtrain.fabric.smb import STATE_TRAINING, Buffer, BufferService
+from shmtrain.fabric.smb import STATE_DONE, STATE_TRAINING, Buffer, BufferService
 from shmtrain.strategies.base import Strategy, StrategyConfig
 from shmtrain.strategies.elastic.compress import load_compress, open_compressed
 from shmtrain.strategies.elastic.termination import MASTER, Policy, Termination, check_terminate
@@ -252,6 +252,13 @@ class SharedWeightsStrategy(Strategy):
         finally:
             self.service.close()
             super().finish()
+
+    def lost_now(self) -> set[int]:
+        """The workers the buffer service's board holds for lost now (their ranks): gone
+        without having finished (a finished one's process may end before the others')."""
+        board = self.service.board
+        return {r for r in range(board.world)
+                if r != self.service.rank and not board.alive(r) and board.state(r) != STATE_DONE}
 
     def global_weights_now(self) -> torch.Tensor | None:
         """W_g now, on the master (rank 0's evaluation of the job's model); None elsewhere."""
