@@ -289,11 +289,11 @@ def malformed_worker(ctx, payload: dict[str, Any]) -> list[str]:
     service = RemoteBufferService(payload["address"], ctx.rank, ctx.world_size, timeout=30)
     seen = []
     if ctx.rank == 1:
-        with service._lock:  # an unknown op, then an accumulate of buffers that do not exist
+        with service.lock:  # an unknown op, then an accumulate of buffers that do not exist
             for op, a in ((99, 0), (OP_ACCUMULATE, 12345)):
-                seq, posted, _ = service._request(op, a, a + 1)
+                seq, posted, _ = service.request(op, a, a + 1)
                 try:
-                    service._status(seq, posted, f"op {op}")
+                    service.status(seq, posted, f"op {op}")
                 except ValueError as exc:
                     seen.append(str(exc))
     dist.barrier()
@@ -325,10 +325,10 @@ def silent_writer_worker(ctx, payload: dict[str, Any]) -> str:
     buffer = service.attach(key)
     dist.barrier()
     if ctx.rank == 1:
-        with service._lock:  # a malformed write (wrong size) whose payload never comes
-            seq, posted, _ = service._request(OP_WRITE, key.id, 63)
+        with service.lock:  # a malformed write (wrong size) whose payload never comes
+            seq, posted, _ = service.request(OP_WRITE, key.id, 63)
             try:
-                service._status(seq, posted, "the bad write")
+                service.status(seq, posted, "the bad write")
             except ValueError:
                 pass
     for _ in range(3):  # every client, this one too, is still served
@@ -354,9 +354,9 @@ from shmtrain.fabric.smb.remote import RemoteBufferService
 from shmtrain.fabric.smb.wire import OP_WRITE
 service = RemoteBufferService(sys.argv[1], 1, 2, timeout=30)
 target = service.lookup("target")
-with service._lock:  # a write announced and accepted, then the client dies without its payload
-    seq, posted, _ = service._request(OP_WRITE, target.id, target.numel)
-    service._status(seq, posted, "the write")
+with service.lock:  # a write announced and accepted, then the client dies without its payload
+    seq, posted, _ = service.request(OP_WRITE, target.id, target.numel)
+    service.status(seq, posted, "the write")
 os._exit(0)
 """
 

@@ -68,15 +68,15 @@ def serve_compressed(server: Any, client: int, header: torch.Tensor) -> None:
     tensor = server.buffers.get(buffer_id)
     codec = codec_of(numel, code) if numel > 0 else None
     if tensor is None or tensor.numel() != numel or tensor.dtype != torch.float32 or codec is None:
-        return server._bad(client, seq, f"{'compressed read' if op == OP_CREAD else 'compressed accumulate'} of "
+        return server.bad(client, seq, f"{'compressed read' if op == OP_CREAD else 'compressed accumulate'} of "
                                         f"buffer {buffer_id} with {numel} elements and code {code}: no such float32 "
                                         "buffer, or no such compression")
     if op == OP_CREAD:
         return _read(server, client, seq, buffer_id, codec, bool(dense))
     payload = torch.empty(codec.nbytes, dtype=torch.uint8)
-    work = server._links[client].recv([payload], 1, tag(seq, PAYLOAD_IN))
+    work = server.links[client].recv([payload], 1, tag(seq, PAYLOAD_IN))
     _apply_when_whole(server, client, seq, work, payload, buffer_id, codec)
-    server._reply(client, OK, seq)
+    server.reply(client, OK, seq)
 
 
 def _mirrors(server: Any) -> dict[tuple[int, int], tuple[int, torch.Tensor]]:
@@ -95,27 +95,27 @@ def _scratch(server: Any, padded: int) -> torch.Tensor:
 
 
 def _read(server: Any, client: int, seq: int, buffer_id: int, codec: Codec, dense: bool) -> None:
-    mirrors, generation = _mirrors(server), server._generation[client]
+    mirrors, generation = _mirrors(server), server.generation[client]
     entry = mirrors.get((client, buffer_id))
     if dense:
         mirror = torch.zeros(codec.padded(), dtype=torch.float32)
-        with server._lock:
+        with server.lock:
             mirror[:codec.numel].copy_(server.buffers[buffer_id])
         mirrors[(client, buffer_id)] = (generation, mirror)
         payload = mirror[:codec.numel]  # the client's next request waits until it has left
     elif entry is None or entry[0] != generation or entry[1].numel() != codec.padded():
-        return server._bad(client, seq, f"compressed read of buffer {buffer_id} without a dense read first on this "
+        return server.bad(client, seq, f"compressed read of buffer {buffer_id} without a dense read first on this "
                                         "connection (no copy of what the client holds)")
     else:
         mirror = entry[1]
         difference = _scratch(server, codec.padded())
-        with server._lock:
+        with server.lock:
             torch.sub(server.buffers[buffer_id], mirror[:codec.numel], out=difference[:codec.numel])
         payload = torch.empty(codec.nbytes, dtype=torch.uint8)
         codec.compress(difference, payload)
         codec.decode_add(payload, mirror)  # m_c += D(c), as the client does
-    server._reply(client, OK, seq)
-    server._track(client, "read", server._links[client].send([payload], 1, tag(seq, TO_CLIENT)), payload,
+    server.reply(client, OK, seq)
+    server.track(client, "read", server.links[client].send([payload], 1, tag(seq, TO_CLIENT)), payload,
                   buffer_id)
 
 
@@ -131,17 +131,17 @@ def _apply_when_whole(server: Any, client: int, seq: int, work, payload: torch.T
             work.wait()
             dense = torch.zeros(codec.padded(), dtype=torch.float32)
             codec.decode_add(payload, dense)
-            with server._lock:
+            with server.lock:
                 server.buffers[buffer_id].add_(dense[:codec.numel])  # eq. (7), one at a time
                 server.applied += 1
                 applied = server.applied
-            server._reply(client, OK, seq, applied, kind=VERDICT)
+            server.reply(client, OK, seq, applied, kind=VERDICT)
         except RuntimeError as exc:
             failure.append(exc)
         finally:
             finished.set()
 
-    server._inflight.setdefault(client, []).append(("caccumulate", work, payload, buffer_id, finished, failure))
+    server.inflight.setdefault(client, []).append(("caccumulate", work, payload, buffer_id, finished, failure))
     threading.Thread(target=watch, name=f"smb-caccumulate-{client}", daemon=True).start()
 
 
@@ -175,12 +175,12 @@ class CompressedGlobal:
         dense = not self.synced
         landing = self.mirror[:codec.numel] if dense else self._landing
         what = f"compressed read of {buffer.key.name!r}"
-        with service._lock:
-            service._drain()
-            seq, posted, payload = service._request(OP_CREAD, buffer.key.id, buffer.numel, spec_code(codec),
+        with service.lock:
+            service.drain()
+            seq, posted, payload = service.request(OP_CREAD, buffer.key.id, buffer.numel, spec_code(codec),
                                                     landing=landing, d=int(dense))
-            service._status(seq, posted, what)
-            service._call(payload.wait, what)
+            service.status(seq, posted, what)
+            service.call(payload.wait, what)
         if not dense:
             codec.decode_add(landing, self.mirror)
         self.synced = True
@@ -195,14 +195,14 @@ class CompressedGlobal:
         payload = self.compressor.encode(increment.detach().reshape(-1).to("cpu", torch.float32))
         what = f"compressed accumulate into {buffer.key.name!r}"
         verdict = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-        with service._lock:
-            service._drain()
-            seq, posted, _ = service._request(OP_CACCUMULATE, buffer.key.id, buffer.numel, spec_code(self.codec))
-            applied = (service._call(lambda: service.pg.recv([verdict], 0, tag(seq, VERDICT)), "posting a receive"),
+        with service.lock:
+            service.drain()
+            seq, posted, _ = service.request(OP_CACCUMULATE, buffer.key.id, buffer.numel, spec_code(self.codec))
+            applied = (service.call(lambda: service.pg.recv([verdict], 0, tag(seq, VERDICT)), "posting a receive"),
                        verdict)
-            service._status(seq, posted, what)  # an error: nothing more moves (the verdict is never sent)
-            service._call(lambda: service.pg.send([payload], 0, tag(seq, PAYLOAD_IN)).wait(), what)
-            service._status(seq, applied, what)
+            service.status(seq, posted, what)  # an error: nothing more moves (the verdict is never sent)
+            service.call(lambda: service.pg.send([payload], 0, tag(seq, PAYLOAD_IN)).wait(), what)
+            service.status(seq, applied, what)
         self.bytes_up += payload.numel()
         return int(verdict[2])
 

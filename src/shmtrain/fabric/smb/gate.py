@@ -74,11 +74,11 @@ class Gate:
 
     address: str
 
-    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = 0,
+    def reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = 0,
                extra: tuple[int, int] = (0, 0)) -> None:
         raise NotImplementedError
 
-    def _bad(self, client: int, seq: int, why: str, drained: bool = False) -> None:
+    def bad(self, client: int, seq: int, why: str, drained: bool = False) -> None:
         raise NotImplementedError
 
     def audit(self, every: float = 0.5) -> None:
@@ -106,7 +106,7 @@ class Gate:
     def _hello(self, client: int, seq: int) -> None:
         """The server's side of the handshake (:mod:`~shmtrain.fabric.smb.handshake`): the
         client's nonce, then the server's challenge and proof, then the client's proof."""
-        link, wait = self._links[client], min(self._bound, HANDSHAKE_WAIT)
+        link, wait = self.links[client], min(self._bound, HANDSHAKE_WAIT)
         nonce = torch.zeros(handshake.SIZE, dtype=torch.uint8)
         link.recv([nonce], 1, tag(seq, PAYLOAD_IN)).wait(wait)
         if not self.secret:
@@ -114,11 +114,11 @@ class Gate:
             self.log(f"shmtrain smb-server: {self._who(client)}: its greeting refused: this server has no shared "
                      f"secret to prove; start the server with --secret-file FILE (or {SECRET_ENV}), or give the "
                      "client none")
-            return self._reply(client, BAD_REQUEST, seq)
-        n, rank, nc = self._generation[client], client - 1, bytes(nonce.tolist())
+            return self.reply(client, BAD_REQUEST, seq)
+        n, rank, nc = self.generation[client], client - 1, bytes(nonce.tolist())
         challenge = handshake.fresh()
         mine = handshake.proof(self.secret, handshake.SERVER, self.nonce, n, rank, challenge, nc)
-        self._reply(client, OK, seq)  # then the challenge and this server's proof
+        self.reply(client, OK, seq)  # then the challenge and this server's proof
         link.send([torch.frombuffer(bytearray(challenge + mine), dtype=torch.uint8)], 1,
                   tag(seq, TO_CLIENT)).wait(self._bound)
         got = torch.zeros(handshake.SIZE, dtype=torch.uint8)
@@ -129,7 +129,7 @@ class Gate:
         if earlier is None and handshake.matches(theirs, expected):
             self._proofs[theirs] = n
             self._trusted.add(client)
-            return self._reply(client, OK, seq, kind=VERDICT)
+            return self.reply(client, OK, seq, kind=VERDICT)
         self.refused += 1
         fix = f"give it the server's secret (--secret-file FILE or {SECRET_ENV}, the same on every host)"
         if earlier is not None:
@@ -142,7 +142,7 @@ class Gate:
         else:
             why = f"its proof of the shared secret is wrong (connection {n}); {fix}"
         self.log(f"shmtrain smb-server: {self._who(client)} refused: {why}")
-        self._reply(client, REFUSED, seq, kind=VERDICT)
+        self.reply(client, REFUSED, seq, kind=VERDICT)
 
     def _name(self, client: int, seq: int, length: int) -> str | None:
         """The buffer name that follows a create or lookup header (None: a length out of
@@ -150,7 +150,7 @@ class Gate:
         if not 0 < length <= NAME_BYTES:
             return None
         data = torch.zeros(length, dtype=torch.uint8)
-        self._links[client].recv([data], 1, tag(seq, PAYLOAD_IN)).wait(
+        self.links[client].recv([data], 1, tag(seq, PAYLOAD_IN)).wait(
             min(self._bound, datetime.timedelta(seconds=10))
         )
         return bytes(data.tolist()).decode(errors="replace")
@@ -160,9 +160,9 @@ class Gate:
         known = self.names.get(name)
         if op == OP_LOOKUP:
             if known is None:
-                return self._reply(client, NOT_FOUND, seq)
+                return self.reply(client, NOT_FOUND, seq)
             key = self.keys[known]
-            return self._reply(client, OK, seq, known, extra=(key.numel, DTYPES.index(key.dtype)))
+            return self.reply(client, OK, seq, known, extra=(key.numel, DTYPES.index(key.dtype)))
         if known is not None and name in self.restored:
             key = self.keys[known]
             if key.numel == numel and 0 <= code < len(DTYPES) and key.dtype == DTYPES[code]:
@@ -171,16 +171,16 @@ class Gate:
                 self.restored.discard(name)
                 self.log(f"shmtrain smb-server: {self._who(client)}: create of {name!r} takes over the buffer "
                          "restored from the snapshot")
-                return self._reply(client, OK, seq, known)
+                return self.reply(client, OK, seq, known)
         if known is not None:
             self.log(f"shmtrain smb-server: {self._who(client)}: create of {name!r} refused: the name is already "
                      "taken (look it up instead)")
-            return self._reply(client, TAKEN, seq)
+            return self.reply(client, TAKEN, seq)
         if not 0 < numel < 1 << 40 or not 0 <= code < len(DTYPES):
-            return self._bad(client, seq, f"create of {name!r} with {numel} elements of type code {code}")
+            return self.bad(client, seq, f"create of {name!r} with {numel} elements of type code {code}")
         buffer_id = max(self.keys, default=-1) + 1
-        with self._lock:
+        with self.lock:
             self.keys[buffer_id] = BufferKey(name, buffer_id, numel, DTYPES[code], f"{self.address}/{buffer_id}")
             self.buffers[buffer_id] = torch.zeros(numel, dtype=getattr(torch, DTYPES[code]))
             self.names[name] = buffer_id
-        self._reply(client, OK, seq, buffer_id)
+        self.reply(client, OK, seq, buffer_id)

@@ -101,7 +101,7 @@ class RemoteBufferService(BufferService):
         if clients < world:
             raise ValueError(f"the memory server at {address} serves at most {clients} workers but this job has "
                              f"{world}; restart it with --clients {world}")
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._seq = 0
         self._pending: list[tuple[Ticket, dist.Work, torch.Tensor]] = []
         self._done = 0
@@ -109,7 +109,7 @@ class RemoteBufferService(BufferService):
         self.store.set(f"smb/peer/{rank}", route_address(host))  # what the server's log names this client by
         self.store.add("smb/joined", 1)
         self._abandoned = False  # a server that failed the handshake: no goodbye waited for
-        self.connection, self.pg = self._call(lambda: join(self.store, rank, world, route_address(host), delta),
+        self.connection, self.pg = self.call(lambda: join(self.store, rank, world, route_address(host), delta),
                                               "connecting")
         nonce = self.store.get("smb/nonce").decode()  # the server's identity: checked by the handshake
         sealed = self.store.get("smb/secret") == b"1"
@@ -156,7 +156,7 @@ class RemoteBufferService(BufferService):
             time.sleep(0.1)
 
     # -- requests --------------------------------------------------------------------
-    def _call(self, fn: Callable, what: str):
+    def call(self, fn: Callable, what: str):
         try:
             return fn()
         except RuntimeError as exc:
@@ -182,7 +182,7 @@ class RemoteBufferService(BufferService):
                                f"{self.timeout:.0f} s while {what}")
         return PeerFailure(f"the memory server at {self.address} failed while {what}: {first_line(exc)}")
 
-    def _request(self, op: int, a: int = 0, b: int = 0, c: int = 0, landing: torch.Tensor | None = None,
+    def request(self, op: int, a: int = 0, b: int = 0, c: int = 0, landing: torch.Tensor | None = None,
                  d: int = 0) -> tuple[int, tuple[dist.Work, torch.Tensor], dist.Work | None]:
         """Post the receive of the reply (and of a read's payload into ``landing``), then
         send one header; returns the sequence number, the reply's (work, tensor) and the
@@ -190,17 +190,17 @@ class RemoteBufferService(BufferService):
         self._seq += 1
         seq = self._seq
         reply = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-        posted = (self._call(lambda: self.pg.recv([reply], 0, tag(seq, REPLY)), "posting a receive"), reply)
+        posted = (self.call(lambda: self.pg.recv([reply], 0, tag(seq, REPLY)), "posting a receive"), reply)
         payload = None
         if landing is not None:
-            payload = self._call(lambda: self.pg.recv([landing], 0, tag(seq, TO_CLIENT)), "posting a receive")
+            payload = self.call(lambda: self.pg.recv([landing], 0, tag(seq, TO_CLIENT)), "posting a receive")
         header = torch.tensor([op, seq, a, b, c, d, 0, 0], dtype=torch.int64)
-        self._call(lambda: self.pg.send([header], 0, TAG_REQUEST).wait(), f"sending request #{seq}")
+        self.call(lambda: self.pg.send([header], 0, TAG_REQUEST).wait(), f"sending request #{seq}")
         return seq, posted, payload
 
-    def _status(self, seq: int, posted: tuple[dist.Work, torch.Tensor], what: str) -> torch.Tensor:
+    def status(self, seq: int, posted: tuple[dist.Work, torch.Tensor], what: str) -> torch.Tensor:
         work, reply = posted
-        self._call(work.wait, f"waiting for the answer to {what}")
+        self.call(work.wait, f"waiting for the answer to {what}")
         self._check(reply, seq, what)
         return reply
 
@@ -215,7 +215,7 @@ class RemoteBufferService(BufferService):
             raise ValueError(f"the memory server at {self.address} rejected {what}: "
                              f"{STATUS.get(status, f'status {status}')} (see the server's log)")
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Collect the answers of accumulates in flight (before any other answer)."""
         while self._pending:
             self._drain_one()
@@ -226,13 +226,13 @@ class RemoteBufferService(BufferService):
         a server that does not hold the secret is refused), then this client's proof."""
         mine = handshake.fresh()
         challenge = torch.zeros(2 * handshake.SIZE, dtype=torch.uint8)
-        with self._lock:
-            seq, posted, received = self._request(OP_HELLO, landing=challenge)
-            sent = self._call(lambda: self.pg.send([torch.frombuffer(bytearray(mine), dtype=torch.uint8)], 0,
+        with self.lock:
+            seq, posted, received = self.request(OP_HELLO, landing=challenge)
+            sent = self.call(lambda: self.pg.send([torch.frombuffer(bytearray(mine), dtype=torch.uint8)], 0,
                                                    tag(seq, PAYLOAD_IN)), "sending the greeting")
-            self._status(seq, posted, "the greeting")
-            self._call(received.wait, "receiving the server's proof of the shared secret")
-            self._call(sent.wait, "sending the greeting")
+            self.status(seq, posted, "the greeting")
+            self.call(received.wait, "receiving the server's proof of the shared secret")
+            self.call(sent.wait, "sending the greeting")
             data = bytes(challenge.tolist())
             ns, theirs = data[:handshake.SIZE], data[handshake.SIZE:]
             expected = handshake.proof(secret, handshake.SERVER, nonce, self.connection, self.rank, ns, mine)
@@ -240,9 +240,9 @@ class RemoteBufferService(BufferService):
             proof = (handshake.proof(secret, handshake.CLIENT, nonce, self.connection, self.rank, ns, mine)
                      if trusted else bytes(handshake.SIZE))  # zeros: never a proof, to a server that is not trusted
             second = torch.zeros(REPLY_WORDS, dtype=torch.int64)
-            verdict = (self._call(lambda: self.pg.recv([second], 0, tag(seq, VERDICT)),
+            verdict = (self.call(lambda: self.pg.recv([second], 0, tag(seq, VERDICT)),
                                   "posting a receive"), second)
-            self._call(lambda: self.pg.send([torch.frombuffer(bytearray(proof), dtype=torch.uint8)], 0,
+            self.call(lambda: self.pg.send([torch.frombuffer(bytearray(proof), dtype=torch.uint8)], 0,
                                             TAG_TO_SERVER).wait(), "proving the secret")
             if not trusted:
                 try:  # a real server with another secret answers at once; a fake one may never
@@ -254,7 +254,7 @@ class RemoteBufferService(BufferService):
                     "is wrong, so it does not hold this worker's secret (a server started with another secret, or "
                     "someone else's server at that address); nothing was sent to it; give the server and every "
                     "worker the same secret, and check --smb-server")
-            self._status(seq, verdict, "the proof of the shared secret")
+            self.status(seq, verdict, "the proof of the shared secret")
 
     # -- the SMB API -----------------------------------------------------------------
     def _by_name(self, op: int, name: str, numel: int = 0, code: int = 0) -> torch.Tensor:
@@ -265,12 +265,12 @@ class RemoteBufferService(BufferService):
             raise ValueError(f"buffer name {name!r}: {len(data)} bytes of UTF-8; a name takes 1 to {NAME_BYTES}")
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         what = f"{'create' if op == OP_CREATE else 'lookup'} of {name!r}"
-        with self._lock:
-            self._drain()
-            seq, (work, reply), _ = self._request(op, numel, code, len(data))
-            sent = self._call(lambda: self.pg.send([payload], 0, tag(seq, PAYLOAD_IN)), "sending a name")
-            self._call(work.wait, f"waiting for the answer to the {what}")
-            self._call(sent.wait, f"sending the name of the {what}")  # the server always receives it
+        with self.lock:
+            self.drain()
+            seq, (work, reply), _ = self.request(op, numel, code, len(data))
+            sent = self.call(lambda: self.pg.send([payload], 0, tag(seq, PAYLOAD_IN)), "sending a name")
+            self.call(work.wait, f"waiting for the answer to the {what}")
+            self.call(sent.wait, f"sending the name of the {what}")  # the server always receives it
         if int(reply[0]) not in (NOT_FOUND, TAKEN):
             self._check(reply, seq, what)
         return reply
@@ -318,54 +318,54 @@ class RemoteBufferService(BufferService):
         target = (out if out.is_contiguous() and out.dtype == getattr(torch, buffer.key.dtype)
                   and out.device.type == "cpu" else None)
         landing = target if target is not None else torch.empty(buffer.numel, dtype=getattr(torch, buffer.key.dtype))
-        with self._lock:
-            self._drain()
-            seq, posted, payload = self._request(OP_READ, buffer.key.id, buffer.numel, landing=landing.view(-1))
-            self._status(seq, posted, f"read of {buffer.key.name!r}")
-            self._call(payload.wait, f"reading {buffer.key.name!r}")
+        with self.lock:
+            self.drain()
+            seq, posted, payload = self.request(OP_READ, buffer.key.id, buffer.numel, landing=landing.view(-1))
+            self.status(seq, posted, f"read of {buffer.key.name!r}")
+            self.call(payload.wait, f"reading {buffer.key.name!r}")
         if target is None:
             out.copy_(landing.view_as(out))
         return out
 
     def write(self, buffer: Buffer, src: torch.Tensor) -> None:
         payload = src.detach().reshape(-1).to("cpu", getattr(torch, buffer.key.dtype)).contiguous()
-        with self._lock:
-            self._drain()
-            seq, posted, _ = self._request(OP_WRITE, buffer.key.id, buffer.numel)
+        with self.lock:
+            self.drain()
+            seq, posted, _ = self.request(OP_WRITE, buffer.key.id, buffer.numel)
             # the payload right behind the header: the server posts its receive before the
             # status, and receives (then drops) the payload of a write it refuses
-            sent = self._call(lambda: self.pg.send([payload], 0, tag(seq, PAYLOAD_IN)), "sending a payload")
+            sent = self.call(lambda: self.pg.send([payload], 0, tag(seq, PAYLOAD_IN)), "sending a payload")
             try:
-                self._status(seq, posted, f"write of {buffer.key.name!r}")
+                self.status(seq, posted, f"write of {buffer.key.name!r}")
             except (PermissionError, ValueError):
                 if int(posted[1][2]):  # the server received (and dropped) the payload
-                    self._call(sent.wait, f"writing {buffer.key.name!r}")
+                    self.call(sent.wait, f"writing {buffer.key.name!r}")
                 raise
-            self._call(sent.wait, f"writing {buffer.key.name!r}")
+            self.call(sent.wait, f"writing {buffer.key.name!r}")
 
     def accumulate(self, src: Buffer, dst: Buffer) -> Ticket:
         if src.numel != dst.numel or src.key.dtype != dst.key.dtype:
             raise ValueError(f"cannot accumulate {src} into {dst}: sizes or dtypes differ")
-        with self._lock:
-            seq, (work, reply), _ = self._request(OP_ACCUMULATE, src.key.id, dst.key.id)
+        with self.lock:
+            seq, (work, reply), _ = self.request(OP_ACCUMULATE, src.key.id, dst.key.id)
             ticket = Ticket(self.rank, seq)
             self._pending.append((ticket, work, reply))
         return ticket
 
     def done(self, ticket: Ticket) -> bool:
-        with self._lock:
+        with self.lock:
             while self._pending and self._pending[0][1].is_completed():
                 self._drain_one()
             return self._done >= ticket.seq
 
     def _drain_one(self) -> None:
         ticket, work, reply = self._pending.pop(0)
-        self._call(work.wait, f"waiting for accumulate #{ticket.seq}")
+        self.call(work.wait, f"waiting for accumulate #{ticket.seq}")
         self._check(reply, ticket.seq, f"accumulate #{ticket.seq}")
         self._done = ticket.seq
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> None:
-        with self._lock:
+        with self.lock:
             while self._done < ticket.seq and self._pending:
                 self._drain_one()
 
@@ -374,10 +374,10 @@ class RemoteBufferService(BufferService):
         forget(self.address)  # the secret this worker kept for its host's next start, if any
         if self._abandoned:
             return
-        with self._lock:
+        with self.lock:
             try:
-                self._drain()
-                seq, posted, _ = self._request(OP_BYE)
-                self._status(seq, posted, "goodbye")
+                self.drain()
+                seq, posted, _ = self.request(OP_BYE)
+                self.status(seq, posted, "goodbye")
             except (PeerFailure, PermissionError, ValueError):
                 pass

@@ -90,16 +90,16 @@ class MemoryServer(Gate):
         self.returned = 0  #: connections of lost clients that came back
         self._trusted: set[int] = set() if secret else set(range(1, clients + 1))
         self._left: set[int] = set()
-        self._lock = threading.Lock()  # buffers: the serving loop vs snapshots
+        self.lock = threading.Lock()  # buffers: the serving loop vs snapshots
         self.last_request = time.monotonic()
         # per client: its payloads in flight, oldest first (kind, work, tensor, buffer id,
         # finished, failure): one, or two writes (the older one still being applied)
-        self._inflight: dict[int, list[tuple]] = {}
+        self.inflight: dict[int, list[tuple]] = {}
         self._writes: dict[int, int] = {}  # per client: writes so far (their staging slot)
         self._state = threading.RLock()  # requests vs reap(): clients, transfers in flight
         self._copies: dict[tuple[int, int], torch.Tensor | None] = {}  # (client, slot) -> staging tensor
-        self._links: dict[int, dist.ProcessGroup] = {}  # client -> its link (peer rank 1)
-        self._generation: dict[int, int] = {}  # client -> the connection its link is
+        self.links: dict[int, dist.ProcessGroup] = {}  # client -> its link (peer rank 1)
+        self.generation: dict[int, int] = {}  # client -> the connection its link is
         self._receivers: dict[int, threading.Thread] = {}
         self._inbox: queue.Queue = queue.Queue()  # joins, requests and closed links, in order
         self._world = 1  # the job's workers, as its clients announce them (at most ``clients``)
@@ -122,17 +122,17 @@ class MemoryServer(Gate):
     @property
     def remaining(self) -> int:
         """Connected clients that have neither said goodbye nor been lost."""
-        return len(self._links.keys() - self._left)
+        return len(self.links.keys() - self._left)
 
     @property
     def finished(self) -> bool:
         """Every worker of the job (as its clients announce it) came and left or was lost."""
-        return bool(self._links) and len(self._links) >= self._world and not self.remaining
+        return bool(self.links) and len(self.links) >= self._world and not self.remaining
 
     # -- buffers ---------------------------------------------------------------------
     def snapshot(self, path: str | Path) -> None:
         """Write every buffer and its key to ``path`` atomically (temporary file, fsync, rename)."""
-        with self._lock:
+        with self.lock:
             buffers = {i: t.clone() for i, t in self.buffers.items()}
         write_snapshot(path, {i: self.keys[i] for i in buffers}, buffers, self.applied)
 
@@ -154,7 +154,7 @@ class MemoryServer(Gate):
             kind, client, generation, detail = event
             if kind == "joined":
                 self._joined(client, generation, detail)
-            elif generation != self._generation.get(client):  # from a link replaced since
+            elif generation != self.generation.get(client):  # from a link replaced since
                 if kind == "request":
                     detail[1].set()
             elif kind == "closed":
@@ -186,7 +186,7 @@ class MemoryServer(Gate):
         """Why a connection for ``client`` is refused (None: it is not; a rank whose link
         is up cannot be taken over: it must be lost or gone first)."""
         with self._state:
-            if client in self._links and client not in self._left:
+            if client in self.links and client not in self._left:
                 return (f"rank {client - 1} is connected already; a rank has one connection at a time: end its "
                         "earlier process first (if none runs, someone else is using its rank)")
             return None
@@ -198,9 +198,9 @@ class MemoryServer(Gate):
         with self._state:
             self._world = max(self._world, world)
             back = client - 1 in self.lost
-            self._links[client], self._generation[client] = link, generation
+            self.links[client], self.generation[client] = link, generation
             self._left.discard(client)
-            self._inflight.pop(client, None)
+            self.inflight.pop(client, None)
             self._writes.pop(client, None)
             for slot in (0, 1):
                 self._copies.pop((client, slot), None)
@@ -224,7 +224,7 @@ class MemoryServer(Gate):
         with self._state:
             if client in self._left:
                 return
-            if self._inflight.get(client):  # the same loss the transfer's watcher sees
+            if self.inflight.get(client):  # the same loss the transfer's watcher sees
                 self._lose(client, exc)
                 return
             self._left.add(client)
@@ -237,12 +237,12 @@ class MemoryServer(Gate):
         default the server's): for a caller that needs them all at once (the benchmark)."""
         self._acceptor.start()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while len(self._links) < self.clients:
+        while len(self.links) < self.clients:
             try:
                 event = self._inbox.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() >= deadline:
-                    raise PeerTimeout(f"only {len(self._links)} of {self.clients} clients connected to the memory "
+                    raise PeerTimeout(f"only {len(self.links)} of {self.clients} clients connected to the memory "
                                       f"server at {self.address} within {self.timeout:.0f} s") from None
                 continue
             if event[0] != "joined":
@@ -251,7 +251,7 @@ class MemoryServer(Gate):
 
     def link(self, client: int) -> dist.ProcessGroup:
         """Client ``client``'s link (its peer there is rank 1)."""
-        return self._links[client]
+        return self.links[client]
 
     @property
     def watching(self) -> int:
@@ -279,14 +279,14 @@ class MemoryServer(Gate):
             copy = self._copies[key] = torch.empty_like(like)
         return key, copy
 
-    def _track(self, client: int, kind: str, work: dist.Work, tensor: torch.Tensor, buffer_id: int,
+    def track(self, client: int, kind: str, work: dist.Work, tensor: torch.Tensor, buffer_id: int,
                slot: tuple[int, int] | None = None) -> None:
         """Watch a payload in flight: gloo reports a transfer's end (or its peer's death)
         only to a waiter, so one short-lived thread waits for it. A write that has arrived
         whole becomes the buffer (its staging tensor and the old buffer trade places, no
         copy); ``slot`` is the staging slot the old buffer takes."""
         finished, failure = threading.Event(), []
-        entries = self._inflight.setdefault(client, [])
+        entries = self.inflight.setdefault(client, [])
         before = entries[-1] if entries else None  # a write still being applied
 
         def watch() -> None:
@@ -296,7 +296,7 @@ class MemoryServer(Gate):
                     if before is not None:
                         before[4].wait()  # in the client's order
                     if before is None or not before[5]:
-                        with self._lock:
+                        with self.lock:
                             old, self.buffers[buffer_id] = self.buffers[buffer_id], tensor
                             # a read still sending the old tensor keeps it out of the slots
                             self._copies[slot] = None if self._sending.get(id(old)) else old
@@ -304,7 +304,7 @@ class MemoryServer(Gate):
                 failure.append(exc)
             finally:
                 if kind == "read":
-                    with self._lock:
+                    with self.lock:
                         left = self._sending.pop(id(tensor), 1) - 1
                         if left:
                             self._sending[id(tensor)] = left
@@ -317,7 +317,7 @@ class MemoryServer(Gate):
         """Client ``client``'s link broke mid-request: drop it; the others go on."""
         self.errors += 1
         self._left.add(client)
-        self._inflight.pop(client, None)
+        self.inflight.pop(client, None)
         self._record_lost(client)
         self.log(f"shmtrain smb-server: client {client - 1} lost in the middle of a request "
                  f"({first_line(exc)}); nothing of it was applied; serving the others")
@@ -335,7 +335,7 @@ class MemoryServer(Gate):
             pass
 
     def _settle(self, block: bool) -> None:
-        for client in list(self._inflight):
+        for client in list(self.inflight):
             try:
                 self._settle_client(client, block)
             except RuntimeError as exc:
@@ -345,7 +345,7 @@ class MemoryServer(Gate):
         """Finish ``client``'s payloads in flight (``keep_write``: all but a last write): a
         write is applied only once every byte has arrived (into a staging copy), so a
         client lost mid-payload changes nothing."""
-        entries = self._inflight.get(client)
+        entries = self.inflight.get(client)
         while entries:
             if keep_write and len(entries) == 1 and entries[0][0] == "write":
                 return
@@ -357,21 +357,21 @@ class MemoryServer(Gate):
             if entry[5]:
                 raise entry[5][0]
 
-    def _reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = REPLY,
+    def reply(self, client: int, status: int, seq: int, value: int = 0, kind: int = REPLY,
                extra: tuple[int, int] = (0, 0)) -> None:
-        self._links[client].send([torch.tensor([status, seq, value, *extra, 0], dtype=torch.int64)], 1,
+        self.links[client].send([torch.tensor([status, seq, value, *extra, 0], dtype=torch.int64)], 1,
                       tag(seq, kind)).wait(self._bound)
 
     def _handle(self, client: int, header: torch.Tensor) -> None:
         op, seq, a, b, c = (int(x) for x in header[:5])
-        pg = self._links[client]
+        pg = self.links[client]
         if op == OP_HELLO:
             return self._hello(client, seq)
         name = self._name(client, seq, c) if op in (OP_CREATE, OP_LOOKUP) else None
         if op == OP_BYE:
             self._left.add(client)
             self._mark(client, LEFT)  # its rank may connect again (a rejoin) at once
-            self._reply(client, OK, seq)
+            self.reply(client, OK, seq)
             return
         if client not in self._trusted:
             self.refused += 1
@@ -379,45 +379,45 @@ class MemoryServer(Gate):
             self.log(f"shmtrain smb-server: {self._who(client)} refused {what}: it has not proven the shared secret; "
                      f"give it the server's secret (--secret-file FILE or {SECRET_ENV})")
             drained = (op == OP_WRITE and self._drop_payload(client, seq, a, b)) or name is not None
-            self._reply(client, REFUSED, seq, int(drained))
+            self.reply(client, REFUSED, seq, int(drained))
             return
         if op in COMPRESSED_OPS:
             return serve_compressed(self, client, header)
         if op in (OP_CREATE, OP_LOOKUP):
             if name is None:
-                return self._bad(client, seq, f"{OP_NAMES[op]} with a name of {c} bytes (1 to {NAME_BYTES})")
+                return self.bad(client, seq, f"{OP_NAMES[op]} with a name of {c} bytes (1 to {NAME_BYTES})")
             return self._named(client, op, seq, name, a, b)
         if op in (OP_READ, OP_WRITE):
-            with self._lock:  # a read counts as in flight from the buffer it takes, at once
+            with self.lock:  # a read counts as in flight from the buffer it takes, at once
                 tensor = self.buffers.get(a)
                 if tensor is not None and b == tensor.numel() and op == OP_READ:
                     self._sending[id(tensor)] = self._sending.get(id(tensor), 0) + 1
             if tensor is None or b != tensor.numel():
                 drained = op == OP_WRITE and self._drop_payload(client, seq, a, b)
-                return self._bad(client, seq, f"op {op} on buffer {a} with {b} elements: no such buffer", drained)
+                return self.bad(client, seq, f"op {op} on buffer {a} with {b} elements: no such buffer", drained)
             # the payload moves while the server serves the others (a stalled client blocks
             # no one): a read is sent from the buffer itself, like the paper's RDMA read
             # (not atomic against an accumulate applied meanwhile, as with the local
             # service); a write lands in a staging copy applied whole once it has arrived,
             # whose receive is posted before the status, so the payload follows at once
             if op == OP_READ:
-                self._reply(client, OK, seq)
-                self._track(client, "read", pg.send([tensor], 1, tag(seq, TO_CLIENT)), tensor, a)
+                self.reply(client, OK, seq)
+                self.track(client, "read", pg.send([tensor], 1, tag(seq, TO_CLIENT)), tensor, a)
             else:
                 slot, copy = self._copy(client, tensor)  # a slot whose last transfer was settled
-                self._track(client, "write", pg.recv([copy], 1, tag(seq, PAYLOAD_IN)), copy, a, slot)
-                self._reply(client, OK, seq)
+                self.track(client, "write", pg.recv([copy], 1, tag(seq, PAYLOAD_IN)), copy, a, slot)
+                self.reply(client, OK, seq)
             return
         if op == OP_ACCUMULATE:
             src, dst = self.buffers.get(a), self.buffers.get(b)
             if src is None or dst is None or src.numel() != dst.numel() or src.dtype != dst.dtype:
-                return self._bad(client, seq, f"accumulate {a} into {b}: unknown buffers or sizes differ")
-            with self._lock:  # the buffers as they are now (a write that arrived replaces one)
+                return self.bad(client, seq, f"accumulate {a} into {b}: unknown buffers or sizes differ")
+            with self.lock:  # the buffers as they are now (a write that arrived replaces one)
                 self.buffers[b].add_(self.buffers[a])  # exclusive: the one serving thread applies it, once
                 self.applied += 1
-            self._reply(client, OK, seq, self.applied)
+            self.reply(client, OK, seq, self.applied)
             return
-        self._bad(client, seq, f"unknown op {op}")
+        self.bad(client, seq, f"unknown op {op}")
 
     def _drop_payload(self, client: int, seq: int, buffer_id: int, numel: int) -> bool:
         """A write's payload follows its header at once (the client does not wait for the
@@ -430,7 +430,7 @@ class MemoryServer(Gate):
         known = self.buffers.get(buffer_id)
         if known is None or not 0 < numel <= max(t.numel() for t in self.buffers.values() if t.dtype == known.dtype):
             return False
-        work = self._links[client].recv([torch.empty(numel, dtype=known.dtype)], 1, tag(seq, PAYLOAD_IN))
+        work = self.links[client].recv([torch.empty(numel, dtype=known.dtype)], 1, tag(seq, PAYLOAD_IN))
 
         def drop() -> None:
             try:
@@ -443,8 +443,8 @@ class MemoryServer(Gate):
         thread.start()
         return True
 
-    def _bad(self, client: int, seq: int, why: str, drained: bool = False) -> None:
+    def bad(self, client: int, seq: int, why: str, drained: bool = False) -> None:
         self.errors += 1
         self.log(f"shmtrain smb-server: client {client - 1}: {why}; answered with an error")
-        self._reply(client, BAD_REQUEST, seq, int(drained))
+        self.reply(client, BAD_REQUEST, seq, int(drained))
 
