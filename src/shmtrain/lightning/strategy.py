@@ -2,7 +2,7 @@
 :class:`shmtrain.DataParallel` where DDP's wrapper was.
 
 Everything Lightning's DDP strategy does around the model stays its own: the launchers
-(its subprocess launcher, ``ddp_spawn``/``fork``, or torchrun), the default process group
+(its subprocess launcher or torchrun, both tested; ``spawn``/``fork`` untested), the default process group
 (``process_group_backend``: gloo unless given, ``"shm"`` too), the distributed sampler,
 ``self.log(..., sync_dist=True)``, barriers and broadcasts. What changes is the model's
 wrapper: ``setup`` builds the optimizer first and hands model and optimizer to
