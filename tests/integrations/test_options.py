@@ -28,3 +28,15 @@ def test_good_options_become_the_methods_typed_config() -> None:
     strategy = ShmtrainStrategy("diloco", sync_every=4, compress="topk:0.25")
     assert strategy.method == "diloco" and type(strategy.config).__qualname__.endswith("Config")
     assert strategy.config.compress == "topk:0.25"
+
+
+def test_a_precision_that_steps_through_a_grad_scaler_is_refused_with_the_fix() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = ShmtrainStrategy("ssgd")
+    strategy.precision_plugin = MixedPrecision("16-mixed", device="cpu")
+    with pytest.raises(ValueError, match=r"precision='16-mixed' steps through a GradScaler, .* use precision="
+                                         r"'32-true' or 'bf16-mixed'"):
+        strategy.check_precision()
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", device="cpu")
+    strategy.check_precision()  # no scaler: accepted

@@ -25,6 +25,8 @@ from support.lightning_runs import (  # noqa: E402
 SYNC = {
     "ssgd": ("ssgd", {}),
     "ssgd-overlap": ("ssgd", {"overlap": True, "bucket_mb": 0.0005}),
+    "ssgd-sharded-update": ("ssgd", {"sharded_update": True}),
+    "ssgd-bf16": ("ssgd", {"comm_dtype": "bf16"}),
     "cpu_acc": ("cpu_acc", {}),
     "ps_grad": ("ps_grad", {}),
     "gpi": ("gpi", {}),

@@ -2,7 +2,7 @@
 :class:`shmtrain.DataParallel` where DDP's wrapper was.
 
 Everything Lightning's DDP strategy does around the model stays its own: the launchers
-(its subprocess launcher, ``ddp_spawn``/``fork``, or torchrun), the default process group
+(its subprocess launcher or torchrun, both tested; ``spawn``/``fork`` untested), the default process group
 (``process_group_backend``: gloo unless given, ``"shm"`` too), the distributed sampler,
 ``self.log(..., sync_dist=True)``, barriers and broadcasts. What changes is the model's
 wrapper: ``setup`` builds the optimizer first and hands model and optimizer to
@@ -107,7 +107,7 @@ class ShmtrainStrategy(DDPStrategy):
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._check_precision()
+            self.check_precision()
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers: "
@@ -126,7 +126,8 @@ class ShmtrainStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _check_precision(self) -> None:
+    def check_precision(self) -> None:
+        """Refuse a precision plugin that steps through a GradScaler (the method steps the optimizer)."""
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(f"precision={self.precision_plugin.precision!r} steps through a GradScaler, which "
                              f"ShmtrainStrategy({self.method!r}) cannot: use precision='32-true' or 'bf16-mixed'")
