@@ -30,6 +30,12 @@ from support.paths import SUPPORT
 RECORDED = SUPPORT / "conformance" / "gloo_passes.json"
 #: upstream tests in which shm must reduce through shared memory (SUM allreduce, DDP)
 THROUGH_SHM = ["test_all_reduce_sum", "test_DistributedDataParallelCPU", "test_ddp_create_graph"]
+#: upstream tests of one op each that gloo passes here, and the op's name in the backend's
+#: counts per op (upstream runs its all_to_all and *_tensor tests on MPI and NCCL only)
+OP_TESTS = {"test_all_reduce_max": "all_reduce", "test_all_reduce_coalesced_min": "all_reduce_coalesced",
+            "test_broadcast": "broadcast", "test_all_gather": "all_gather",
+            "test_all_gather_coalesced_simple": "all_gather_coalesced", "test_reduce_sum": "reduce",
+            "test_gather": "gather", "test_scatter": "scatter", "test_barrier": "barrier"}
 
 
 def _passed(result: dict) -> set[str]:
@@ -52,6 +58,9 @@ def test_families_pass_on_shm_where_gloo_passes(tmp_path: Path) -> None:
     counts = shm["counts"]
     assert all(counts[t]["groups"] >= 2 for t in _passed(shm)), "a test passed without shm groups"
     assert all(counts[t]["reductions"] > 0 for t in THROUGH_SHM), counts
+    # upstream's collective tests ran their op through shared memory, never gloo's
+    for test, op in OP_TESTS.items():
+        assert counts[test]["shm"].get(op, 0) > 0 and not counts[test]["gloo"].get(op), (test, counts[test])
 
 
 @pytest.mark.slow

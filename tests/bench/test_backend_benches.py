@@ -49,3 +49,17 @@ def test_bench_ops_checks_every_peer_and_goes_through_shared_memory(tmp_path: Pa
     counts = next(r for r in rows if "through_shm" in r)
     assert counts["through_gloo"] == {} and counts["through_shm"]["all_to_all_single"] >= 3, counts
     assert "| all_gather_into_tensor | 2 | 4 KiB |" in result.stdout
+
+
+@pytest.mark.slow  # ~60 s: FSDP2 on 2 processes, on gloo then on cpu:shm
+def test_bench_fsdp_steps_on_both_backends_to_the_same_weights(tmp_path: Path) -> None:
+    out = tmp_path / "fsdp.json"
+    result = subprocess.run([sys.executable, "-m", "shmtrain", "bench", "fsdp", "--steps", "2", "--json", str(out)],
+                            capture_output=True, text=True, timeout=170, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    gloo, shm = json.loads(out.read_text())
+    assert (gloo["backend"], shm["backend"]) == ("gloo", "cpu:shm")
+    assert shm["bit_identical"] and gloo["weights_sha256"] == shm["weights_sha256"]
+    # FSDP2's gathers and reduce-scatters went through shared memory, none to gloo
+    assert shm["through_shm"]["all_gather_into_tensor"] > 0 and shm["through_shm"]["reduce_scatter_tensor"] > 0
+    assert shm["through_gloo"] == {}, shm["through_gloo"]

@@ -256,18 +256,18 @@ def every_op(rank: int, world: int) -> dict:
             lambda seed: [*[torch.zeros(n, dtype=torch.int64) for n in sizes],
                           *[values(torch.int64, (world * n,), seed + n, rank) for n in sizes]])
 
-    def gather_lists(ts, g):
-        ins, outs = ts[:2], [ts[2:2 + world], ts[2 + world:]]
+    def gather_lists(ts, g):  # torch's form: outputs[r] holds rank r's inputs
+        ins, outs = ts[:2], [[ts[2 + 2 * r], ts[3 + 2 * r]] for r in range(world)]
         if g is None:
             dist.all_gather_coalesced(outs, ins)
         else:
-            for out, inp in zip(outs, ins, strict=True):
-                dist.all_gather(out, inp, group=g)
+            for k, inp in enumerate(ins):
+                dist.all_gather([out[k] for out in outs], inp, group=g)
 
     c.check("all_gather_coalesced", gather_lists,
             lambda seed: [values(torch.float64, (5,), seed, rank), values(torch.float64, (2, 3), seed + 1, rank),
-                          *[torch.zeros(5, dtype=torch.float64) for _ in range(world)],
-                          *[torch.zeros(2, 3, dtype=torch.float64) for _ in range(world)]])
+                          *[t for _ in range(world) for t in (torch.zeros(5, dtype=torch.float64),
+                                                              torch.zeros(2, 3, dtype=torch.float64))]])
     dist.barrier()
     return {"mismatches": c.mismatches, "checked": c.checked, "gloo_lacks": c.gloo_lacks}
 

@@ -240,9 +240,9 @@ class Collectives:
         return self._allgather_base(output, input, opts)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        work = None
-        if len(outputs) == len(inputs) and inputs:
-            pairs = [(list(o), i) for o, i in zip(outputs, inputs, strict=True)]
+        work = None  # outputs[r][k]: rank r's input k
+        if inputs and len(outputs) == self.reducer.local_world and all(len(o) == len(inputs) for o in outputs):
+            pairs = [([o[k] for o in outputs], inp) for k, inp in enumerate(inputs)]
             work = self._gather_all("all_gather_coalesced", pairs)
         return work or self._fallback("all_gather_coalesced", "allgather_coalesced", outputs, inputs,
                                       opts or dist.AllgatherOptions())

@@ -73,17 +73,31 @@ def run(impl: str, world_size: int, out_dir: Path, *, tests: list[str] | None = 
     return result
 
 
-def _counts(path: Path) -> dict[str, dict[str, int]]:
-    """Per test: ranks that reported, shm groups and shared-memory reductions summed over ranks."""
-    summed: dict[str, dict[str, int]] = {}
+def _counts(path: Path) -> dict[str, dict]:
+    """Per test: ranks that reported, shm groups, shared-memory reductions and the calls per
+    op through shared memory (``shm``) and handed to gloo (``gloo``), summed over ranks."""
+    summed: dict[str, dict] = {}
     if path.exists():
         for line in path.read_text().splitlines():
-            test, _rank, groups, reductions = line.split()
-            entry = summed.setdefault(test, {"ranks": 0, "groups": 0, "reductions": 0})
+            test, _rank, groups, reductions, *ops = line.split()
+            entry = summed.setdefault(test, {"ranks": 0, "groups": 0, "reductions": 0, "shm": {}, "gloo": {}})
             entry["ranks"] += 1
             entry["groups"] += int(groups)
             entry["reductions"] += int(reductions)
+            for field in ops:
+                how, rest = field.split(":", 1)
+                op, n = rest.rsplit("=", 1)
+                entry[how][op] = entry[how].get(op, 0) + int(n)
     return summed
+
+
+def calls_per_op(counts: dict[str, dict], how: str) -> dict[str, int]:
+    """Calls per op over every test (``how``: ``"shm"`` or ``"gloo"``)."""
+    total: dict[str, int] = {}
+    for entry in counts.values():
+        for op, n in entry.get(how, {}).items():
+            total[op] = total.get(op, 0) + n
+    return dict(sorted(total.items()))
 
 
 def compare(gloo: dict, shm: dict) -> dict:
@@ -105,6 +119,8 @@ def compare(gloo: dict, shm: dict) -> dict:
         "shm_pass_gloo_not": sorted(set(passed_shm) - set(passed_gloo)),
         "skipped_both": sorted(t for t in s if s[t]["outcome"] == "skip" and g.get(t, {}).get("outcome") == "skip"),
         "shm_reductions": sum(c["reductions"] for c in counts.values()),
+        "shm_calls_per_op": calls_per_op(counts, "shm"),
+        "gloo_calls_per_op": calls_per_op(counts, "gloo"),
         "tests_with_shm_reductions": sum(1 for c in counts.values() if c["reductions"]),
         # a test that passed on shm must have run on shm groups (every rank reported one)
         "shm_passed_without_shm_group": sorted(t for t in passed_shm if not counts.get(t, {}).get("groups")),

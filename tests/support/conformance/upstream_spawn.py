@@ -16,8 +16,9 @@ tables, so ``dist.get_backend()`` reads ``gloo`` while the group's CPU backend i
 group *typed* gloo to hold a ProcessGroupGloo, as DDP's logger does, never sees the label).
 The backend's profiler events are named ``gloo:all_reduce`` there, as upstream looks them
 up by the label. Each rank
-appends, when it exits, its test's name, its rank, the shm groups it created and the
-tensors it reduced through shared memory to ``$SHMTRAIN_CONFORMANCE_COUNTS`` (proof that
+appends, when it exits, its test's name, its rank, the shm groups it created, the
+tensors it reduced through shared memory and its calls per op through shared memory and
+to gloo (``shm:broadcast=3 gloo:send=1``) to ``$SHMTRAIN_CONFORMANCE_COUNTS`` (proof that
 the shared-memory path ran).
 
 Upstream checks the exit code of rank 0 only; a test counts as passed here only if every
@@ -127,8 +128,10 @@ def _record(test_name: str, rank: int) -> None:
         return
     from shmtrain.backend import ShmBackend
 
+    ops = [f"{how}:{op}={n}" for how, counts in (("shm", ShmBackend.through_shm), ("gloo", ShmBackend.through_gloo))
+           for op, n in sorted(counts.items())]
     with open(path, "a") as f:
-        f.write(f"{test_name} {rank} {ShmBackend.groups} {ShmBackend.reductions}\n")
+        f.write(" ".join([test_name, str(rank), str(ShmBackend.groups), str(ShmBackend.reductions), *ops]) + "\n")
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
