@@ -51,10 +51,12 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         """The item ``name``, or a ValueError naming the option and every name."""
-        items = self.items()
-        if name not in items:
-            raise ValueError(f"{self.option} {name!r} is unknown; choose one of: {', '.join(sorted(items))}{self.hint}")
-        return items[name]
+        if self._fill is not None:
+            self._fill()
+        if name not in self._items:
+            raise ValueError(f"{self.option} {name!r} is unknown; choose one of: {', '.join(sorted(self._items))}"
+                             f"{self.hint}")
+        return self._items[name]
 
     def items(self) -> dict[str, T]:
         """A copy of every item by name, in the order they were registered."""
@@ -66,7 +68,9 @@ class Registry(Generic[T]):
         return list(self.items())
 
     def __contains__(self, name: object) -> bool:
-        return name in self.items()
+        if self._fill is not None:
+            self._fill()
+        return name in self._items
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

@@ -101,6 +101,11 @@ class HostOps:
     # -- ops ------------------------------------------------------------------------
     def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> None:
         """``outputs[r]`` <- rank ``r``'s ``input`` (every rank the same number of bytes)."""
+        self._collect(outputs, input, "all_gather")
+
+    def _collect(self, outputs: Sequence[torch.Tensor], input: torch.Tensor, what: str) -> None:
+        """Every rank's ``input`` in its slot, block by block; ``outputs[r]`` (none: this
+        rank receives nothing) <- rank ``r``'s."""
         src = as_bytes(input)
         dsts = [as_bytes(o) for o in outputs]
         n, B = src.numel(), self.block_bytes
@@ -108,7 +113,7 @@ class HostOps:
             stop = min(start + B, n)
             slots = self._next()
             slots[self.me, :stop - start].copy_(src[start:stop])
-            self._swap("all_gather")
+            self._swap(what)
             for r, dst in enumerate(dsts):
                 dst[start:stop].copy_(src[start:stop] if r == self.me else slots[r, :stop - start])
 
@@ -175,16 +180,7 @@ class HostOps:
 
     def gather(self, outputs: Sequence[torch.Tensor] | None, input: torch.Tensor, root: int) -> None:
         """The root's ``outputs[r]`` <- rank ``r``'s ``input``."""
-        src = as_bytes(input)
-        dsts = [as_bytes(o) for o in outputs] if outputs is not None else []
-        n, B = src.numel(), self.block_bytes
-        for start in range(0, n, B):
-            stop = min(start + B, n)
-            slots = self._next()
-            slots[self.me, :stop - start].copy_(src[start:stop])
-            self._swap("gather")
-            for r, dst in enumerate(dsts):
-                dst[start:stop].copy_(slots[r, :stop - start])
+        self._collect(outputs if outputs is not None else [], input, "gather")
 
     def scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor] | None, root: int) -> None:
         """``output`` <- the root's ``inputs[me]``."""

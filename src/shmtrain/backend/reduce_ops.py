@@ -42,6 +42,9 @@ REDUCTIONS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR")
 #: the calls' kinds in the call header (its code is the index; 0 and 1: SUM and AVG of all_reduce)
 KINDS = (REDUCTIONS + tuple(f"reduce_scatter {r}" for r in REDUCTIONS) + tuple(f"reduce {r}" for r in REDUCTIONS)
          + ("broadcast", "all_gather", "all_to_all", "gather", "scatter", "barrier"))
+#: the call header's codes of :data:`MOVED` and :data:`KINDS` (a dict lookup per call)
+MOVED_CODE = {dtype: code for code, dtype in enumerate(MOVED)}
+KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 #: the kinds whose header carries a root
 ROOTED = frozenset({"broadcast", "gather", "scatter", *(f"reduce {r}" for r in REDUCTIONS)})
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.backend.host_ops import HostOps
-from shmtrain.backend.reduce_ops import DTYPES, FLOATS, KINDS, MOVED, ROOTED, average
+from shmtrain.backend.reduce_ops import DTYPES, FLOATS, KIND_CODE, KINDS, MOVED, MOVED_CODE, ROOTED, average
 from shmtrain.backend.work import ShmBackendError, ShmWork
 from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
 from shmtrain.fabric.job import hosts
@@ -170,7 +170,7 @@ class HostReducer:
         n = self.calls
         self._op = op
         self._phase = f"call {op} #{n}"
-        self._exchange_headers(n, (numel, MOVED.index(dtype), KINDS.index(kind), extra))
+        self._exchange_headers(n, (numel, MOVED_CODE[dtype], KIND_CODE[kind], extra))
         self._phase = f"finish a block of {op} #{n}"
         return n
 
@@ -220,36 +220,26 @@ class HostReducer:
         """One tensor (of ``count`` in its call): the header hand-off, then the pipeline (on
         a contiguous copy of a strided tensor, copied back; on the data of a tensor that
         requires grad)."""
-        self.calls += 1
-        n = self.calls
         data = tensor.detach()
-        self._op, self._phase = "all_reduce", f"call all_reduce #{n}"
-        self._exchange_headers(n, (data.numel(), MOVED.index(data.dtype), int(mean), count))
+        n = self.begin("all_reduce", data.numel(), data.dtype, "AVG" if mean else "SUM", count)
         buffer = data if data.is_contiguous() else data.contiguous()
-        self._phase = f"finish a block of all_reduce #{n}"
         blockwise = mean and buffer.is_floating_point()  # integers: NCCL's average of the sum
         if self.hosts == 1:  # a float mean is taken block by block while each is in cache
             self.pipeline(buffer, op="mean" if blockwise else "sum")
         else:  # the host's sum, the leaders' sum, back inside the host
-            self.hierarchy.reduce_private(buffer, self._host_sum(n))
+            self.hierarchy.reduce_private(buffer, self._host_sum, back=lambda: self._taking(n))
         if mean and (self.hosts > 1 or not blockwise):
             average(buffer, self.size)
         if buffer is not data:
             data.copy_(buffer)
 
-    def _host_sum(self, n: int) -> Callable[[torch.Tensor], None]:
-        """The pipeline's sum inside the host, for :meth:`Hierarchy.reduce_private`: its
-        second call takes the leader's result, which the error of a failed wait names."""
-        calls = 0
+    def _host_sum(self, buffer: torch.Tensor) -> None:
+        """The pipeline's sum inside the host (:meth:`Hierarchy.reduce_private`'s host part)."""
+        self.pipeline(buffer, op="sum")
 
-        def host_sum(buffer: torch.Tensor) -> None:
-            nonlocal calls
-            calls += 1
-            if calls == 2:
-                self._phase = f"take all_reduce #{n}'s result from its host's leader"
-            self.pipeline(buffer, op="sum")
-
-        return host_sum
+    def _taking(self, n: int) -> None:
+        """The way back of call ``n``: a failed wait names it."""
+        self._phase = f"take all_reduce #{n}'s result from its host's leader"
 
     def _exchange_headers(self, n: int, mine: tuple[int, int, int, int]) -> None:
         """Publish ``(numel, dtype, kind, tensors in the call or root)`` for call ``n``, wait

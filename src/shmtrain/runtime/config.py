@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from shmtrain import strategies
-from shmtrain.fabric.job.context import under_torchrun
+from shmtrain.fabric.job.context import env_int, under_torchrun
 from shmtrain.runtime import trusted_files
 from shmtrain.runtime.data.kinds import DataConfig
 from shmtrain.runtime.data.options import DataOptions
@@ -237,8 +236,8 @@ def job_shape(workers: int) -> tuple[int, int]:
     hosts), which is the job the strategy will run in."""
     if not under_torchrun():
         return workers, 1
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    world = env_int("WORLD_SIZE", workers)
+    local = env_int("LOCAL_WORLD_SIZE", world)
     return world, max(world // max(local, 1), 1)
 
 

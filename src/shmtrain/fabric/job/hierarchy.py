@@ -107,15 +107,19 @@ class Hierarchy:
         else:
             self.receive(step, what)
 
-    def reduce_private(self, buffer: torch.Tensor, host_sum: Callable[[torch.Tensor], None]) -> None:
+    def reduce_private(self, buffer: torch.Tensor, host_sum: Callable[[torch.Tensor], None], *,
+                       back: Callable[[], None] | None = None) -> None:
         """Sum every worker's private ``buffer`` over the job, in place: ``host_sum`` (a
         collective sum inside the host into every worker's buffer), the leaders' sum, then
-        ``host_sum`` again with zeros on every worker but the leader."""
+        (after ``back()``, e.g. to name the way back in errors) ``host_sum`` again with
+        zeros on every worker but the leader."""
         host_sum(buffer)
         if not self.across:
             return
         if self.group is not None:
             self.allreduce(buffer)
+        if back is not None:
+            back()
         if not self.leader:
             buffer.zero_()
         host_sum(buffer)

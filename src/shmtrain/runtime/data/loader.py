@@ -216,6 +216,10 @@ class Spread:
             raise IndexError(i)
         return (i % self.count) * self.size // self.count
 
+    def indices(self) -> torch.Tensor:
+        """Every index at once, as an int64 tensor (for slicing tensors in memory)."""
+        return torch.arange(self.count, dtype=torch.int64) * self.size // self.count
+
 
 class HeldOut:
     """Rank 0's held-out set in batches of :data:`EVAL_BATCH`: slices of tensors, or a
@@ -244,7 +248,7 @@ class HeldOut:
             if self.spread is None:
                 yield from self.source.tensors.held_out_batches(EVAL_BATCH)
                 return
-            index = torch.arange(self.samples, dtype=torch.int64) * self.spread.size // self.samples
+            index = self.spread.indices()
             x, y = self.source.tensors.test_x, self.source.tensors.test_y
             for start in range(0, self.samples, EVAL_BATCH):
                 part = index[start : start + EVAL_BATCH]
