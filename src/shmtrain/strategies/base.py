@@ -75,6 +75,12 @@ class Strategy:
     #: across hosts: a lost host started again rejoins the running job (README, "Rejoining";
     #: it has no job-wide gloo group: the strategies whose hosts meet at a memory server)
     rejoins: ClassVar[bool] = False
+    #: how a worker killed on one host is recovered (``runtime/run/recovery.py``):
+    #: ``"replica"``, replaced in place, every rank continuing from the state of the
+    #: survivor that completed the most steps (the ranks are replicas between steps and
+    #: the weights change only after the step's exchange completed), or ``"restart"``,
+    #: every worker restarted from the latest checkpoint
+    recovery: ClassVar[str] = "restart"
     #: parameter devices the strategy supports (its buffers' staging, ``strategies/layout/staging.py``)
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     #: why ``--amp fp16`` (a GradScaler) cannot run with this strategy; None: it can

@@ -89,6 +89,13 @@ class ProcessContext:
                 pass
         self.close()
 
+    def take_over(self, successor: ProcessContext) -> None:
+        """Become ``successor`` (the context of the job's next generation, after a peer
+        was replaced in place: ``runtime/run/recovery.py``), so that whoever holds this
+        object (the worker's entry point, which shuts it down at the end) holds that one."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(successor, name))
+
     def close(self) -> None:
         """Destroy the process groups this context created (at once; see :meth:`shutdown`
         for the orderly way). A default group the caller created before :func:`from_env`
@@ -102,6 +109,16 @@ class ProcessContext:
                 dist.destroy_process_group()
             elif self.leaders is not None:
                 dist.destroy_process_group(self.leaders)
+
+
+#: the environment variable with the generation of a local job: 0 at its start, one more
+#: each time its workers form the job again around a replaced worker (``runtime/run/recovery.py``)
+GENERATION_ENV = "SHMTRAIN_GENERATION"
+
+
+def generation_store(store: dist.Store, generation: int) -> dist.Store:
+    """The keys of ``generation`` of a local job's FileStore (generation 0: the store)."""
+    return dist.PrefixStore(f"g{generation}/", store) if generation else store
 
 
 def under_torchrun() -> bool:
@@ -215,7 +232,8 @@ def _open_store(addr: str, rank: int, world: int, timeout: float) -> dist.Store:
                    private=True)
         store: dist.Store = dist.FileStore(store_file, -1)
         store.set_timeout(wait)
-        return store
+        generation = env_int(GENERATION_ENV, 0)  # a job formed again around a replaced worker
+        return generation_store(store, generation)
     store_port = env_int("SHMTRAIN_STORE_PORT", 0)
     port = store_port or env_int("MASTER_PORT", 29500)
     if not store_port and world > 1 and dist.is_initialized() and not os.environ.get("TORCHELASTIC_RUN_ID"):

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shmtrain.fabric.shm.control import ControlBlock, process_state
+from shmtrain.fabric.shm.control import DIED, ControlBlock, process_state
 from shmtrain.fabric.shm.segment import PREFIX, SharedSegment, sweep
 from shmtrain.fabric.trust import bound_store
 from shmtrain.runtime.launch import job_dir, reaping
@@ -56,6 +56,7 @@ from shmtrain.runtime.launch.failures import (
     shm_note,
 )
 from shmtrain.runtime.launch.job_dir import JobDir
+from shmtrain.runtime.launch.replacement import LAUNCHER_ENV, Budget, Replacer
 from shmtrain.runtime.outputs.worker_logs import WorkerLogs
 
 GRACE_S = 10.0
@@ -100,6 +101,7 @@ def launch(
     verbose: bool = False,
     relay_signals: bool = False,
     listen: bool = False,
+    replace: Budget | None = None,
 ) -> list[Any]:
     """Run ``target`` (a function, or ``"module:function"``; called as ``fn(ctx, payload)``)
     in ``nprocs`` local worker processes; return their return values by rank. A fresh
@@ -110,6 +112,10 @@ def launch(
     non-zero) without reporting an error is recorded, not propagated; the others train
     on, and :class:`WorkerFailed` naming it (with ``.results`` of the survivors) is
     raised once they have finished.
+
+    ``replace`` (``shmtrain train``, strategies that recover in place): a worker that
+    dies without a report of its own is replaced in place while ``replace.left`` lasts,
+    the others never exiting (``runtime/launch/replacement.py``).
 
     ``listen`` (``shmtrain run``): the job's store is a TCPStore on loopback, for workers
     that join by ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); else a FileStore in the
@@ -129,7 +135,8 @@ def launch(
     if nprocs < 1:
         raise ValueError(f"--workers {nprocs}: at least 1 worker is needed")
     target = target_name(target)
-    job = _JobSetup(nprocs, payload, threads=threads, timeout=timeout, env=env, listen=listen)
+    extra = {LAUNCHER_ENV: str(os.getpid())} if replace is not None else {}
+    job = _JobSetup(nprocs, payload, threads=threads, timeout=timeout, env={**(env or {}), **extra}, listen=listen)
     children: list[Any] = []  # subprocess.Popen, or zygote.Worker (the same calls)
     logs = WorkerLogs(log_dir, nprocs, verbose)
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there
@@ -141,7 +148,14 @@ def launch(
             child_env = dict(job.env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), **logs.env())
             children.append(_start(target, child_env, (job.segment.fd, *logs.fds()), logs.path(rank),
                                    timeout))
-        supervisor = _Supervisor(children, job, logs, stopping, tolerate_worker_loss)
+        def fork(rank: int, child_env: dict[str, str]) -> Any:
+            return _start(target, {**child_env, **logs.env()}, (int(child_env["SHMTRAIN_CONTROL_FD"]), *logs.fds()),
+                          logs.path(rank), timeout)
+
+        replacer = Replacer(job, replace, fork, children, timeout) if replace is not None else None
+        if replacer is not None:
+            job.closing.append(replacer.close)
+        supervisor = _Supervisor(children, job, logs, stopping, tolerate_worker_loss, replacer)
         supervisor.watch()
         return supervisor.results()
     except KeyboardInterrupt:
@@ -184,6 +198,8 @@ class _JobSetup:
             self.dir.remove()
             raise
         self.control = ControlBlock(self.segment, nprocs, init=True)
+        #: what else closes with the launch (a replacer's control blocks)
+        self.closing: list[Callable[[], None]] = []
         # Workers inherit the descriptor, so the name can go at once: no window in which a
         # crash (or anyone sweeping /dev/shm) could leave or lose it.
         self.segment.unlink()
@@ -202,6 +218,8 @@ class _JobSetup:
         return self.dir.result(rank)
 
     def close(self) -> None:
+        for close in self.closing:
+            close()
         self.segment.unlink()
         sweep(self.prefix)
         del self.store
@@ -217,9 +235,10 @@ class _Supervisor:
     before its loop ends the launch as a KeyboardInterrupt."""
 
     def __init__(self, children: list[Any], job: _JobSetup, logs: WorkerLogs,
-                 stopping: _StopRelay | None, tolerate_worker_loss: bool) -> None:
+                 stopping: _StopRelay | None, tolerate_worker_loss: bool, replacer: Replacer | None = None) -> None:
         self.children, self.job, self.logs, self.stopping = children, job, logs, stopping
         self.tolerate = tolerate_worker_loss
+        self.replacer = replacer
         self.lost: dict[int, int] = {}  # tolerated deaths: rank -> exit code
 
     def watch(self) -> None:
@@ -234,6 +253,21 @@ class _Supervisor:
             if bad and self.stopping is not None and self.stopping.signum and bad[0][1] in _STOP_CODES:
                 _end(children, 3.0)  # the signal reached a worker before its loop: nothing saved
                 raise StopNow(self.stopping.signum)
+            if (bad and self.replacer is not None and not (self.stopping is not None and self.stopping.signum)
+                    and control.aborted() in (None, (bad[0][0], DIED)) and self.replacer.curable(*bad[0])):
+                rank, code = bad[0]
+                pid = children[rank].pid
+                block = self.replacer.replace(rank, code, control)
+                if block is None:
+                    raise self._failure(*first_cause(children, bad, self.lost))
+                print(f"shmtrain: worker rank {rank} (pid {pid}) died ({describe_exit(code)}); replaced in place, "
+                      f"every rank going on from step {self.replacer.last['steps']} of rank "
+                      f"{self.replacer.last['donor']} (replacement {self.replacer.budget.used}, "
+                      f"{self.replacer.budget.left} left)", file=sys.stderr, flush=True)
+                control = self.job.control = block  # the next generation's
+                if self.stopping is not None:
+                    self.stopping.control = block
+                continue
             if bad and self.tolerate and control.aborted() is None and control.state(bad[0][0]) != 0:
                 self.lost[bad[0][0]] = bad[0][1]
             elif bad:

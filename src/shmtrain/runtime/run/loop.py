@@ -16,6 +16,7 @@ final evaluation. It returns this worker's summary.
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from shmtrain.runtime.data.sources import write_run_facts
 from shmtrain.runtime.files import save_output
 from shmtrain.runtime.outputs.progress import Progress
 from shmtrain.runtime.outputs.selection import Selection
+from shmtrain.runtime.run import recovery
 from shmtrain.runtime.run.monitor import Monitor, evaluate_batches
 from shmtrain.runtime.tasks.data import open_run_data, write_task_facts
 from shmtrain.runtime.tasks.lookup import task_of
@@ -81,8 +83,13 @@ class WorkerSession:
     any point, closes what exists and nothing else.
     """
 
-    def __init__(self, ctx: ProcessContext, payload: dict[str, Any]) -> None:
+    def __init__(self, ctx: ProcessContext, payload: dict[str, Any], recovered: dict[str, Any] | None = None) -> None:
         self.ctx = ctx
+        #: the state a worker continues from after a peer was replaced in place
+        #: (``runtime/run/recovery.py``), instead of a checkpoint
+        self.recovered = recovered
+        #: this rank's state when a peer's death ended the loop (recovering in place)
+        self.kept: dict[str, Any] | None = None
         self.config: TrainConfig = payload["config"]
         self.out = Path(payload["out"])
         self.resume: str | None = payload.get("resume")
@@ -138,12 +145,14 @@ class WorkerSession:
         checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size),
                                    lost=self.dp.lost_now)  # a lost rank's last state is carried on
         rejoined = getattr(ctx, "rejoined", False)
-        if rejoined:  # a host started again: the job's state, not a file's
+        if self.recovered is not None:  # a peer replaced in place: the state every rank continues from
+            self.trainer.load_state_dict(self.recovered)
+        elif rejoined:  # a host started again: the job's state, not a file's
             rejoin_position(self.trainer, self.dp.iteration)
         else:
             checkpoints.restore(self.trainer, self.resume)
         start = self.trainer.state.iteration
-        if self.restart_schedule:  # --restart-schedule: a new schedule over the iterations left
+        if self.restart_schedule and self.recovered is None:  # --restart-schedule: a new schedule
             self.trainer.scheduler = schedule.restart(self.dp.optimizer, config, self.total - start)
         sampler = shard_sampler(data, config.batch_size, config.seed, ctx, config.class_split)  # --class-split
         # the shard's batches from the run's position on (runtime/data/loader.py): a thread slicing
@@ -154,7 +163,8 @@ class WorkerSession:
         self.held_out = HeldOut(data, (config.loader_workers or 0) if ctx.rank == 0 else 0,
                                 self.device.type == "cuda", limit=config.eval_samples)  # --eval-samples
         self.stack.callback(self.held_out.close)
-        log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", start, keep=rejoined)
+        log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", start,
+                                       keep=rejoined or self.recovered is not None)
         self.loop.callback(log.close)
         progress = Progress(self.total, config.strategy, enabled=config.progress and ctx.rank == 0, first=start)
         self.stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/train/stop.py)
@@ -173,7 +183,12 @@ class WorkerSession:
         self._build()
         services = self._open()
         mark("first-iteration")  # what follows is the loop (its first row's t0)
-        outcome = self.trainer.train(self.prefetch.next, services, self.total)
+        try:
+            outcome = self.trainer.train(self.prefetch.next, services, self.total)
+        except recovery.PEER_LOSS:
+            if recovery.enabled(self.dp.strategy):  # the launcher replaces the dead peer: keep the state
+                self.kept = recovery.keep(self.trainer)
+            raise
         self.dp.close()
         self.loop.close()
         return self._result(outcome)
@@ -222,6 +237,28 @@ class WorkerSession:
 
 
 def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]:
-    """Train this worker's shard; return its summary (rank 0 adds the held-out metrics)."""
-    with WorkerSession(ctx, payload) as session:
-        return session.run()
+    """Train this worker's shard; return its summary (rank 0 adds the held-out metrics).
+
+    A peer's death that the launcher replaces in place ends the session, not the worker:
+    it joins the job's next generation with the replacement (``runtime/run/recovery.py``)
+    and trains on in a new session from the state every rank continues from."""
+    recovered = recovery.replacement_state()  # a replacement: the donor's state
+    replaced, spent = 0, 0.0
+    while True:
+        session = WorkerSession(ctx, payload, recovered)
+        began = time.perf_counter()
+        try:
+            with session:
+                result = session.run()
+        except recovery.PEER_LOSS as exc:
+            if session.kept is None:
+                raise
+            failure: BaseException = exc
+        else:
+            result["wall_s"] += spent  # the whole run's, its recoveries included
+            result["replaced_peers"] = replaced
+            return result
+        kept, session = session.kept, None
+        recovered = recovery.rejoin(ctx, kept, failure)
+        replaced += 1
+        spent += time.perf_counter() - began

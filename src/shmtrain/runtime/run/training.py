@@ -26,6 +26,7 @@ from shmtrain.runtime.defaults import settle
 from shmtrain.runtime.launch import runlock
 from shmtrain.runtime.launch.launcher import WorkerFailed, launch
 from shmtrain.runtime.launch.preflight import preflight
+from shmtrain.runtime.launch.replacement import Budget
 from shmtrain.runtime.outputs.stretches import Stretch
 from shmtrain.runtime.run.end import (
     RunStopped,
@@ -64,6 +65,18 @@ def _import_matplotlib() -> None:
         import matplotlib.pyplot  # noqa: F401
     except ImportError:
         pass
+
+def recovers_in_place(config: TrainConfig) -> bool:
+    """Whether a worker of this run that dies is replaced in place (the others never
+    exit): a strategy that recovers as a replica (``Strategy.recovery``), on CPU, with
+    restarts allowed and an allreduce whose sums do not depend on timing (not ``auto``,
+    which times its candidates again in a new generation)."""
+    import torch
+
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    allreduce = getattr(config.strategy_config, "allreduce", None)
+    return config.max_restarts > 0 and config.plan.strategy.recovery == "replica" and on_cpu and allreduce != "auto"
+
 
 def run_training(config: TrainConfig, echo=print, *, resume: bool = False,
                  restart_schedule: bool = False) -> dict[str, Any] | None:
@@ -110,6 +123,8 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
          + (f"; resuming from {start_from.name}" if start_from else ""))
     start = time.perf_counter()
     restarts = 0
+    # --max-restarts is also the budget of workers replaced in place (runtime/launch/replacement.py)
+    replacing = Budget(config.max_restarts) if recovers_in_place(config) else None
     while True:
         payload = {"config": config, "out": str(out), "resume": str(start_from) if start_from else None,
                    # --restart-schedule: on the checkpoint resumed from, not on one saved since
@@ -121,7 +136,7 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
                              tolerate_worker_loss=strategies.get(config.strategy).tolerates_peer_loss
                              and restarts >= config.max_restarts,
                              graceful_stop=True, log_dir=out / "logs", verbose=config.verbose,
-                             env=_preload_env(config))
+                             env=_preload_env(config), replace=replacing)
             break
         except WorkerFailed as exc:
             end_stretch(stretch, "failed")  # its own failure (a full disk) must not hide the worker's
@@ -130,8 +145,12 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
                 exc.args = (f"{exc} (not restarted: a restart from {last or 'the beginning'} would meet the same "
                             "divergence; every checkpoint written is finite)",)
                 raise
+            if replacing is not None:  # what replacements spent comes off the restarts
+                restarts, replacing.used = restarts + replacing.used, 0
             if not exc.stop_signal and restarts < config.max_restarts:  # a dead zygote too: a new one forks
                 restarts += 1
+                if replacing is not None:
+                    replacing.left = config.max_restarts - restarts
                 start_from = checkpoint_files.resume_point(out, warn)
                 checkpoint_files.clean_partial(out)
                 where = start_from if start_from else "the beginning (no checkpoint yet)"

@@ -349,15 +349,17 @@ class Trainer:
                             "strategy to save; wrap the model in shmtrain.parallel.data_parallel.DataParallel")
         return self.engine
 
-    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True, quiesce: bool = True) -> dict[str, Any]:
         """The model, optimizer, strategy and loop state of this rank, consistent between
-        iterations (the strategy's exchanges in flight are drained first). With ``copy``
-        a deep-copied snapshot, so training on does not change it; without, the live
-        tensors, for a caller that serializes them before the next iteration (the
+        iterations (the strategy's exchanges in flight are drained first; not with
+        ``quiesce=False``, for a rank whose peer is gone: ``runtime/run/recovery.py``). With
+        ``copy`` a deep-copied snapshot, so training on does not change it; without, the
+        live tensors, for a caller that serializes them before the next iteration (the
         checkpointer: no extra pass over the weights and momentum)."""
         dp = self._stateful()
         strategy = dp.strategy
-        strategy.quiesce()
+        if quiesce:
+            strategy.quiesce()
         self.state.capture_rng()
         state = {
             "model": dp.module.state_dict(),

@@ -40,6 +40,7 @@ class SSGD(SlotGradients, Strategy):
 
     name = "ssgd"
     synchronous = True
+    recovery = "replica"  # the weights change only in the optimizer step, after the allreduce
     #: the allreduce's dtype when it is not the parameters' (CastSSGD)
     comm_dtype: torch.dtype | None = None
     #: a variant's ``--allreduce`` values (None: any) and why it stands alone

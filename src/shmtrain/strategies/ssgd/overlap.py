@@ -63,6 +63,7 @@ class OverlapSSGD(Strategy):
     ``ssgd`` hands a config with ``overlap`` to it, see ``SSGD.implementation``)."""
 
     name = "ssgd"
+    recovery = "replica"  # the weights change only in the optimizer step, after the allreduce
     synchronous = True
     allreduces = ("shm", "gloo")
     variant_reason = "overlapped buckets go through shared memory or gloo only"

@@ -1,0 +1,133 @@
+"""A worker's side of replacing a dead peer in place (one host, ``shmtrain train``).
+
+Why the survivors' state is the job's, for the strategies that recover as replicas
+(``Strategy.recovery == "replica"``: synchronous SGD, with or without ``--overlap``, on
+CPU): every rank applies the same update to the same weights (ShmCaffe Section IV-C's
+MPICaffe; SHM-Learn-Dist eq. 2.1), and a rank changes its weights, optimizer and
+schedule only in the optimizer step, which starts after the step's allreduce completed
+on that rank. A death therefore finds each survivor either before the update of step
+``t`` (its state is the state after ``t - 1``; its gradients are dropped) or after it
+(the allreduce it completed held every rank's gradient, the dead one's included, so
+its state is the state after ``t``). The survivor that completed the most steps holds
+the state every rank would have had: all continue from it, the replacement included,
+and step ``t`` is computed again by every rank from the same weights and the same
+batches (the data position is the step count), so the run's weights stay bit for bit
+those of a run that was never killed.
+
+The flow, on a survivor (the launcher's side: ``runtime/launch/replacement.py``):
+
+1. the training loop raises :class:`~shmtrain.fabric.shm.control.PeerFailure` (the
+   launcher aborted the control block, or a wait found the peer dead); the session keeps
+   this rank's state (:func:`keep`, between steps by the argument above) and unwinds;
+2. :func:`rejoin` posts the steps it completed, leaves the job (its process groups),
+   waits for the launcher's plan, writes its state for the others when it is the donor,
+   joins the next generation of the job (a new control block, fresh keys of the store,
+   new segments and gloo group) and returns the state this rank continues from.
+
+This rank's RNG states stay its own (the replacement takes the donor's). A model whose
+forward draws random numbers (dropout) therefore repeats step ``t`` with other draws on
+the ranks that had drawn for it already; the bit-for-bit argument is for a forward
+without randomness.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shmtrain.fabric.job import context as fabric_context
+from shmtrain.fabric.job.context import GENERATION_ENV, ProcessContext
+from shmtrain.fabric.shm.control import PeerFailure, PeerTimeout
+from shmtrain.fabric.shm.segment import open_descriptor
+from shmtrain.fabric.trust import UntrustedError, read_private, write_private
+from shmtrain.runtime.launch.replacement import LAUNCHER_ENV, STATE_FILE_ENV
+
+#: the failures a survivor waits out instead of exiting
+PEER_LOSS = (PeerFailure, PeerTimeout)
+
+
+def enabled(strategy: Any) -> bool:
+    """Whether this worker recovers in place: its launcher replaces (it said so in the
+    environment) and the strategy recovers as a replica."""
+    return bool(os.environ.get(LAUNCHER_ENV)) and getattr(strategy, "recovery", "restart") == "replica"
+
+
+def keep(trainer: Any) -> dict[str, Any]:
+    """A copy of this rank's state as it stands between steps (the model, optimizer,
+    strategy, loop, schedule and loss-scale state: what a checkpoint holds), taken
+    without draining exchanges (a peer is gone: they would not complete)."""
+    return deepcopy(trainer.state_dict(copy=False, quiesce=False))
+
+
+def replacement_state() -> dict[str, Any] | None:
+    """In a replacement worker: the donor's state it starts from (None elsewhere)."""
+    path = os.environ.get(STATE_FILE_ENV)
+    return _load(Path(path), float(os.environ.get("SHMTRAIN_TIMEOUT", "120"))) if path else None
+
+
+def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) -> dict[str, Any]:
+    """After a peer's death: post this rank's steps, leave the job, wait for the
+    launcher's plan, join the next generation (``ctx`` becomes its context); the state
+    to continue from. ``failure`` is raised again when the launcher does not replace
+    (no replacement left, or the death was not one a replacement cures)."""
+    steps = int(kept["train"]["iteration"])
+    ctx.store.set(f"recover/{ctx.local_rank}", str(steps))
+    plan = _plan(ctx, failure)
+    ctx.close()  # this generation's process groups; its segments go with the session's objects
+    if plan["donor"] == ctx.local_rank:
+        _save(kept, Path(plan["state"]))
+    state = kept if steps == plan["steps"] else _adopt(_load(Path(plan["state"]), ctx.timeout), kept)
+    own = open_descriptor(int(plan["pid"]), int(plan["fd"]), "the control block of the next generation")
+    os.environ.update(SHMTRAIN_CONTROL=str(plan["control"]), SHMTRAIN_CONTROL_FD=str(own),
+                      **{GENERATION_ENV: str(plan["generation"])})
+    ctx.take_over(fabric_context.from_env(ctx.timeout))
+    return state
+
+
+def _plan(ctx: ProcessContext, failure: BaseException) -> dict[str, Any]:
+    """The launcher's plan for the next generation (raising ``failure`` when it gives
+    up), read from the job's store (a FileStore in its private folder) and checked."""
+    deadline = time.monotonic() + ctx.timeout
+    while not ctx.store.check(["recover/plan"]):
+        if time.monotonic() > deadline:
+            raise failure
+        time.sleep(0.01)
+    plan = json.loads(ctx.store.get("recover/plan"))
+    if plan.get("fail"):
+        raise failure
+    if str(plan.get("pid")) != os.environ.get(LAUNCHER_ENV):
+        raise UntrustedError(f"the plan of the job's next generation names process {plan.get('pid')}, not this "
+                             "run's launcher; refused (docs/security.md)")
+    return plan
+
+
+def _adopt(donor: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
+    """The donor's state with this rank's own RNG states."""
+    donor["train"] = dict(donor["train"], rng=kept["train"]["rng"])
+    return donor
+
+
+def _save(state: dict[str, Any], path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_private(path, buffer.getvalue())
+
+
+def _load(path: Path, timeout: float) -> dict[str, Any]:
+    """The donor's state file, once it is there (a private file of this run, loaded with
+    ``weights_only``: tensors and plain values only)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise PeerTimeout(f"the donor's state {path.name} did not appear within {timeout:.0f} s")
+        time.sleep(0.01)
+    data = read_private(path, "the donor's state")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+

@@ -1,0 +1,55 @@
+"""A worker killed during a synchronous run is replaced in place: the others never exit,
+and the run ends with the weights of a run that was never killed, bit for bit
+(``runtime/run/recovery.py``, ``runtime/launch/replacement.py``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import worker_process
+from support.runs import LONG, iterations_logged, rows_written, start, train, wait_for, weights
+
+pytestmark = pytest.mark.timeout(300)
+
+#: three workers, so a death leaves two survivors (one may be a step ahead of the other)
+JOB = [*LONG[:LONG.index("--workers")], "--workers", "3", *LONG[LONG.index("--workers") + 2:]]
+
+
+@pytest.fixture(scope="module", params=[[], ["--overlap"]], ids=["ssgd", "overlap"])
+def straight(request, tmp_path_factory) -> tuple[list[str], Path]:
+    """The run that is never killed, which the killed ones must equal."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    assert train(*JOB, *request.param, "--out", str(run)) == 0
+    return request.param, run
+
+
+def test_a_killed_worker_is_replaced_and_the_weights_are_those_of_the_straight_run(straight, tmp_path: Path) -> None:
+    flags, reference = straight
+    run = tmp_path / "run"
+    launcher = start([*JOB, *flags, "--max-restarts", "3", "--out", str(run)])
+    survivors = {rank: worker_process(launcher.pid, rank).pid for rank in (0, 1, 2)}
+    chosen = random.Random(os.getpid()).sample([0, 1, 2], 2)
+    killed = []
+    for n, victim in enumerate(chosen):  # two deaths, at points of a step the clock chooses
+        wait_for(lambda n=n: rows_written(run, 0) > 600 * (n + 1), launcher, f"iteration {600 * (n + 1)}")
+        process = worker_process(launcher.pid, victim)
+        os.kill(process.pid, signal.SIGKILL)
+        killed.append(victim)
+        survivors.pop(victim, None)
+    wait_for(lambda: rows_written(run, 0) > 1500, launcher, "iteration 1500")
+    for rank, pid in survivors.items():  # a rank never killed runs in its first process still
+        assert worker_process(launcher.pid, rank).pid == pid, rank
+    _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err
+    assert "restarting every worker" not in err, err
+    assert err.count("replaced in place") == 2, err
+    assert weights(run / "model.pt").keys() == weights(reference / "model.pt").keys()
+    for key, value in weights(reference / "model.pt").items():
+        assert weights(run / "model.pt")[key].equal(value), key  # bit for bit
+    for rank in (0, 1, 2):
+        assert iterations_logged(run, rank)[-1] == 3000
