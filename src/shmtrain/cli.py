@@ -205,7 +205,20 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from shmtrain.bench import allreduce, checkpoint, collectives, floors, fsdp, ops, overlap, ps, smb, step, subbatch
+    from shmtrain.bench import (
+        allreduce,
+        chaos,
+        checkpoint,
+        collectives,
+        floors,
+        fsdp,
+        ops,
+        overlap,
+        ps,
+        smb,
+        step,
+        subbatch,
+    )
     from shmtrain.bench.compress import add_bench_compress_parser
     from shmtrain.bench.hosts.command import add_parser as add_bench_hosts_parser
     from shmtrain.bench.lightning_peers import add_bench_lightning_parser
@@ -228,6 +241,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     floors.add_parser(bench)
     ops.add_parser(bench)
     fsdp.add_parser(bench)
+    chaos.add_parser(bench)
 
 
 def _add_experiment(sub: argparse._SubParsersAction) -> None:

@@ -131,9 +131,14 @@ def test_ctrl_c_saves_and_the_resume_equals_the_straight_run(straight: Path, tmp
     assert summary["wall_s"] == pytest.approx(sum(s["wall_s"] for s in summary["stretches"]), abs=0.01)
 
 
-def test_killed_worker_restarts_from_the_latest_checkpoint(straight: Path, tmp_path: Path) -> None:
+def test_killed_worker_restarts_from_the_latest_checkpoint(tmp_path: Path) -> None:
+    """A strategy that does not recover in place (ZeRO-1's momentum is sharded: no survivor
+    holds the dead rank's) restarts every worker from the latest checkpoint."""
+    job = [*LONG, "--sharded-update"]
+    straight = tmp_path / "straight"
+    assert train(*job, "--out", str(straight)) == 0
     run = tmp_path / "run"
-    launcher = start([*LONG, "--max-restarts", "1", "--out", str(run)])
+    launcher = start([*job, "--max-restarts", "1", "--out", str(run)])
     wait_for(lambda: checkpoint_files.latest(run) is not None and rows_written(run, 1) > 300, launcher, "a checkpoint")
     victim = worker_process(launcher.pid, 1)
     os.kill(victim.pid, signal.SIGKILL)

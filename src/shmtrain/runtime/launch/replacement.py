@@ -77,6 +77,9 @@ class Replacer:
     def curable(self, rank: int, code: int) -> bool:
         """Whether the death of ``rank`` (exit ``code``) is one a replacement cures: a
         budget left, and no error the worker reported itself (that cause would come back)."""
+        zygote = getattr(self.children[rank], "zygote", None)
+        if zygote is not None and not zygote.alive():  # it took every worker with it
+            return False
         return self.budget.left > 0 and code != 0 and not self.job.dir.error(rank, wait=0.2)
 
     def replace(self, rank: int, code: int, control: ControlBlock) -> ControlBlock | None:

@@ -41,6 +41,7 @@ from shmtrain.runtime.tasks.data import open_run_data, write_task_facts
 from shmtrain.runtime.tasks.lookup import task_of
 from shmtrain.runtime.train import schedule
 from shmtrain.runtime.train.device import worker_device
+from shmtrain.runtime.train.finite import json_text
 from shmtrain.runtime.train.optimizers import build_optimizer
 from shmtrain.runtime.train.stop import StopRequest
 from shmtrain.runtime.train.trainer import RunServices, Trainer, TrainOutcome
@@ -163,9 +164,13 @@ class WorkerSession:
         self.held_out = HeldOut(data, (config.loader_workers or 0) if ctx.rank == 0 else 0,
                                 self.device.type == "cuda", limit=config.eval_samples)  # --eval-samples
         self.stack.callback(self.held_out.close)
-        log = checkpoints.open_metrics(out / "metrics" / f"rank-{ctx.rank}.jsonl", start,
-                                       keep=rejoined or self.recovered is not None)
+        metrics = out / "metrics" / f"rank-{ctx.rank}.jsonl"
+        log = checkpoints.open_metrics(metrics, start, keep=rejoined or self.recovered is not None)
         self.loop.callback(log.close)
+        if self.recovered is not None:  # a peer replaced in place: the rows up to the step every rank goes on from
+            log.flush()
+            for row in recovery.catch_up_rows(self.recovered, metrics, time.time()):
+                log.write(json_text(row) + "\n")
         progress = Progress(self.total, config.strategy, enabled=config.progress and ctx.rank == 0, first=start)
         self.stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/train/stop.py)
         self.loop.callback(self.stop.close)

@@ -49,6 +49,8 @@ from shmtrain.fabric.shm.segment import open_descriptor
 from shmtrain.fabric.trust import UntrustedError, read_private, write_private
 from shmtrain.runtime.launch.replacement import LAUNCHER_ENV, STATE_FILE_ENV
 
+#: the key of a kept state that holds the interrupted step's row
+PENDING = "pending_row"
 #: the failures a survivor waits out instead of exiting
 PEER_LOSS = (PeerFailure, PeerTimeout)
 
@@ -63,7 +65,12 @@ def keep(trainer: Any) -> dict[str, Any]:
     """A copy of this rank's state as it stands between steps (the model, optimizer,
     strategy, loop, schedule and loss-scale state: what a checkpoint holds), taken
     without draining exchanges (a peer is gone: they would not complete)."""
-    return deepcopy(trainer.state_dict(copy=False, quiesce=False))
+    state = deepcopy(trainer.state_dict(copy=False, quiesce=False))
+    loss = trainer.pending_loss
+    # the step the death interrupted: its row, should this rank go on after it (a donor completed it)
+    state[PENDING] = {"iteration": int(state["train"]["iteration"]) + 1, "lr": trainer.lr,
+                      "loss": float(loss.detach()) if loss is not None else None}
+    return state
 
 
 def replacement_state() -> dict[str, Any] | None:
@@ -82,8 +89,11 @@ def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) ->
     plan = _plan(ctx, failure)
     ctx.close()  # this generation's process groups; its segments go with the session's objects
     if plan["donor"] == ctx.local_rank:
-        _save(kept, Path(plan["state"]))
-    state = kept if steps == plan["steps"] else _adopt(_load(Path(plan["state"]), ctx.timeout), kept)
+        _save({k: v for k, v in kept.items() if k != PENDING}, Path(plan["state"]))
+    if steps == plan["steps"]:
+        state = dict(kept, **{PENDING: None})  # this rank's own: nothing adopted, nothing to log
+    else:
+        state = _adopt(_load(Path(plan["state"]), ctx.timeout), kept)
     own = open_descriptor(int(plan["pid"]), int(plan["fd"]), "the control block of the next generation")
     os.environ.update(SHMTRAIN_CONTROL=str(plan["control"]), SHMTRAIN_CONTROL_FD=str(own),
                       **{GENERATION_ENV: str(plan["generation"])})
@@ -109,9 +119,40 @@ def _plan(ctx: ProcessContext, failure: BaseException) -> dict[str, Any]:
 
 
 def _adopt(donor: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
-    """The donor's state with this rank's own RNG states."""
+    """The donor's state with this rank's own RNG states, and this rank's row of the
+    step the donor completed and this rank had computed up to its exchange (its loss is
+    the one an unkilled run logs there)."""
     donor["train"] = dict(donor["train"], rng=kept["train"]["rng"])
+    pending = kept.get(PENDING)
+    donor[PENDING] = pending if pending and pending["iteration"] == donor["train"]["iteration"] else None
     return donor
+
+
+def catch_up_rows(state: dict[str, Any], metrics: Path, stamp: float) -> list[dict[str, Any]]:
+    """The metrics rows this rank's file lacks up to the step every rank goes on from:
+    the step this rank adopted, with the loss it had computed for it (``recovered``:
+    its phases were not timed); in a replacement, the step the dead worker had sent its
+    gradient for and died before logging, whose loss died with it (``loss`` null,
+    ``lost``). Without them the file would skip an iteration."""
+    last = 0
+    if metrics.exists():
+        for line in metrics.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "eval" not in row:
+                last = max(last, int(row["iteration"]))
+    pending = state.get(PENDING) or {}
+    rows = []
+    for iteration in range(last + 1, int(state["train"]["iteration"]) + 1):
+        if pending.get("iteration") == iteration and pending.get("loss") is not None:
+            rows.append({"iteration": iteration, "loss": pending["loss"], "lr": pending["lr"], "t0": stamp,
+                         "time": {}, "recovered": True})
+        else:
+            rows.append({"iteration": iteration, "loss": None, "lr": None, "t0": stamp, "time": {},
+                         "lost": "the worker that computed it was killed and replaced"})
+    return rows
 
 
 def _save(state: dict[str, Any], path: Path) -> None:

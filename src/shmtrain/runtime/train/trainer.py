@@ -216,6 +216,8 @@ class Trainer:
         #: the learning rate the last :meth:`step` used (None before the first step, or
         #: when the engine has no ``optimizer`` and there is no scheduler)
         self.lr: float | None = None
+        #: the loss of the step under way, until the next one starts
+        self.pending_loss: torch.Tensor | None = None
 
     def _sub_batch(self, engine: Steppable, parts: int) -> tuple[SubBatch, SubBatched]:
         """The sub-batch threads (``--sub-batch K``) and the engine they copy."""
@@ -250,6 +252,7 @@ class Trainer:
             loss = self._accumulate(self.accumulating, data)
         optimizer = self.scheduler.optimizer if self.scheduler is not None else getattr(engine, "optimizer", None)
         self.lr = current_lr(optimizer) if optimizer is not None else None
+        self.pending_loss = loss  # the loss of the step under way (a recovery logs it: runtime/run/recovery.py)
         engine.step()
         if self.scaler is not None:
             self.scaler.update()

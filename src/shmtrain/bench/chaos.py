@@ -1,0 +1,195 @@
+"""``shmtrain bench chaos``: what a run keeps of its throughput when a worker is killed
+every few seconds.
+
+For each run (a strategy and its flags), in one invocation: ``shmtrain train`` once
+untouched and once while a random worker gets ``kill -9`` every ``--every`` seconds
+(jittered by up to a quarter of it), with ``--max-restarts`` high enough for every
+kill. Both train the same ``--iterations``; the time each took is rank 0's, from its
+first training row to its last (``t0`` in its metrics: start-up is outside it, the
+recoveries inside). Throughput kept = untouched time / killed time.
+
+Each pair is checked before it is reported: both exit 0, every rank's metrics hold the
+iterations 1..N once each (nothing lost, nothing done twice), the launcher said how
+each kill was recovered (replaced in place, or every worker restarted), and for the
+synchronous strategies that recover in place the killed run's weights equal the
+untouched run's bit for bit (``exact``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shmtrain.bench.common import table, write_json
+
+DEFAULT_RUNS = ["ssgd", "ssgd --overlap", "seasgd", "hsgd --groups 2"]
+#: the job every run trains (the flags before a run's own)
+JOB = ["--model", "mlp", "--data", "synthetic", "--samples", "2048", "--input-shape", "1x8x8",
+       "--batch-size", "16", "--checkpoint-every", "200", "--timeout", "60", "--no-progress"]
+
+
+def workers_of(launcher: int) -> dict[int, int]:
+    """rank -> pid of the workers under process ``launcher`` (forked by its zygote,
+    each named ``shmtrain-w<rank>``), read from /proc."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                head, _, tail = f.read().rpartition(b")")
+        except OSError:
+            continue
+        pid = int(entry)
+        names[pid] = head.split(b"(", 1)[1].decode(errors="replace")
+        parents[pid] = int(tail.split()[1])
+    found = {}
+    for pid, name in names.items():
+        up = parents.get(pid)
+        while up and up != launcher and up in parents:
+            up = parents[up]
+        if up == launcher and name.startswith("shmtrain-w") and name[10:].isdigit():
+            found[int(name[10:])] = pid
+    return found
+
+
+def _killer(launcher: subprocess.Popen, every: float, seed: int, kills: list[dict[str, Any]],
+            done: threading.Event) -> None:
+    rng = random.Random(seed)
+    while not done.wait(every * rng.uniform(0.75, 1.25)):
+        if launcher.poll() is not None:
+            return
+        workers = workers_of(launcher.pid)
+        if not workers:  # still starting, or between a restart's launches
+            continue
+        rank = rng.choice(sorted(workers))
+        try:
+            os.kill(workers[rank], signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        kills.append({"rank": rank, "pid": workers[rank], "at": time.time()})
+
+
+def _span(run: Path) -> tuple[float, list[int]]:
+    """Rank 0's training time (first row's ``t0`` to last's) and its iterations in order."""
+    rows = [json.loads(line) for line in (run / "metrics" / "rank-0.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "eval" not in r]
+    return rows[-1]["t0"] - rows[0]["t0"], [r["iteration"] for r in rows]
+
+
+def _train(args: list[str], out: Path, every: float, seed: int) -> dict[str, Any]:
+    """One ``shmtrain train`` (killed every ``every`` s when positive); what it did."""
+    launcher = subprocess.Popen([sys.executable, "-m", "shmtrain", "train", *args, "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, SHMTRAIN_NO_PROGRESS="1"))
+    kills: list[dict[str, Any]] = []
+    done = threading.Event()
+    killer = threading.Thread(target=_killer, args=(launcher, every, seed, kills, done), daemon=True)
+    if every > 0:
+        killer.start()
+    try:
+        _, err = launcher.communicate()
+    finally:
+        done.set()
+    if launcher.returncode != 0:
+        raise RuntimeError(f"shmtrain train {shlex.join(args)} exited {launcher.returncode}: {err.strip()[-600:]}")
+    span, rows = _span(out)
+    return {"span": span, "rows": rows, "kills": len(kills), "err": err,
+            "replaced": err.count("replaced in place"), "restarted": err.count("restarting every worker")}
+
+
+def _exact(a: Path, b: Path) -> bool:
+    one, two = torch.load(a / "model.pt"), torch.load(b / "model.pt")
+    return one.keys() == two.keys() and all(one[k].equal(two[k]) for k in one)
+
+
+def run_pair(run: str, payload: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The untouched and the killed run of ``run``; the checked row."""
+    strategy, *flags = shlex.split(run)
+    iterations, workers = payload["iterations"], payload["workers"]
+    args = [*JOB, "--strategy", strategy, *flags, "--workers", str(workers), "--iterations", str(iterations),
+            "--max-restarts", str(payload["max_restarts"])]
+    straight = _train(args, base / f"{strategy}-straight", 0.0, payload["seed"])
+    killed = _train(args, base / f"{strategy}-killed", payload["every"], payload["seed"])
+    for name, result in (("untouched", straight), ("killed", killed)):
+        if result["rows"] != list(range(1, iterations + 1)):
+            raise RuntimeError(f"{run}: the {name} run's rank 0 logged {len(result['rows'])} rows, not the "
+                               f"iterations 1..{iterations} once each")
+    for rank in range(1, workers):
+        rows = [json.loads(line)["iteration"] for line in
+                (base / f"{strategy}-killed" / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines()
+                if "eval" not in line]
+        if rows != list(range(1, iterations + 1)):
+            missing = sorted(set(range(1, iterations + 1)) - set(rows))
+            twice = sorted({i for i in rows if rows.count(i) > 1})
+            raise RuntimeError(f"{run}: rank {rank} of the killed run logged {len(rows)} rows: iterations "
+                               f"{missing[:10]} missing, {twice[:10]} twice; {killed['err'][-800:]}")
+    if killed["replaced"] + killed["restarted"] < killed["kills"] - 1:  # the last kill may land as it ends
+        raise RuntimeError(f"{run}: {killed['kills']} kills but the launcher recovered {killed['replaced']} in "
+                           f"place and restarted {killed['restarted']} times: {killed['err'][-600:]}")
+    lost = sum(line.count('"lost"') for rank in range(workers)
+               for line in (base / f"{strategy}-killed" / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines())
+    synchronous = killed["replaced"] > 0 and killed["restarted"] == 0 and strategy == "ssgd"
+    return {
+        "run": run, "workers": workers, "iterations": iterations, "every_s": payload["every"],
+        "kills": killed["kills"], "replaced": killed["replaced"], "restarted": killed["restarted"],
+        "untouched_s": straight["span"], "killed_s": killed["span"],
+        "kept": straight["span"] / killed["span"],
+        # rows whose loss died with a killed worker (it had sent its gradient, not logged it)
+        "lost_rows": lost,
+        "exact": _exact(base / f"{strategy}-straight", base / f"{strategy}-killed") if synchronous else None,
+    }
+
+
+def _handler(args: argparse.Namespace) -> int:
+    if args.workers < 2 or args.iterations < 1 or not args.every > 0:
+        raise ValueError(f"--workers {args.workers} (at least 2: one is killed), --iterations {args.iterations} "
+                         f"(at least 1), --every {args.every} (seconds, above 0); use e.g. --workers 3 "
+                         "--iterations 20000 --every 6")
+    payload = {"workers": args.workers, "iterations": args.iterations, "every": args.every,
+               "seed": args.seed, "max_restarts": args.max_restarts}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="shmtrain-bench-chaos-") as folder:
+        for run in args.run or DEFAULT_RUNS:
+            print(f"... {run}: untouched, then a worker killed every {args.every:g} s", flush=True)
+            rows.append(run_pair(run, payload, Path(folder)))
+    shown = [dict(r, exact={True: "yes", False: "NO", None: "-"}[r["exact"]]) for r in rows]
+    print(table(shown, [("run", "run", "s"), ("kills", "kills", "d"), ("replaced", "replaced", "d"),
+                       ("restarted", "restarted", "d"), ("untouched_s", "untouched s", ".1f"),
+                       ("killed_s", "killed s", ".1f"), ("kept", "kept", ".1%"), ("lost_rows", "lost rows", "d"),
+                        ("exact", "exact", "s")]))
+    print(f"({args.workers} workers, {args.iterations} iterations each, kill -9 of a random worker every "
+          f"{args.every:g} s +-25%; time = rank 0's first to last training row; exact = the killed run's "
+          "weights equal the untouched run's bit for bit)")
+    write_json(args.json, rows)
+    return 0
+
+
+def add_parser(bench: argparse._SubParsersAction) -> None:
+    """Register ``shmtrain bench chaos``."""
+    p = bench.add_parser("chaos", help="throughput kept while a random worker is killed every few seconds",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="append", default=None,
+                   help=f"a strategy and its flags, quoted; repeat for more (default: {', '.join(DEFAULT_RUNS)})")
+    p.add_argument("--workers", type=int, default=3, help="workers of every run (default 3)")
+    p.add_argument("--iterations", type=int, default=20000, help="iterations of every run (default 20000)")
+    p.add_argument("--every", type=float, default=6.0, help="seconds between kills, +-25%% (default 6)")
+    p.add_argument("--max-restarts", type=int, default=1000,
+                   help="the killed runs' --max-restarts (default 1000: one for every kill)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the victims and the intervals (default 0)")
+    p.add_argument("--json", help="write the rows here")
+    p.set_defaults(handler=_handler)
