@@ -148,13 +148,7 @@ def launch(
             child_env = dict(job.env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), **logs.env())
             children.append(_start(target, child_env, (job.segment.fd, *logs.fds()), logs.path(rank),
                                    timeout))
-        def fork(rank: int, child_env: dict[str, str]) -> Any:
-            return _start(target, {**child_env, **logs.env()}, (int(child_env["SHMTRAIN_CONTROL_FD"]), *logs.fds()),
-                          logs.path(rank), timeout)
-
-        replacer = Replacer(job, replace, fork, children, timeout) if replace is not None else None
-        if replacer is not None:
-            job.closing.append(replacer.close)
+        replacer = _replacer(target, job, replace, children, logs, timeout)
         supervisor = _Supervisor(children, job, logs, stopping, tolerate_worker_loss, replacer)
         supervisor.watch()
         return supervisor.results()
@@ -168,6 +162,22 @@ def launch(
         _end(children, 0.0, kill=force)
         logs.close()
         job.close()
+
+
+def _replacer(target: str, job: _JobSetup, budget: Budget | None, children: list[Any], logs: WorkerLogs,
+              timeout: float) -> Replacer | None:
+    """The launch's :class:`Replacer` (None without a budget): it forks a replacement
+    as the launch forks its workers, with the next generation's control block."""
+    if budget is None:
+        return None
+
+    def fork(rank: int, env: dict[str, str]) -> Any:
+        return _start(target, {**env, **logs.env()}, (int(env["SHMTRAIN_CONTROL_FD"]), *logs.fds()),
+                      logs.path(rank), timeout)
+
+    replacer = Replacer(job, budget, fork, children, timeout)
+    job.closing.append(replacer.close)
+    return replacer
 
 
 class _JobSetup:

@@ -76,7 +76,7 @@ def keep(trainer: Any) -> dict[str, Any]:
 def replacement_state() -> dict[str, Any] | None:
     """In a replacement worker: the donor's state it starts from (None elsewhere)."""
     path = os.environ.get(STATE_FILE_ENV)
-    return _load(Path(path), float(os.environ.get("SHMTRAIN_TIMEOUT", "120"))) if path else None
+    return load_state(Path(path), float(os.environ.get("SHMTRAIN_TIMEOUT", "120"))) if path else None
 
 
 def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) -> dict[str, Any]:
@@ -86,14 +86,14 @@ def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) ->
     (no replacement left, or the death was not one a replacement cures)."""
     steps = int(kept["train"]["iteration"])
     ctx.store.set(f"recover/{ctx.local_rank}", str(steps))
-    plan = _plan(ctx, failure)
+    plan = read_plan(ctx, failure)
     ctx.close()  # this generation's process groups; its segments go with the session's objects
     if plan["donor"] == ctx.local_rank:
         _save({k: v for k, v in kept.items() if k != PENDING}, Path(plan["state"]))
     if steps == plan["steps"]:
         state = dict(kept, **{PENDING: None})  # this rank's own: nothing adopted, nothing to log
     else:
-        state = _adopt(_load(Path(plan["state"]), ctx.timeout), kept)
+        state = _adopt(load_state(Path(plan["state"]), ctx.timeout), kept)
     own = open_descriptor(int(plan["pid"]), int(plan["fd"]), "the control block of the next generation")
     os.environ.update(SHMTRAIN_CONTROL=str(plan["control"]), SHMTRAIN_CONTROL_FD=str(own),
                       **{GENERATION_ENV: str(plan["generation"])})
@@ -101,7 +101,7 @@ def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) ->
     return state
 
 
-def _plan(ctx: ProcessContext, failure: BaseException) -> dict[str, Any]:
+def read_plan(ctx: ProcessContext, failure: BaseException) -> dict[str, Any]:
     """The launcher's plan for the next generation (raising ``failure`` when it gives
     up), read from the job's store (a FileStore in its private folder) and checked."""
     deadline = time.monotonic() + ctx.timeout
@@ -161,7 +161,7 @@ def _save(state: dict[str, Any], path: Path) -> None:
     write_private(path, buffer.getvalue())
 
 
-def _load(path: Path, timeout: float) -> dict[str, Any]:
+def load_state(path: Path, timeout: float) -> dict[str, Any]:
     """The donor's state file, once it is there (a private file of this run, loaded with
     ``weights_only``: tensors and plain values only)."""
     deadline = time.monotonic() + timeout
