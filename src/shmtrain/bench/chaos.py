@@ -35,7 +35,7 @@ import torch
 
 from shmtrain.bench.common import table, write_json
 
-DEFAULT_RUNS = ["ssgd", "ssgd --overlap", "seasgd", "hsgd --groups 2"]
+DEFAULT_RUNS = ["ssgd", "ssgd --overlap", "seasgd", "hsgd --groups 2 --workers 4"]
 #: the job every run trains (the flags before a run's own)
 JOB = ["--model", "mlp", "--data", "synthetic", "--samples", "2048", "--input-shape", "1x8x8",
        "--batch-size", "16", "--checkpoint-every", "200", "--timeout", "60", "--no-progress"]
@@ -118,20 +118,22 @@ def _exact(a: Path, b: Path) -> bool:
 
 
 def run_pair(run: str, payload: dict[str, Any], base: Path) -> dict[str, Any]:
-    """The untouched and the killed run of ``run``; the checked row."""
+    """The untouched and the killed run of ``run`` in folders under ``base``; the checked row."""
     strategy, *flags = shlex.split(run)
     iterations, workers = payload["iterations"], payload["workers"]
-    args = [*JOB, "--strategy", strategy, *flags, "--workers", str(workers), "--iterations", str(iterations),
-            "--max-restarts", str(payload["max_restarts"])]
-    straight = _train(args, base / f"{strategy}-straight", 0.0, payload["seed"])
-    killed = _train(args, base / f"{strategy}-killed", payload["every"], payload["seed"])
+    if "--workers" in flags:  # a run's own count (hsgd's groups) comes after the bench's, and wins
+        workers = int(flags[flags.index("--workers") + 1])
+    args = [*JOB, "--strategy", strategy, "--workers", str(payload["workers"]), "--iterations", str(iterations),
+            "--max-restarts", str(payload["max_restarts"]), *flags]
+    straight = _train(args, base / "straight", 0.0, payload["seed"])
+    killed = _train(args, base / "killed", payload["every"], payload["seed"])
     for name, result in (("untouched", straight), ("killed", killed)):
         if result["rows"] != list(range(1, iterations + 1)):
             raise RuntimeError(f"{run}: the {name} run's rank 0 logged {len(result['rows'])} rows, not the "
                                f"iterations 1..{iterations} once each")
     for rank in range(1, workers):
         rows = [json.loads(line)["iteration"] for line in
-                (base / f"{strategy}-killed" / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines()
+                (base / "killed" / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines()
                 if "eval" not in line]
         if rows != list(range(1, iterations + 1)):
             missing = sorted(set(range(1, iterations + 1)) - set(rows))
@@ -142,7 +144,7 @@ def run_pair(run: str, payload: dict[str, Any], base: Path) -> dict[str, Any]:
         raise RuntimeError(f"{run}: {killed['kills']} kills but the launcher recovered {killed['replaced']} in "
                            f"place and restarted {killed['restarted']} times: {killed['err'][-600:]}")
     lost = sum(line.count('"lost"') for rank in range(workers)
-               for line in (base / f"{strategy}-killed" / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines())
+               for line in (base / "killed" / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines())
     synchronous = killed["replaced"] > 0 and killed["restarted"] == 0 and strategy == "ssgd"
     return {
         "run": run, "workers": workers, "iterations": iterations, "every_s": payload["every"],
@@ -151,7 +153,7 @@ def run_pair(run: str, payload: dict[str, Any], base: Path) -> dict[str, Any]:
         "kept": straight["span"] / killed["span"],
         # rows whose loss died with a killed worker (it had sent its gradient, not logged it)
         "lost_rows": lost,
-        "exact": _exact(base / f"{strategy}-straight", base / f"{strategy}-killed") if synchronous else None,
+        "exact": _exact(base / "straight", base / "killed") if synchronous else None,
     }
 
 
@@ -166,14 +168,15 @@ def _handler(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shmtrain-bench-chaos-") as folder:
         for run in args.run or DEFAULT_RUNS:
             print(f"... {run}: untouched, then a worker killed every {args.every:g} s", flush=True)
-            rows.append(run_pair(run, payload, Path(folder)))
+            rows.append(run_pair(run, payload, Path(folder) / str(len(rows))))
+            print(f"    kept {rows[-1]['kept']:.1%} over {rows[-1]['kills']} kills", flush=True)
     shown = [dict(r, exact={True: "yes", False: "NO", None: "-"}[r["exact"]]) for r in rows]
     print(table(shown, [("run", "run", "s"), ("kills", "kills", "d"), ("replaced", "replaced", "d"),
                        ("restarted", "restarted", "d"), ("untouched_s", "untouched s", ".1f"),
                        ("killed_s", "killed s", ".1f"), ("kept", "kept", ".1%"), ("lost_rows", "lost rows", "d"),
                         ("exact", "exact", "s")]))
-    print(f"({args.workers} workers, {args.iterations} iterations each, kill -9 of a random worker every "
-          f"{args.every:g} s +-25%; time = rank 0's first to last training row; exact = the killed run's "
+    print(f"({args.workers} workers unless a run says, {args.iterations} iterations each, kill -9 of a random "
+          f"worker every {args.every:g} s +-25%; time = rank 0's first to last training row; exact = the killed run's "
           "weights equal the untouched run's bit for bit)")
     write_json(args.json, rows)
     return 0

@@ -288,6 +288,8 @@ class _Supervisor:
 
     def _failure(self, rank: int, code: int) -> WorkerFailed:
         self.job.control.abort(rank, exit_status(code))
+        if self.replacer is not None:  # survivors waiting for a replacement fail at once instead
+            self.replacer.give_up()
         zygote = _dead_zygote(self.children)
         if zygote is not None:  # not the worker's doing: its log is empty
             failure = WorkerFailed(zygote, rank, code)

@@ -91,7 +91,7 @@ class Replacer:
         survivors = [r for r in range(len(self.children)) if r != rank]
         steps = self._reports(store, survivors)
         if steps is None:
-            store.set("recover/plan", json.dumps({"fail": True}))
+            self.give_up()
             return None
         donor = max(survivors, key=lambda r: (steps[r], -r))
         generation = self.generation + 1
@@ -115,6 +115,11 @@ class Replacer:
         self.budget.used += 1
         self.budget.seconds.append(time.monotonic() - seen)
         return block
+
+    def give_up(self) -> None:
+        """Tell the survivors of this generation that no replacement comes: they raise
+        the failure they met at once."""
+        generation_store(self.job.store, self.generation).set("recover/plan", json.dumps({"fail": True}))
 
     def _reports(self, store: Any, survivors: list[int]) -> dict[int, int] | None:
         """Each survivor's completed steps, once all have posted; None when one died

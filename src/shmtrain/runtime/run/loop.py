@@ -27,6 +27,7 @@ from torch import nn
 from shmtrain.fabric.job.context import ProcessContext
 from shmtrain.models import build_model
 from shmtrain.parallel.data_parallel import DataParallel
+from shmtrain.runtime.checkpoint import files as checkpoint_files
 from shmtrain.runtime.checkpoint.checkpointer import Checkpointer
 from shmtrain.runtime.config import TrainConfig
 from shmtrain.runtime.data.class_split import shard_sampler
@@ -148,6 +149,8 @@ class WorkerSession:
         rejoined = getattr(ctx, "rejoined", False)
         if self.recovered is not None:  # a peer replaced in place: the state every rank continues from
             self.trainer.load_state_dict(self.recovered)
+            if ctx.rank == 0:  # a checkpoint the death interrupted (no rank saves before the next step)
+                checkpoint_files.clean_partial(out)
         elif rejoined:  # a host started again: the job's state, not a file's
             rejoin_position(self.trainer, self.dp.iteration)
         else:

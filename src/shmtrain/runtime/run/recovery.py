@@ -51,8 +51,9 @@ from shmtrain.runtime.launch.replacement import LAUNCHER_ENV, STATE_FILE_ENV
 
 #: the key of a kept state that holds the interrupted step's row
 PENDING = "pending_row"
-#: the failures a survivor waits out instead of exiting
-PEER_LOSS = (PeerFailure, PeerTimeout)
+#: the failures a survivor waits out instead of exiting (a peer that stalls is not
+#: replaced: it is alive; the launcher ends the job as before)
+PEER_LOSS = (PeerFailure,)
 
 
 def enabled(strategy: Any) -> bool:
