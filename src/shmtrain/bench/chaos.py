@@ -4,9 +4,9 @@ every few seconds.
 For each run (a strategy and its flags), in one invocation: ``shmtrain train`` once
 untouched and once while a random worker gets ``kill -9`` every ``--every`` seconds
 (jittered by up to a quarter of it), with ``--max-restarts`` high enough for every
-kill. Both train the same ``--iterations``; the time each took is rank 0's, from its
-first training row to its last (``t0`` in its metrics: start-up is outside it, the
-recoveries inside). Throughput kept = untouched time / killed time.
+kill. Both train the same ``--iterations``; throughput is every rank's iterations over the
+time from the first training row of any rank to the last (``t0`` in the metrics:
+start-up is outside it, the recoveries inside). Throughput kept = killed / untouched.
 
 Each pair is checked before it is reported: both exit 0, every rank's metrics hold the
 iterations 1..N once each (nothing lost, nothing done twice), the launcher said how
@@ -23,6 +23,7 @@ import os
 import random
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,8 +43,8 @@ JOB = ["--model", "mlp", "--data", "synthetic", "--samples", "2048", "--input-sh
 
 
 def workers_of(launcher: int) -> dict[int, int]:
-    """rank -> pid of the workers under process ``launcher`` (forked by its zygote,
-    each named ``shmtrain-w<rank>``), read from /proc."""
+    """rank -> pid of the workers of process ``launcher`` (forked by its zygote, each
+    named ``shmtrain-w<rank>``), read from /proc."""
     parents: dict[int, int] = {}
     names: dict[int, str] = {}
     for entry in os.listdir("/proc"):
@@ -58,11 +59,10 @@ def workers_of(launcher: int) -> dict[int, int]:
         names[pid] = head.split(b"(", 1)[1].decode(errors="replace")
         parents[pid] = int(tail.split()[1])
     found = {}
-    for pid, name in names.items():
-        up = parents.get(pid)
-        while up and up != launcher and up in parents:
-            up = parents[up]
-        if up == launcher and name.startswith("shmtrain-w") and name[10:].isdigit():
+    for pid, name in names.items():  # a worker's parent is the zygote (the launcher's child), not a
+        parent = parents.get(pid, 0)  # worker: its loader processes carry its name too
+        if (name.startswith("shmtrain-w") and name[10:].isdigit() and parents.get(parent) == launcher
+                and not names.get(parent, "").startswith("shmtrain-w")):
             found[int(name[10:])] = pid
     return found
 
@@ -84,11 +84,43 @@ def _killer(launcher: subprocess.Popen, every: float, seed: int, kills: list[dic
         kills.append({"rank": rank, "pid": workers[rank], "at": time.time()})
 
 
-def _span(run: Path) -> tuple[float, list[int]]:
-    """Rank 0's training time (first row's ``t0`` to last's) and its iterations in order."""
-    rows = [json.loads(line) for line in (run / "metrics" / "rank-0.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "eval" not in r]
-    return rows[-1]["t0"] - rows[0]["t0"], [r["iteration"] for r in rows]
+def _rows(run: Path, workers: int) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's training rows (not its evaluation rows), in file order."""
+    out = {}
+    for rank in range(workers):
+        lines = (run / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines()
+        out[rank] = [row for row in map(json.loads, lines) if "eval" not in row]
+    return out
+
+
+def _rate(rows: dict[int, list[dict[str, Any]]]) -> tuple[int, float]:
+    """The iterations every rank logged and the seconds from the first row to the last
+    (``t0``: start-up is outside it, the recoveries inside)."""
+    starts = [r[0]["t0"] for r in rows.values() if r]
+    ends = [r[-1]["t0"] for r in rows.values() if r]
+    return sum(len(r) for r in rows.values()), max(ends) - min(starts)
+
+
+def _pauses(rows: list[dict[str, Any]], count: int) -> float | None:
+    """The median of the ``count`` longest pauses between rank 0's rows, less its median
+    iteration: what one recovery cost it (None without recoveries)."""
+    gaps = sorted(b["t0"] - a["t0"] for a, b in zip(rows, rows[1:], strict=False))
+    if not count or len(gaps) <= count:
+        return None
+    return statistics.median(gaps[-count:]) - statistics.median(gaps)
+
+
+def _check_rows(run: str, name: str, rows: dict[int, list[dict[str, Any]]], iterations: int,
+                synchronous: bool, err: str) -> None:
+    """Every rank logged iterations 1..k once each, in order (k = ``iterations`` for a
+    synchronous run; an asynchronous one ends its ranks apart: TERM)."""
+    for rank, logged in rows.items():
+        seen = [r["iteration"] for r in logged]
+        if seen != list(range(1, len(seen) + 1)) or (synchronous and len(seen) != iterations) or not seen:
+            missing = sorted(set(range(1, max(seen, default=0) + 1)) - set(seen))
+            twice = sorted({i for i in seen if seen.count(i) > 1})
+            raise RuntimeError(f"{run}: rank {rank} of the {name} run logged {len(seen)} rows: iterations "
+                               f"{missing[:10]} missing, {twice[:10]} twice; {err[-800:]}")
 
 
 def _train(args: list[str], out: Path, every: float, seed: int) -> dict[str, Any]:
@@ -107,8 +139,7 @@ def _train(args: list[str], out: Path, every: float, seed: int) -> dict[str, Any
         done.set()
     if launcher.returncode != 0:
         raise RuntimeError(f"shmtrain train {shlex.join(args)} exited {launcher.returncode}: {err.strip()[-600:]}")
-    span, rows = _span(out)
-    return {"span": span, "rows": rows, "kills": len(kills), "err": err,
+    return {"kills": len(kills), "err": err,
             "replaced": err.count("replaced in place"), "restarted": err.count("restarting every worker")}
 
 
@@ -127,33 +158,32 @@ def run_pair(run: str, payload: dict[str, Any], base: Path) -> dict[str, Any]:
             "--max-restarts", str(payload["max_restarts"]), *flags]
     straight = _train(args, base / "straight", 0.0, payload["seed"])
     killed = _train(args, base / "killed", payload["every"], payload["seed"])
-    for name, result in (("untouched", straight), ("killed", killed)):
-        if result["rows"] != list(range(1, iterations + 1)):
-            raise RuntimeError(f"{run}: the {name} run's rank 0 logged {len(result['rows'])} rows, not the "
-                               f"iterations 1..{iterations} once each")
-    for rank in range(1, workers):
-        rows = [json.loads(line)["iteration"] for line in
-                (base / "killed" / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines()
-                if "eval" not in line]
-        if rows != list(range(1, iterations + 1)):
-            missing = sorted(set(range(1, iterations + 1)) - set(rows))
-            twice = sorted({i for i in rows if rows.count(i) > 1})
-            raise RuntimeError(f"{run}: rank {rank} of the killed run logged {len(rows)} rows: iterations "
-                               f"{missing[:10]} missing, {twice[:10]} twice; {killed['err'][-800:]}")
+    from shmtrain import strategies
+
+    synchronous = strategies.get(strategy).synchronous
+    rates = {}
+    for name, folder, result in (("untouched", "straight", straight), ("killed", "killed", killed)):
+        rows = _rows(base / folder, workers)
+        _check_rows(run, name, rows, iterations, synchronous, result["err"])
+        rates[name] = _rate(rows)
+        result["lost"] = sum("lost" in r for logged in rows.values() for r in logged)
+        result["pause"] = _pauses(rows[0], killed["replaced"] + killed["restarted"]) if name == "killed" else None
     if killed["replaced"] + killed["restarted"] < killed["kills"] - 1:  # the last kill may land as it ends
         raise RuntimeError(f"{run}: {killed['kills']} kills but the launcher recovered {killed['replaced']} in "
                            f"place and restarted {killed['restarted']} times: {killed['err'][-600:]}")
-    lost = sum(line.count('"lost"') for rank in range(workers)
-               for line in (base / "killed" / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines())
-    synchronous = killed["replaced"] > 0 and killed["restarted"] == 0 and strategy == "ssgd"
+    (done_u, span_u), (done_k, span_k) = rates["untouched"], rates["killed"]
+    compare = synchronous and killed["replaced"] > 0 and killed["restarted"] == 0
     return {
         "run": run, "workers": workers, "iterations": iterations, "every_s": payload["every"],
         "kills": killed["kills"], "replaced": killed["replaced"], "restarted": killed["restarted"],
-        "untouched_s": straight["span"], "killed_s": killed["span"],
-        "kept": straight["span"] / killed["span"],
+        "untouched_s": span_u, "killed_s": span_k, "untouched_iterations": done_u, "killed_iterations": done_k,
+        # iterations per second, every rank's, killed over untouched
+        "kept": (done_k / span_k) / (done_u / span_u),
         # rows whose loss died with a killed worker (it had sent its gradient, not logged it)
-        "lost_rows": lost,
-        "exact": _exact(base / "straight", base / "killed") if synchronous else None,
+        "lost_rows": killed["lost"],
+        # what one recovery cost rank 0: the median of its longest pauses, less an iteration
+        "per_kill_s": killed["pause"],
+        "exact": _exact(base / "straight", base / "killed") if compare else None,
     }
 
 
@@ -170,14 +200,16 @@ def _handler(args: argparse.Namespace) -> int:
             print(f"... {run}: untouched, then a worker killed every {args.every:g} s", flush=True)
             rows.append(run_pair(run, payload, Path(folder) / str(len(rows))))
             print(f"    kept {rows[-1]['kept']:.1%} over {rows[-1]['kills']} kills", flush=True)
-    shown = [dict(r, exact={True: "yes", False: "NO", None: "-"}[r["exact"]]) for r in rows]
+    shown = [dict(r, exact={True: "yes", False: "NO", None: "-"}[r["exact"]],
+                  per_kill_s="-" if r["per_kill_s"] is None else f"{r['per_kill_s']:.2f}") for r in rows]
     print(table(shown, [("run", "run", "s"), ("kills", "kills", "d"), ("replaced", "replaced", "d"),
                        ("restarted", "restarted", "d"), ("untouched_s", "untouched s", ".1f"),
-                       ("killed_s", "killed s", ".1f"), ("kept", "kept", ".1%"), ("lost_rows", "lost rows", "d"),
+                       ("killed_s", "killed s", ".1f"), ("kept", "kept", ".1%"), ("per_kill_s", "s/kill", "s"),
+                        ("lost_rows", "lost rows", "d"),
                         ("exact", "exact", "s")]))
     print(f"({args.workers} workers unless a run says, {args.iterations} iterations each, kill -9 of a random "
-          f"worker every {args.every:g} s +-25%; time = rank 0's first to last training row; exact = the killed run's "
-          "weights equal the untouched run's bit for bit)")
+          f"worker every {args.every:g} s +-25%; throughput = every rank's iterations per second of training; "
+          "exact = the killed run's weights equal the untouched run's bit for bit)")
     write_json(args.json, rows)
     return 0
 

@@ -80,7 +80,8 @@ class Replacer:
         zygote = getattr(self.children[rank], "zygote", None)
         if zygote is not None and not zygote.alive():  # it took every worker with it
             return False
-        return self.budget.left > 0 and code != 0 and not self.job.dir.error(rank, wait=0.2)
+        # a worker that raised writes its report before it exits: wait for it unless a signal ended it
+        return self.budget.left > 0 and code != 0 and not self.job.dir.error(rank, wait=0.0 if code < 0 else 0.2)
 
     def replace(self, rank: int, code: int, control: ControlBlock) -> ControlBlock | None:
         """Replace ``rank``; the new generation's control block, or None when the

@@ -48,6 +48,7 @@ from shmtrain.fabric.shm.control import PeerFailure, PeerTimeout
 from shmtrain.fabric.shm.segment import open_descriptor
 from shmtrain.fabric.trust import UntrustedError, read_private, write_private
 from shmtrain.runtime.launch.replacement import LAUNCHER_ENV, STATE_FILE_ENV
+from shmtrain.startup import mark
 
 #: the key of a kept state that holds the interrupted step's row
 PENDING = "pending_row"
@@ -86,8 +87,10 @@ def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) ->
     to continue from. ``failure`` is raised again when the launcher does not replace
     (no replacement left, or the death was not one a replacement cures)."""
     steps = int(kept["train"]["iteration"])
+    mark("recover-kept")
     ctx.store.set(f"recover/{ctx.local_rank}", str(steps))
     plan = read_plan(ctx, failure)
+    mark("recover-plan")
     ctx.close()  # this generation's process groups; its segments go with the session's objects
     if plan["donor"] == ctx.local_rank:
         _save({k: v for k, v in kept.items() if k != PENDING}, Path(plan["state"]))
@@ -98,7 +101,9 @@ def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) ->
     own = open_descriptor(int(plan["pid"]), int(plan["fd"]), "the control block of the next generation")
     os.environ.update(SHMTRAIN_CONTROL=str(plan["control"]), SHMTRAIN_CONTROL_FD=str(own),
                       **{GENERATION_ENV: str(plan["generation"])})
+    mark("recover-state")
     ctx.take_over(fabric_context.from_env(ctx.timeout))
+    mark("recover-joined")
     return state
 
 
