@@ -66,3 +66,26 @@ def test_a_resumed_run_sums_its_stretches_and_keeps_their_logs(tmp_path: Path) -
     log = (out / "logs" / "rank-1.log").read_text()
     assert [log.count(f"--- stretch {k}: started") for k in (1, 2, 3)] == [1, 1, 1]
     assert "from iteration 20 ---" in log
+
+
+def test_a_stretch_whose_launch_was_killed_is_listed_and_closed_by_the_next(tmp_path: Path) -> None:
+    """A launch killed before it could end its stretch (rank 0 of a torchrun job under its
+    restarts, a launcher by SIGKILL) is still in stretches.json: the next launch closes
+    it as failed, at rank 0's last row, with the time up to that row."""
+    from shmtrain.runtime.outputs import stretches
+
+    (tmp_path / "metrics").mkdir()
+    killed = stretches.Stretch(tmp_path, 0)
+    assert [e["ended"] for e in stretches.read(tmp_path)] == ["running"]
+    rows = [{"iteration": i, "loss": 1.0, "t0": killed.epoch0 + 0.5 * i} for i in (1, 2, 3)]
+    (tmp_path / "metrics" / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # ... killed here: nothing ends it; the next launch resumes from iteration 2's checkpoint
+    second = stretches.Stretch(tmp_path, 2)
+    second.end("finished", 5)
+    entries = stretches.read(tmp_path)
+    assert [(e["stretch"], e["start_iteration"], e["end_iteration"], e["ended"]) for e in entries] == [
+        (1, 0, 3, "failed"), (2, 2, 5, "finished")]
+    assert entries[0]["wall_s"] == pytest.approx(1.5, abs=0.01)
+    summary: dict = {}
+    stretches.apply(tmp_path, summary)
+    assert summary["wall_s"] == pytest.approx(1.5 + entries[1]["wall_s"], abs=0.01)

@@ -277,6 +277,8 @@ class _Supervisor:
                 control = self.job.control = block  # the next generation's
                 if self.stopping is not None:
                     self.stopping.control = block
+                    if self.stopping.signum:  # asked for during the replacement: the new block says it
+                        block.request_stop(self.stopping.signum)
                 continue
             if bad and self.tolerate and control.aborted() is None and control.state(bad[0][0]) != 0:
                 self.lost[bad[0][0]] = bad[0][1]
