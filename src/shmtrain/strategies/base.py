@@ -78,8 +78,10 @@ class Strategy:
     #: how a worker killed on one host is recovered (``runtime/run/recovery.py``):
     #: ``"replica"``, replaced in place, every rank continuing from the state of the
     #: survivor that completed the most steps (the ranks are replicas between steps and
-    #: the weights change only after the step's exchange completed), or ``"restart"``,
-    #: every worker restarted from the latest checkpoint
+    #: the weights change only after the step's exchange completed), ``"elastic"``, replaced
+    #: in place, every survivor continuing from its own state and the replacement from the
+    #: global weights W_g (the asynchronous strategies of the buffer service), or
+    #: ``"restart"``, every worker restarted from the latest checkpoint
     recovery: ClassVar[str] = "restart"
     #: parameter devices the strategy supports (its buffers' staging, ``strategies/layout/staging.py``)
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})

@@ -54,3 +54,25 @@ def test_a_killed_worker_is_replaced_and_the_weights_are_those_of_the_straight_r
     for rank in (0, 1, 2):  # every iteration once (a replacement may mark one row lost)
         assert iterations_logged(run, rank) == list(range(1, 3001)), rank
     assert not list((run / "checkpoints").glob("step-*.tmp"))  # a save the death cut short is gone
+
+
+def test_a_killed_asynchronous_worker_is_replaced_from_the_global_weights(tmp_path: Path) -> None:
+    """seasgd: the master (rank 0, which holds W_g's buffer service) and another worker
+    killed; each is replaced from W_g, the others go on from their own state, and every
+    rank's metrics hold each iteration once, none lost."""
+    import json
+
+    run = tmp_path / "run"
+    job = [*JOB, "--strategy", "seasgd", "--max-restarts", "3", "--out", str(run)]
+    launcher = start(job)
+    for n, victim in enumerate((0, 2)):
+        wait_for(lambda n=n: rows_written(run, 1) > 600 * (n + 1), launcher, f"iteration {600 * (n + 1)}")
+        os.kill(worker_process(launcher.pid, victim).pid, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err
+    assert err.count("replaced in place") == 2 and "restarting every worker" not in err, err
+    for rank in (0, 1, 2):
+        logged = iterations_logged(run, rank)
+        assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 1200, rank
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["lost_workers"] == {} and summary["accuracy"] > 0.3, summary  # W_g trained on (10 classes)

@@ -6,7 +6,8 @@ death found them, each posts the steps it completed (``recover/<rank>`` in the
 generation's keys of the job's store) and waits. :class:`Replacer` then
 
 1. picks the donor: the survivor with the most completed steps (the lowest rank of
-   those): its state is the job's (``runtime/run/recovery.py`` says why);
+   those): its state is the job's for a synchronous strategy (``runtime/run/recovery.py``
+   says why); for an asynchronous one it gives the replacement W_g;
 2. makes a fresh control block for the next generation (the old one stays aborted, so
    a helper thread of a survivor still winding down can only touch that one);
 3. posts the plan (``recover/plan``: the generation, the donor, its step count, where
@@ -37,6 +38,7 @@ from shmtrain.fabric.shm.segment import SharedSegment
 
 #: environment of a replacement: the donor's state file it starts from
 STATE_FILE_ENV = "SHMTRAIN_RECOVER_STATE"
+
 #: environment of every worker of a launch that replaces in place: the launcher's pid
 #: (the process whose descriptors a survivor opens to reach the new control block)
 LAUNCHER_ENV = "SHMTRAIN_LAUNCHER_PID"

@@ -85,11 +85,14 @@ class WorkerSession:
     any point, closes what exists and nothing else.
     """
 
-    def __init__(self, ctx: ProcessContext, payload: dict[str, Any], recovered: dict[str, Any] | None = None) -> None:
+    def __init__(self, ctx: ProcessContext, payload: dict[str, Any], recovered: dict[str, Any] | None = None,
+                 replacement: bool = False) -> None:
         self.ctx = ctx
         #: the state a worker continues from after a peer was replaced in place
-        #: (``runtime/run/recovery.py``), instead of a checkpoint
+        #: (``runtime/run/recovery.py``), instead of a checkpoint; ``replacement``: this
+        #: process is the one forked in place of the dead worker (the donor's state)
         self.recovered = recovered
+        self.replacement = replacement
         #: this rank's state when a peer's death ended the loop (recovering in place)
         self.kept: dict[str, Any] | None = None
         self.config: TrainConfig = payload["config"]
@@ -147,7 +150,17 @@ class WorkerSession:
         checkpoints = Checkpointer(ctx, config, out, data.train_samples // (config.batch_size * ctx.world_size),
                                    lost=self.dp.lost_now)  # a lost rank's last state is carried on
         rejoined = getattr(ctx, "rejoined", False)
-        if self.recovered is not None:  # a peer replaced in place: the state every rank continues from
+        if self.recovered is not None:  # the run's first row (the defaults it took) is long written
+            self.trainer.first_row = {}
+        if self.recovered is not None and self.replacement and self.recovered.get(recovery.MODE) == "elastic":
+            # replacing an asynchronous worker: its own fresh state, then W_g and the dead one's count
+            state, steps = recovery.elastic_start(self.trainer, self.recovered,
+                                                  out / "metrics" / f"rank-{ctx.rank}.jsonl")
+            self.trainer.load_state_dict(state)
+            self.dp.strategy.take_global_weights(steps)
+            rejoin_position(self.trainer, steps)
+            self.recovered = state
+        elif self.recovered is not None:  # a peer replaced in place: the state every rank continues from
             self.trainer.load_state_dict(self.recovered)
             if ctx.rank == 0:  # a checkpoint the death interrupted (no rank saves before the next step)
                 checkpoint_files.clean_partial(out)
@@ -176,6 +189,8 @@ class WorkerSession:
                 log.write(json_text(row) + "\n")
         progress = Progress(self.total, config.strategy, enabled=config.progress and ctx.rank == 0, first=start)
         self.stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/train/stop.py)
+        # an asynchronous worker is not held by a peer's death: it looks for the launcher's abort
+        self.stop.watch_abort = recovery.elastic(self.dp.strategy)
         self.loop.callback(self.stop.close)
         # --keep-best, --early-stop (runtime/outputs/selection.py): rank 0, after each evaluation
         selection = Selection(out, self.task, config.keep_best, config.early_stop, self.stop.request_early)
@@ -251,9 +266,11 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
     it joins the job's next generation with the replacement (``runtime/run/recovery.py``)
     and trains on in a new session from the state every rank continues from."""
     recovered = recovery.replacement_state()  # a replacement: the donor's state
+    replacement = recovered is not None
     replaced, spent = 0, 0.0
     while True:
-        session = WorkerSession(ctx, payload, recovered)
+        session = WorkerSession(ctx, payload, recovered, replacement)
+        replacement = False
         began = time.perf_counter()
         try:
             with session:

@@ -52,6 +52,10 @@ from shmtrain.startup import mark
 
 #: the key of a kept state that holds the interrupted step's row
 PENDING = "pending_row"
+#: the key of a kept state that says how its strategy recovers (``Strategy.recovery``)
+MODE = "recovery"
+#: the key of a kept state of an asynchronous strategy that holds W_g
+GLOBAL = "global_weights_seen"
 #: the failures a survivor waits out instead of exiting (a peer that stalls is not
 #: replaced: it is alive; the launcher ends the job as before)
 PEER_LOSS = (PeerFailure,)
@@ -59,8 +63,14 @@ PEER_LOSS = (PeerFailure,)
 
 def enabled(strategy: Any) -> bool:
     """Whether this worker recovers in place: its launcher replaces (it said so in the
-    environment) and the strategy recovers as a replica."""
-    return bool(os.environ.get(LAUNCHER_ENV)) and getattr(strategy, "recovery", "restart") == "replica"
+    environment) and the strategy recovers so (``Strategy.recovery``)."""
+    return bool(os.environ.get(LAUNCHER_ENV)) and getattr(strategy, "recovery", "restart") in ("replica", "elastic")
+
+
+def elastic(strategy: Any) -> bool:
+    """Whether ``strategy`` recovers in place as an asynchronous one: its survivors are
+    not held by a death, so they look for one after each iteration."""
+    return enabled(strategy) and strategy.recovery == "elastic"
 
 
 def keep(trainer: Any) -> dict[str, Any]:
@@ -68,6 +78,10 @@ def keep(trainer: Any) -> dict[str, Any]:
     strategy, loop, schedule and loss-scale state: what a checkpoint holds), taken
     without draining exchanges (a peer is gone: they would not complete)."""
     state = deepcopy(trainer.state_dict(copy=False, quiesce=False))
+    strategy = trainer.engine.strategy
+    state[MODE] = strategy.recovery
+    if strategy.recovery == "elastic":  # W_g as this survivor sees it: a replacement starts from it
+        state[GLOBAL] = strategy.global_weights_copy()
     loss = trainer.pending_loss
     # the step the death interrupted: its row, should this rank go on after it (a donor completed it)
     state[PENDING] = {"iteration": int(state["train"]["iteration"]) + 1, "lr": trainer.lr,
@@ -79,6 +93,21 @@ def replacement_state() -> dict[str, Any] | None:
     """In a replacement worker: the donor's state it starts from (None elsewhere)."""
     path = os.environ.get(STATE_FILE_ENV)
     return load_state(Path(path), float(os.environ.get("SHMTRAIN_TIMEOUT", "120"))) if path else None
+
+
+def elastic_start(trainer: Any, donor: dict[str, Any], metrics: Path) -> tuple[dict[str, Any], int]:
+    """A replacement of an asynchronous strategy: the state it loads (its own, fresh,
+    with the iterations the dead worker had logged in ``metrics`` and, on the master,
+    W_g as the donor saw it) and that count; after loading it takes W_g as its weights
+    (``take_global_weights``), and its rows go on from there: none missing, none twice."""
+    steps = logged(metrics)
+    state = trainer.state_dict(copy=True)
+    state["strategy"]["iteration"] = steps
+    if "global_weights" in state["strategy"]:  # the master keeps W_g: the donor's view of it
+        state["strategy"]["global_weights"] = donor[GLOBAL]
+    state["train"]["iteration"] = steps
+    state[PENDING], state[MODE] = None, "elastic"
+    return state, steps
 
 
 def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) -> dict[str, Any]:
@@ -94,7 +123,7 @@ def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) ->
     ctx.close()  # this generation's process groups; its segments go with the session's objects
     if plan["donor"] == ctx.local_rank:
         _save({k: v for k, v in kept.items() if k != PENDING}, Path(plan["state"]))
-    if steps == plan["steps"]:
+    if steps == plan["steps"] or kept[MODE] == "elastic":
         state = dict(kept, **{PENDING: None})  # this rank's own: nothing adopted, nothing to log
     else:
         state = _adopt(load_state(Path(plan["state"]), ctx.timeout), kept)
@@ -134,21 +163,27 @@ def _adopt(donor: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
     return donor
 
 
-def catch_up_rows(state: dict[str, Any], metrics: Path, stamp: float) -> list[dict[str, Any]]:
-    """The metrics rows this rank's file lacks up to the step every rank goes on from:
-    the step this rank adopted, with the loss it had computed for it (``recovered``:
-    its phases were not timed); in a replacement, the step the dead worker had sent its
-    gradient for and died before logging, whose loss died with it (``loss`` null,
-    ``lost``). Without them the file would skip an iteration."""
+def logged(metrics: Path) -> int:
+    """The last iteration of a rank's metrics file (0: none yet)."""
     last = 0
     if metrics.exists():
         for line in metrics.read_text(errors="replace").splitlines():
             try:
                 row = json.loads(line)
             except ValueError:
-                continue
-            if "eval" not in row:
+                continue  # a line cut short by the kill
+            if isinstance(row, dict) and "eval" not in row and "iteration" in row:
                 last = max(last, int(row["iteration"]))
+    return last
+
+
+def catch_up_rows(state: dict[str, Any], metrics: Path, stamp: float) -> list[dict[str, Any]]:
+    """The metrics rows this rank's file lacks up to the step every rank goes on from:
+    the step this rank adopted, with the loss it had computed for it (``recovered``:
+    its phases were not timed); in a replacement, the step the dead worker had sent its
+    gradient for and died before logging, whose loss died with it (``loss`` null,
+    ``lost``). Without them the file would skip an iteration."""
+    last = logged(metrics)
     pending = state.get(PENDING) or {}
     rows = []
     for iteration in range(last + 1, int(state["train"]["iteration"]) + 1):

@@ -68,14 +68,18 @@ def _import_matplotlib() -> None:
 
 def recovers_in_place(config: TrainConfig) -> bool:
     """Whether a worker of this run that dies is replaced in place (the others never
-    exit): a strategy that recovers as a replica (``Strategy.recovery``), on CPU, with
-    restarts allowed and an allreduce whose sums do not depend on timing (not ``auto``,
-    which times its candidates again in a new generation)."""
+    exit): restarts allowed, on CPU, and a strategy that recovers so
+    (``Strategy.recovery``): as a replica, with an allreduce whose sums do not depend on
+    timing (not ``auto``, which times its candidates again in a new generation), or as
+    an asynchronous one whose W_g is on this host (not on a ``--smb-server``)."""
     import torch
 
     on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-    allreduce = getattr(config.strategy_config, "allreduce", None)
-    return config.max_restarts > 0 and config.plan.strategy.recovery == "replica" and on_cpu and allreduce != "auto"
+    options = config.strategy_config
+    mode = config.plan.strategy.recovery
+    fits = ((mode == "replica" and getattr(options, "allreduce", None) != "auto")
+            or (mode == "elastic" and not getattr(options, "smb_server", "")))
+    return config.max_restarts > 0 and on_cpu and fits
 
 
 def run_training(config: TrainConfig, echo=print, *, resume: bool = False,

@@ -58,6 +58,8 @@ class StopRequest:
         self.control = ctx.host.control
         #: the signal that asked for the stop (0: none yet)
         self.signum = 0
+        #: raise on a failure in the control block after each iteration (see :meth:`check`)
+        self.watch_abort = False
         #: the iteration after which this rank first saw the request
         self.seen: int | None = None
         #: the agreed iteration to stop at (None until every rank has posted)
@@ -127,7 +129,16 @@ class StopRequest:
         return self.control.stop_requested()
 
     def check(self, iteration: int) -> bool:
-        """Call after each iteration: True when this rank stops now (the agreed S)."""
+        """Call after each iteration: True when this rank stops now (the agreed S).
+
+        With :attr:`watch_abort` (an asynchronous worker whose launcher replaces a dead
+        one in place) a failure recorded in the control block raises
+        :class:`PeerFailure` here, so the worker joins the recovery."""
+        if self.watch_abort:
+            failed = self.control.aborted()
+            if failed is not None:
+                raise PeerFailure(f"local rank {failed[0]} failed (code {failed[1]}); this worker stopped after "
+                                  f"iteration {iteration} for its replacement", peer=failed[0])
         if self.target is not None:
             self.stopped = iteration >= self.target
             return self.stopped

@@ -42,6 +42,7 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
 
     name = "hsgd"
     tolerates_peer_loss = False
+    recovery = "restart"  # a group's allreduce and its root's exchange: not one mode of the two
     allreduce_phase = "allreduce"
 
     @dataclass(kw_only=True, slots=True)

@@ -162,6 +162,8 @@ class SharedWeightsStrategy(Strategy):
     tolerates_peer_loss: ClassVar[bool] = True
     tolerates_host_loss: ClassVar[bool] = True
     rejoins: ClassVar[bool] = True
+    #: a worker killed on one host is replaced in place from W_g (``runtime/run/recovery.py``)
+    recovery: ClassVar[str] = "elastic"
 
     #: whether this worker writes increments into the global weights
     updates_global: bool = True
@@ -259,6 +261,18 @@ class SharedWeightsStrategy(Strategy):
         board = self.service.board
         return {r for r in range(board.world)
                 if r != self.service.rank and not board.alive(r) and board.state(r) != STATE_DONE}
+
+    def global_weights_copy(self) -> torch.Tensor:
+        """A copy of W_g as it stands, on any worker (every worker has it attached)."""
+        return self.service.read(self.global_weights, torch.empty(self.layout.numel, dtype=self.layout.dtype))
+
+    def take_global_weights(self, iteration: int) -> None:
+        """A worker that replaces a dead one in place: W_g as its weights and ``iteration``
+        as its count (the dead worker's, published on the board), as a host that rejoins
+        takes them (:meth:`rejoin`)."""
+        self.service.read(self.global_weights, self.weights)
+        self.iteration = iteration
+        self.termination.publish(iteration)
 
     def global_weights_now(self) -> torch.Tensor | None:
         """W_g now, on the master (rank 0's evaluation of the job's model); None elsewhere."""
