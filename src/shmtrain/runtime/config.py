@@ -92,7 +92,8 @@ class JobOptions:
     keep_checkpoints: int = option(2, "complete checkpoints kept, the newest (0 keeps every one)", "job",
                                    metavar="K")
     max_restarts: int = option(
-        0, "when a worker dies, restart every worker from the latest checkpoint, up to R times "
+        0, "when a worker dies, replace it in place (ssgd and --overlap, seasgd, easgd, downpour on CPU: the "
+        "others never exit) or restart every worker from the latest checkpoint, up to R times in all "
         "(local launches; under torchrun use torchrun's own --max-restarts)", "job", metavar="R")
 
     def _check_job(self) -> None:
