@@ -372,6 +372,14 @@ class Strategy:
         """Drain exchanges still in flight, so ``state_dict`` is consistent (between
         iterations; the strategy keeps working afterwards)."""
 
+    def replicas(self) -> range:
+        """The ranks whose state equals this rank's between steps (recovery in place,
+        ``runtime/run/recovery.py``): every rank for a strategy that recovers as a
+        replica, this rank alone otherwise; a block of consecutive ranks of one size."""
+        if self.recovery == "replica":
+            return range(self.ctx.world_size)
+        return range(self.ctx.rank, self.ctx.rank + 1)
+
     def state_dict(self) -> dict[str, Any]:
         """What this strategy adds to the model's and optimizer's state (call ``quiesce``
         first). Every rank returns its own; buffers the strategy owns come from their owner."""

@@ -76,3 +76,22 @@ def test_a_killed_asynchronous_worker_is_replaced_from_the_global_weights(tmp_pa
         assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 1200, rank
     summary = json.loads((run / "summary.json").read_text())
     assert summary["lost_workers"] == {} and summary["accuracy"] > 0.3, summary  # W_g trained on (10 classes)
+
+
+def test_a_killed_hsgd_worker_is_replaced_from_its_group(tmp_path: Path) -> None:
+    """hsgd, 2 groups of 2: the master (group 0's root) killed, then a member of group 1;
+    each replacement starts from its group's survivor (the group's weights), the other
+    group goes on from its own state, and every rank's rows hold each iteration once."""
+    run = tmp_path / "run"
+    job = [*JOB[:JOB.index("--workers")], "--workers", "4", *JOB[JOB.index("--workers") + 2:],
+           "--strategy", "hsgd", "--groups", "2", "--max-restarts", "3", "--out", str(run)]
+    launcher = start(job)
+    for n, victim in enumerate((0, 3)):
+        wait_for(lambda n=n: rows_written(run, 1) > 400 * (n + 1), launcher, f"iteration {400 * (n + 1)}")
+        os.kill(worker_process(launcher.pid, victim).pid, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err
+    assert err.count("replaced in place") == 2 and "restarting every worker" not in err, err
+    for rank in range(4):
+        logged = iterations_logged(run, rank)
+        assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 800, rank

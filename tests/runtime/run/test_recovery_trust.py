@@ -93,3 +93,14 @@ def test_the_rows_a_recovered_rank_lacks_are_logged_once_each(tmp_path: Path) ->
     rows = recovery.catch_up_rows(replacement, metrics, 0.0)
     assert [(r["iteration"], r["loss"], "lost" in r) for r in rows] == [(5, None, True), (6, None, True)]
     assert recovery.catch_up_rows({"train": {"iteration": 4}}, metrics, 0.0) == []
+
+
+def test_the_donor_is_the_dead_ranks_replica_a_step_ahead_else_the_first_survivor() -> None:
+    # ssgd: one block of every rank; the most steps wins, the lowest rank among equals
+    assert recovery.choose_donor({0: 7, 2: 8}, 1, 3) == (2, True)
+    assert recovery.choose_donor({1: 8, 2: 8}, 0, 3) == (1, True)
+    # hsgd, groups of 2: rank 3's group is {2, 3}; rank 0's is {0, 1}
+    assert recovery.choose_donor({0: 9, 1: 9, 2: 4}, 3, 2) == (2, True)
+    assert recovery.choose_donor({1: 5, 2: 4, 3: 4}, 0, 2) == (1, True)
+    # seasgd: every worker alone: the first survivor gives W_g
+    assert recovery.choose_donor({1: 50, 2: 70}, 0, 1) == (1, False)

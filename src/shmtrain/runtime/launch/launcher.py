@@ -270,10 +270,10 @@ class _Supervisor:
                 block = self.replacer.replace(rank, code, control)
                 if block is None:
                     raise self._failure(*first_cause(children, bad, self.lost))
+                done = self.replacer.last["reports"].values()
                 print(f"shmtrain: worker rank {rank} (pid {pid}) died ({describe_exit(code)}); replaced in place, "
-                      f"every rank going on from step {self.replacer.last['steps']} of rank "
-                      f"{self.replacer.last['donor']} (replacement {self.replacer.budget.used}, "
-                      f"{self.replacer.budget.left} left)", file=sys.stderr, flush=True)
+                      f"the others going on from {min(done)}-{max(done)} steps done (replacement "
+                      f"{self.replacer.budget.used}, {self.replacer.budget.left} left)", file=sys.stderr, flush=True)
                 control = self.job.control = block  # the next generation's
                 if self.stopping is not None:
                     self.stopping.control = block

@@ -5,15 +5,13 @@ raised would meet the same cause again), the survivors do not exit: they stop wh
 death found them, each posts the steps it completed (``recover/<rank>`` in the
 generation's keys of the job's store) and waits. :class:`Replacer` then
 
-1. picks the donor: the survivor with the most completed steps (the lowest rank of
-   those): its state is the job's for a synchronous strategy (``runtime/run/recovery.py``
-   says why); for an asynchronous one it gives the replacement W_g;
-2. makes a fresh control block for the next generation (the old one stays aborted, so
+1. makes a fresh control block for the next generation (the old one stays aborted, so
    a helper thread of a survivor still winding down can only touch that one);
-3. posts the plan (``recover/plan``: the generation, the donor, its step count, where
-   the new control block is open) and forks the replacement from the warm zygote, with
-   the dead rank's number, the new generation and the donor's state file in its
-   environment.
+2. posts the plan (``recover/plan``: the generation, every survivor's steps, from
+   which the survivors choose the donor whose state the replacement starts from
+   (``runtime/run/recovery.py``), and where the new control block is open) and forks
+   the replacement from the warm zygote, with the dead rank's number, the new
+   generation and the donor's state file in its environment.
 
 The survivors and the replacement then form the job again under the new generation's
 keys (``g<N>/`` of the store), as at the start. ``budget`` is ``--max-restarts``: each
@@ -96,7 +94,6 @@ class Replacer:
         if steps is None:
             self.give_up()
             return None
-        donor = max(survivors, key=lambda r: (steps[r], -r))
         generation = self.generation + 1
         segment = SharedSegment(f"{self.job.prefix}-h0-control-g{generation}",
                                 ControlBlock.nbytes(len(self.children)), create=True)
@@ -106,7 +103,8 @@ class Replacer:
         next_store = generation_store(self.job.store, generation)
         next_store.set("run_id", self.job.store.get("run_id").decode())
         path = state_file(str(self.job.dir.path), generation)
-        self.last = {"generation": generation, "donor": donor, "steps": steps[donor], "replaced": rank,
+        # the survivors choose the donor from every report, by their blocks of replicas
+        self.last = {"generation": generation, "reports": {str(r): n for r, n in steps.items()}, "replaced": rank,
                      "control": segment.name, "pid": os.getpid(), "fd": segment.fd, "state": path}
         store.set("recover/plan", json.dumps(self.last))
         env = dict(self.job.env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank),

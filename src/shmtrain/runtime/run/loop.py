@@ -152,7 +152,7 @@ class WorkerSession:
         rejoined = getattr(ctx, "rejoined", False)
         if self.recovered is not None:  # the run's first row (the defaults it took) is long written
             self.trainer.first_row = {}
-        if self.recovered is not None and self.replacement and self.recovered.get(recovery.MODE) == "elastic":
+        if self.recovered is not None and self.replacement and not self.recovered[recovery.DONOR]["replica"]:
             # replacing an asynchronous worker: its own fresh state, then W_g and the dead one's count
             state, steps = recovery.elastic_start(self.trainer, self.recovered,
                                                   out / "metrics" / f"rank-{ctx.rank}.jsonl")
@@ -161,7 +161,7 @@ class WorkerSession:
             rejoin_position(self.trainer, steps)
             self.recovered = state
         elif self.recovered is not None:  # a peer replaced in place: the state every rank continues from
-            self.trainer.load_state_dict(self.recovered)
+            self.trainer.load_state_dict(recovery.with_global_weights(self.recovered))
             if ctx.rank == 0:  # a checkpoint the death interrupted (no rank saves before the next step)
                 checkpoint_files.clean_partial(out)
         elif rejoined:  # a host started again: the job's state, not a file's

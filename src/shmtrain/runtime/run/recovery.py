@@ -56,6 +56,10 @@ PENDING = "pending_row"
 MODE = "recovery"
 #: the key of a kept state of an asynchronous strategy that holds W_g
 GLOBAL = "global_weights_seen"
+#: the key of a kept state that holds its block of replicas (first rank, size)
+REPLICAS = "replicas"
+#: the key of a donor's state that says whether its replacement is its replica
+DONOR = "donor"
 #: the failures a survivor waits out instead of exiting (a peer that stalls is not
 #: replaced: it is alive; the launcher ends the job as before)
 PEER_LOSS = (PeerFailure,)
@@ -80,6 +84,8 @@ def keep(trainer: Any) -> dict[str, Any]:
     state = deepcopy(trainer.state_dict(copy=False, quiesce=False))
     strategy = trainer.engine.strategy
     state[MODE] = strategy.recovery
+    group = strategy.replicas()
+    state[REPLICAS] = [group.start, len(group)]
     if strategy.recovery == "elastic":  # W_g as this survivor sees it: a replacement starts from it
         state[GLOBAL] = strategy.global_weights_copy()
     loss = trainer.pending_loss
@@ -121,12 +127,15 @@ def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) ->
     plan = read_plan(ctx, failure)
     mark("recover-plan")
     ctx.close()  # this generation's process groups; its segments go with the session's objects
-    if plan["donor"] == ctx.local_rank:
-        _save({k: v for k, v in kept.items() if k != PENDING}, Path(plan["state"]))
-    if steps == plan["steps"] or kept[MODE] == "elastic":
-        state = dict(kept, **{PENDING: None})  # this rank's own: nothing adopted, nothing to log
+    reports = {int(rank): int(done) for rank, done in plan["reports"].items()}
+    dead, (first, size) = int(plan["replaced"]), kept[REPLICAS]
+    donor, replica = choose_donor(reports, dead, size)
+    if donor == ctx.local_rank:
+        _save({**{k: v for k, v in kept.items() if k != PENDING}, DONOR: {"replica": replica}}, Path(plan["state"]))
+    if replica and first <= dead < first + size and steps < reports[donor]:
+        state = _adopt(load_state(Path(plan["state"]), ctx.timeout), kept)  # a replica a step behind
     else:
-        state = _adopt(load_state(Path(plan["state"]), ctx.timeout), kept)
+        state = dict(kept, **{PENDING: None})  # this rank's own: nothing adopted, nothing to log
     own = open_descriptor(int(plan["pid"]), int(plan["fd"]), "the control block of the next generation")
     os.environ.update(SHMTRAIN_CONTROL=str(plan["control"]), SHMTRAIN_CONTROL_FD=str(own),
                       **{GENERATION_ENV: str(plan["generation"])})
@@ -153,10 +162,32 @@ def read_plan(ctx: ProcessContext, failure: BaseException) -> dict[str, Any]:
     return plan
 
 
+def choose_donor(reports: dict[int, int], dead: int, size: int) -> tuple[int, bool]:
+    """Whose state the replacement of ``dead`` starts from, and whether that one is its
+    replica (``size``: the ranks of a block of replicas, ``Strategy.replicas``): the
+    survivor of the dead rank's block with the most completed steps (the lowest rank of
+    those), else (an asynchronous worker alone in its block) the lowest surviving rank,
+    which gives it W_g. Every survivor computes the same from the plan's reports."""
+    first = dead // size * size
+    block = [rank for rank in reports if first <= rank < first + size]
+    if block:
+        return max(block, key=lambda rank: (reports[rank], -rank)), True
+    return min(reports), False
+
+
+def with_global_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with W_g in its strategy's state when a donor saw one and its own
+    strategy state has none (a member's state taken by the master, which writes W_g)."""
+    if GLOBAL in state and "global_weights" not in state["strategy"]:
+        state["strategy"] = dict(state["strategy"], global_weights=state[GLOBAL])
+    return state
+
+
 def _adopt(donor: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
     """The donor's state with this rank's own RNG states, and this rank's row of the
     step the donor completed and this rank had computed up to its exchange (its loss is
     the one an unkilled run logs there)."""
+    donor = with_global_weights(donor)
     donor["train"] = dict(donor["train"], rng=kept["train"]["rng"])
     pending = kept.get(PENDING)
     donor[PENDING] = pending if pending and pending["iteration"] == donor["train"]["iteration"] else None

@@ -42,7 +42,6 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
 
     name = "hsgd"
     tolerates_peer_loss = False
-    recovery = "restart"  # a group's allreduce and its root's exchange: not one mode of the two
     allreduce_phase = "allreduce"
 
     @dataclass(kw_only=True, slots=True)
@@ -130,6 +129,11 @@ class HSGD(Eq8Metrics, SlotGradients, SharedWeightsStrategy):
         if self.is_root and not self.staged:
             return shared
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
+
+    def replicas(self) -> range:
+        """The members of this worker's group (one host's): the same weights, step by step."""
+        first = self.ctx.rank - self.subgroup.local_rank
+        return range(first, first + self.subgroup.local_world)
 
     def rejoin_rank(self) -> int:
         """A rejoining group goes on from its root's iterations, all members alike (their
