@@ -75,13 +75,9 @@ class Strategy:
     #: across hosts: a lost host started again rejoins the running job (README, "Rejoining";
     #: it has no job-wide gloo group: the strategies whose hosts meet at a memory server)
     rejoins: ClassVar[bool] = False
-    #: how a worker killed on one host is recovered (``runtime/run/recovery.py``):
-    #: ``"replica"``, replaced in place, every rank continuing from the state of the
-    #: survivor that completed the most steps (the ranks are replicas between steps and
-    #: the weights change only after the step's exchange completed), ``"elastic"``, replaced
-    #: in place, every survivor continuing from its own state and the replacement from the
-    #: global weights W_g (the asynchronous strategies of the buffer service), or
-    #: ``"restart"``, every worker restarted from the latest checkpoint
+    #: how a worker killed on one host is recovered (``runtime/run/recovery.py``): replaced in
+    #: place, from the survivor with the most steps (``"replica"``) or from W_g (``"elastic"``),
+    #: or ``"restart"``: every worker restarted from the latest checkpoint
     recovery: ClassVar[str] = "restart"
     #: parameter devices the strategy supports (its buffers' staging, ``strategies/layout/staging.py``)
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
@@ -373,12 +369,9 @@ class Strategy:
         iterations; the strategy keeps working afterwards)."""
 
     def replicas(self) -> range:
-        """The ranks whose state equals this rank's between steps (recovery in place,
-        ``runtime/run/recovery.py``): every rank for a strategy that recovers as a
-        replica, this rank alone otherwise; a block of consecutive ranks of one size."""
-        if self.recovery == "replica":
-            return range(self.ctx.world_size)
-        return range(self.ctx.rank, self.ctx.rank + 1)
+        """The block of consecutive ranks whose state equals this rank's between steps
+        (recovery in place): every rank for a replica, this one alone otherwise."""
+        return range(self.ctx.world_size) if self.recovery == "replica" else range(self.ctx.rank, self.ctx.rank + 1)
 
     def state_dict(self) -> dict[str, Any]:
         """What this strategy adds to the model's and optimizer's state (call ``quiesce``
