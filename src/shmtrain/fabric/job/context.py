@@ -121,6 +121,12 @@ def generation_store(store: dist.Store, generation: int) -> dist.Store:
     return dist.PrefixStore(f"g{generation}/", store) if generation else store
 
 
+def local_store(timeout: float) -> dist.Store:
+    """The store of a local launch's job as this worker's environment names it (its
+    FileStore, under the keys of its generation)."""
+    return _open_store("127.0.0.1", 0, 1, timeout)
+
+
 def under_torchrun() -> bool:
     """True when torchrun (or another launcher with its environment) started this process:
     it is a worker itself, with no workers of its own to fork."""
@@ -164,6 +170,7 @@ def from_env(timeout: float = DEFAULT_TIMEOUT_S) -> ProcessContext:
     if start > 1:
         _check_running(store, node_rank, addr)
     host = _host_group(store, node_rank, local_rank, local_world, run_id, timeout, start)
+    host.barrier("the host's set-up")  # a peer dead before gloo's rendezvous is seen here, not at its timeout
     mark("host")
     owns_group = not dist.is_initialized()
     leaders = None if start > 1 else _join_groups(store, rank, world, local_world, num_nodes, timeout)

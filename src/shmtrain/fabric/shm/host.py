@@ -113,6 +113,7 @@ class HostGroup:
             self.store.set(key, f"{name} {os.getpid()} {segment.fd}")
             self._await_count(f"{key}/attached", self.local_world - 1, f"attach of {name}")
         else:
+            self._await_key(key, f"local rank 0's segment {name!r}")
             announced = self.store.get(key).decode(errors="replace")
             words = announced.split(" ")
             if len(words) != 3 or words[0] != name or not (words[1].isdigit() and words[2].isdigit()):
@@ -136,10 +137,25 @@ class HostGroup:
             self.store.add(f"{key}/attached", 1)
         return segment
 
+    def _await_key(self, key: str, what: str) -> None:
+        """Sleep until ``key`` is in the store, raising :class:`PeerFailure` as soon as a
+        peer of the host is found dead or failed (not at the store's timeout)."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while not self.store.check([key]):
+            if self.control is not None:  # (the control block itself is being made)
+                self.control.check_peers(self.local_rank, what)
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"{what}: not announced within {self.timeout:.0f} s", peer=0)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
     def _await_count(self, key: str, count: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout
         delay = 0.001
         while self.store.add(key, 0) < count:
+            if self.control is not None:
+                self.control.check_peers(self.local_rank, what)
             if time.monotonic() > deadline:
                 raise PeerTimeout(
                     f"{what}: only {self.store.add(key, 0)} of {count} peers answered within {self.timeout:.0f} s"

@@ -111,6 +111,7 @@ class Replacer:
                    SHMTRAIN_CONTROL=segment.name, SHMTRAIN_CONTROL_FD=str(segment.fd),
                    **{GENERATION_ENV: str(generation), STATE_FILE_ENV: path})
         self.children[rank] = self.start(rank, env)
+        block.set_pid(rank, self.children[rank].pid)  # its death during set-up is seen by every wait
         self.generation = generation
         self.budget.left -= 1
         self.budget.used += 1

@@ -276,14 +276,17 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
             with session:
                 result = session.run()
         except recovery.PEER_LOSS as exc:
-            if session.kept is None:
+            # a death before this session trained (the replacement's, during the set-up after a
+            # recovery): this rank's state is still the one it was to continue from
+            kept = session.kept if session.kept is not None or session.replacement else recovered
+            if kept is None:
                 raise
             failure: BaseException = exc
         else:
             result["wall_s"] += spent  # the whole run's, its recoveries included
             result["replaced_peers"] = replaced
             return result
-        kept, session = session.kept, None
-        recovered = recovery.rejoin(ctx, kept, failure)
+        session = None
+        recovered = recovery.recover(ctx, kept, failure)
         replaced += 1
         spent += time.perf_counter() - began

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shmtrain.fabric.job import context as fabric_context
 from shmtrain.fabric.job.context import GENERATION_ENV, ProcessContext
@@ -116,6 +117,25 @@ def elastic_start(trainer: Any, donor: dict[str, Any], metrics: Path) -> tuple[d
     return state, steps
 
 
+def recover(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) -> dict[str, Any]:
+    """:func:`rejoin`, again as long as a worker dies while the job forms again (the
+    replacement killed during its set-up is replaced in turn, while the budget lasts)."""
+    while True:
+        try:
+            return rejoin(ctx, kept, failure)
+        except DiedWhileForming as exc:
+            failure = exc.failure
+
+
+class DiedWhileForming(Exception):
+    """A worker died while the job's next generation formed (``failure``: what this
+    rank met); the launcher replaces it in turn, or says no."""
+
+    def __init__(self, failure: BaseException) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
 def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) -> dict[str, Any]:
     """After a peer's death: post this rank's steps, leave the job, wait for the
     launcher's plan, join the next generation (``ctx`` becomes its context); the state
@@ -140,7 +160,13 @@ def rejoin(ctx: ProcessContext, kept: dict[str, Any], failure: BaseException) ->
     os.environ.update(SHMTRAIN_CONTROL=str(plan["control"]), SHMTRAIN_CONTROL_FD=str(own),
                       **{GENERATION_ENV: str(plan["generation"])})
     mark("recover-state")
-    ctx.take_over(fabric_context.from_env(ctx.timeout))
+    try:
+        ctx.take_over(fabric_context.from_env(ctx.timeout))
+    except PEER_LOSS as exc:  # a death while the job forms again: report in the new generation's keys
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        ctx.store = fabric_context.local_store(ctx.timeout)
+        raise DiedWhileForming(exc) from exc
     mark("recover-joined")
     return state
 
