@@ -108,7 +108,7 @@ def test_every_op_and_dtype_equals_gloo_through_shared_memory(world: int) -> Non
     for rank, result in results.items():
         outputs = result["outputs"]
         assert outputs["mismatches"] == [], (rank, outputs["mismatches"][:5])
-        assert outputs["checked"] == 449, outputs["checked"]
+        assert outputs["checked"] == 459, outputs["checked"]
         # gloo has no complex gather: the one case not compared
         assert all(line.startswith("gather torch.complex64") for line in outputs["gloo_lacks"]), outputs["gloo_lacks"]
         assert set(result["through_shm"]) == OPS, sorted(OPS - set(result["through_shm"]))

@@ -73,6 +73,13 @@ if scenario == "raise":  # the reduction itself fails on rank 1 (fault injected 
                 raise RuntimeError("injected fault in the pipeline")
 
         backend.reducer.pipeline = Broken(backend.reducer.pipeline)
+    result["first"] = async_wait(200_000)  # 800 KB: more than the call ring carries, so through the pipeline
+elif scenario == "raise_small":  # the same in a small call, summed from the call ring on rank 1
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected fault in the call ring")
+
+        backend.reducer.calls_ring.exchange = broken
     result["first"] = async_wait()
 elif scenario in ("sys_exit", "os_exit", "sigkill"):
     if rank == 1:
@@ -87,8 +94,8 @@ elif scenario == "never_calls":  # rank 1 is alive but calls only after rank 0 g
     if rank == 1:
         time.sleep(timeout + 3)
     result["first"] = attempt(all_reduce)
-elif scenario == "mismatch":
-    result["first"] = async_wait(1000 if rank == 0 else 10)
+elif scenario in ("mismatch", "mismatch_large"):  # large: rank 1's data does not travel with its header
+    result["first"] = async_wait(1000 if rank == 0 else (10 if scenario == "mismatch" else 100_000))
     # the backend's own Work (torch hands dist.* callers a holder that forwards wait() and
     # the future only): completed, not a success, its exception the group's failure
     own = backend.allreduce([torch.ones(3)])

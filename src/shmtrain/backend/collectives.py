@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +29,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work
 
 from shmtrain.backend.reduce_ops import DTYPES, INTEGERS, MOVED, reduction
-from shmtrain.backend.work import ShmWork
 
 
 def _movable(tensor: torch.Tensor) -> bool:
@@ -89,9 +89,7 @@ class Collectives:
             run()
             Collectives.through_shm[op] += 1
 
-        work = ShmWork(tensors)
-        self.reducer.submit_call(counted, work, profile)
-        return work
+        return self.reducer.submit_call(counted, tensors, profile)
 
     def _fallback(self, op: str, name: str, *args: Any) -> Work:
         Collectives.through_gloo[op] += 1
@@ -107,8 +105,8 @@ class Collectives:
 
         def run() -> None:
             for buffer in staged.buffers:
-                reducer.begin("all_reduce", buffer.numel(), buffer.dtype, op, len(tensors))
-                reducer.ops.reduce_scatter(buffer, [buffer], op, same=True)
+                begin = partial(reducer.begin, "all_reduce", buffer.numel(), buffer.dtype, op, len(tensors))
+                reducer.ops.reduce_scatter(buffer, [buffer], op, begin, same=True)
             staged.back()
 
         return self._shm(name, tensors, run, profile)
@@ -127,8 +125,8 @@ class Collectives:
 
         def run() -> None:
             buffer = staged.buffers[0]
-            reducer.begin("broadcast", buffer.numel(), buffer.dtype, "broadcast", root)
-            reducer.ops.broadcast(buffer, root)
+            begin = partial(reducer.begin, "broadcast", buffer.numel(), buffer.dtype, "broadcast", root)
+            reducer.ops.broadcast(buffer, root, begin)
             staged.back()
 
         return self._shm("broadcast", tensors, run, self._record("broadcast", tensors))
@@ -142,8 +140,8 @@ class Collectives:
 
         def run() -> None:
             buffer = staged.buffers[0]
-            reducer.begin("reduce", buffer.numel(), buffer.dtype, f"reduce {op}", root)
-            reducer.ops.reduce(buffer, root, op)
+            begin = partial(reducer.begin, "reduce", buffer.numel(), buffer.dtype, f"reduce {op}", root)
+            reducer.ops.reduce(buffer, root, op, begin)
             staged.back()
 
         return self._shm("reduce", tensors, run, self._record("reduce", tensors))
@@ -163,8 +161,8 @@ class Collectives:
 
         def run() -> None:
             buffer = source.buffers[0]
-            reducer.begin("gather", buffer.numel(), buffer.dtype, "gather", root)
-            reducer.ops.gather(staged.buffers if mine else None, buffer, root)
+            begin = partial(reducer.begin, "gather", buffer.numel(), buffer.dtype, "gather", root)
+            reducer.ops.gather(staged.buffers if mine else None, buffer, root, begin)
             staged.back()
 
         return self._shm("gather", receives or list(inputs), run, self._record("gather", inputs))
@@ -184,8 +182,8 @@ class Collectives:
 
         def run() -> None:
             buffer = staged.buffers[0]
-            reducer.begin("scatter", buffer.numel(), buffer.dtype, "scatter", root)
-            reducer.ops.scatter(buffer, source.buffers if mine else None, root)
+            begin = partial(reducer.begin, "scatter", buffer.numel(), buffer.dtype, "scatter", root)
+            reducer.ops.scatter(buffer, source.buffers if mine else None, root, begin)
             staged.back()
 
         return self._shm("scatter", list(outputs), run, self._record("scatter", sends or outputs))
@@ -207,8 +205,8 @@ class Collectives:
         def run() -> None:
             for outs, inp in staged:
                 buffer = inp.buffers[0]
-                reducer.begin(op, buffer.numel(), buffer.dtype, "all_gather", len(staged))
-                reducer.ops.all_gather(outs.buffers, buffer)
+                begin = partial(reducer.begin, op, buffer.numel(), buffer.dtype, "all_gather", len(staged))
+                reducer.ops.all_gather(outs.buffers, buffer, begin)
                 outs.back()
 
         tensors = result if result is not None else [o for outs, _ in pairs for o in outs]
@@ -272,8 +270,9 @@ class Collectives:
         def run() -> None:
             for out, ins in staged:
                 buffer = out.buffers[0]
-                reducer.begin(op_name, buffer.numel(), buffer.dtype, f"reduce_scatter {op}", len(staged))
-                reducer.ops.reduce_scatter(buffer, ins.buffers, op)
+                begin = partial(reducer.begin, op_name, buffer.numel(), buffer.dtype, f"reduce_scatter {op}",
+                                len(staged))
+                reducer.ops.reduce_scatter(buffer, ins.buffers, op, begin)
                 out.back()
 
         outputs = [out for out, _ in pairs]
@@ -330,8 +329,8 @@ class Collectives:
         reducer = self.reducer
 
         def run() -> None:
-            reducer.begin(op, -1, outputs[0].dtype, "all_to_all")
-            reducer.ops.all_to_all(receives.buffers, sends.buffers)
+            reducer.ops.all_to_all(receives.buffers, sends.buffers, partial(reducer.begin, op, -1, outputs[0].dtype,
+                                                                            "all_to_all"))
             receives.back()
 
         return self._shm(op, written, run, self._record("all_to_all", recorded))
