@@ -163,17 +163,20 @@ def test_a_peer_that_never_calls_times_the_survivor_out() -> None:
     assert codes == [0, 0]
 
 
-@pytest.mark.parametrize("thread,other", [(False, 10), (True, 10), (False, 100_000)])
+@pytest.mark.parametrize("thread,other", [(False, 10), (True, 10), (False, 200_000)])
 def test_mismatched_sizes_raise_on_every_rank(thread: bool, other: int) -> None:
-    """1000 elements against ``other``: both small (their data travels with the headers),
-    or one too large for the call ring (its header goes alone)."""
+    """Rank 0's tensor against rank 1's ``other`` elements: 1000 (on the caller's thread)
+    and 10, both small (their data travels with the headers); 1000 and one too large for
+    the call ring (its header goes alone); with a reduction thread, rank 0's 100000 there
+    and rank 1's 10 on its caller's thread."""
     results, codes = _scenario("mismatch" if other == 10 else "mismatch_large", thread=thread)
     assert set(results) == {0, 1}
+    mine = 100_000 if thread else 1000
     for rank, result in results.items():
         first = result["first"]
         text = first["wait"]["text"]
         assert first["wait"]["raised"] == "ShmBackendError", first
-        assert "rank 0: 1000 x float32 SUM," in text and f"rank 1: {other} x float32 SUM)" in text, text
+        assert f"rank 0: {mine} x float32 SUM," in text and f"rank 1: {other} x float32 SUM)" in text, text
         assert first["left"] == rank + 1.0  # nothing reduced: the sizes were compared first
         assert result["own_work"] == {"is_completed": True, "is_success": False, "exception": "ShmBackendError"}
         _failed_for_good(result)

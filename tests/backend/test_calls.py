@@ -29,6 +29,18 @@ def test_a_small_call_is_one_hand_off_and_a_large_one_goes_through_the_rings(nat
         assert result["through_gloo"] == {} and result["fallbacks"] == 0, result["through_gloo"]
 
 
+def test_with_a_reduction_thread_a_small_call_runs_on_the_callers_thread() -> None:
+    """Handing a small call to the thread and back would cost more than the call: it runs
+    where it is called (its Work done when returned, async_op=True too); a large call goes
+    to the thread."""
+    results = _run("threads", 2, SHMTRAIN_PG_THREAD="1")
+    for rank, result in results.items():
+        out = result["outputs"]
+        assert out["inline"] is False and out["small_done_at_once"] is True, (rank, out)
+        assert out["queued_after_small"] == 0 and out["queued_after_large"] == 1, (rank, out)
+        assert out["values"] == [4.0, 2.0], (rank, out)  # 1 -> 2 (SUM) -> 2 -> 2 (MAX) -> 4 (SUM); 1 -> 2
+
+
 @pytest.mark.slow  # 25-40 s
 def test_every_op_and_dtype_equals_gloo_on_the_python_path() -> None:
     """``backend_ops_script.every_op`` (as ``test_ops``) without the compiled library: the call

@@ -370,7 +370,30 @@ def hand_offs(rank: int, world: int) -> dict:
     return out
 
 
-CASES = {"avg_int": avg_int, "every_op": every_op, "hand_offs": hand_offs, "peer_dies": peer_dies}
+def threads(rank: int, world: int) -> dict:
+    """With a reduction thread (``SHMTRAIN_PG_THREAD=1``): small calls (async ones too) run
+    on the caller's thread, done when they return, none handed to the thread; a large one
+    goes to it."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    reducer = backend.reducer
+    t = torch.ones(1000)
+    work = backend.allreduce([t])
+    out = {"inline": reducer.inline, "small_done_at_once": work.is_completed()}
+    work.wait()
+    dist.broadcast(t, src=0)
+    dist.all_gather_into_tensor(torch.zeros(world * 1000), t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    dist.all_reduce(t, async_op=True).wait()
+    out["queued_after_small"] = reducer.queued
+    big = torch.ones(100_000)
+    dist.all_reduce(big)
+    out["queued_after_large"] = reducer.queued
+    out["values"] = [float(t[0]), float(big[0])]
+    return out
+
+
+CASES = {"avg_int": avg_int, "every_op": every_op, "hand_offs": hand_offs, "peer_dies": peer_dies, "threads": threads}
 
 if __name__ == "__main__":
     case, rank, port, world = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])

@@ -82,14 +82,17 @@ class Collectives:
     def _in_host(self, tensors: Sequence[torch.Tensor]) -> bool:
         return self.reducer.hosts == 1 and all(_movable(t) for t in tensors)
 
-    def _shm(self, op: str, tensors: list[torch.Tensor], run: Callable[[], None], profile: Any = None) -> Work:
+    def _shm(self, op: str, tensors: list[torch.Tensor], run: Callable[[], None], profile: Any = None,
+             sent: Sequence[torch.Tensor] = ()) -> Work:
         """Submit ``run`` (the call, on the reducer's thread or this one) with a Work of
-        ``tensors``; ``profile``: its profiler record (:meth:`_record`)."""
+        ``tensors``; ``profile``: its profiler record (:meth:`_record`); ``sent``: what this
+        rank sends (a call small enough to travel with its header runs on this thread)."""
         def counted() -> None:
             run()
             Collectives.through_shm[op] += 1
 
-        return self.reducer.submit_call(counted, tensors, profile)
+        small = sum(t.numel() * t.element_size() for t in sent) <= self.reducer.carried
+        return self.reducer.submit_call(counted, tensors, profile, small=small)
 
     def _fallback(self, op: str, name: str, *args: Any) -> Work:
         Collectives.through_gloo[op] += 1
@@ -109,7 +112,7 @@ class Collectives:
                 reducer.ops.reduce_scatter(buffer, [buffer], op, begin, same=True)
             staged.back()
 
-        return self._shm(name, tensors, run, profile)
+        return self._shm(name, tensors, run, profile, tensors)
 
     def _other_reduction(self, tensors: list[torch.Tensor], op: str | None) -> bool:
         """Whether the reduction ``op`` of ``tensors`` goes through :meth:`_reduce_in_host`."""
@@ -129,7 +132,7 @@ class Collectives:
             reducer.ops.broadcast(buffer, root, begin)
             staged.back()
 
-        return self._shm("broadcast", tensors, run, self._record("broadcast", tensors))
+        return self._shm("broadcast", tensors, run, self._record("broadcast", tensors), tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts or dist.ReduceOptions()
@@ -144,7 +147,7 @@ class Collectives:
             reducer.ops.reduce(buffer, root, op, begin)
             staged.back()
 
-        return self._shm("reduce", tensors, run, self._record("reduce", tensors))
+        return self._shm("reduce", tensors, run, self._record("reduce", tensors), tensors)
 
     def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         opts = opts or dist.GatherOptions()
@@ -165,7 +168,7 @@ class Collectives:
             reducer.ops.gather(staged.buffers if mine else None, buffer, root, begin)
             staged.back()
 
-        return self._shm("gather", receives or list(inputs), run, self._record("gather", inputs))
+        return self._shm("gather", receives or list(inputs), run, self._record("gather", inputs), inputs)
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         opts = opts or dist.ScatterOptions()
@@ -186,7 +189,7 @@ class Collectives:
             reducer.ops.scatter(buffer, source.buffers if mine else None, root, begin)
             staged.back()
 
-        return self._shm("scatter", list(outputs), run, self._record("scatter", sends or outputs))
+        return self._shm("scatter", list(outputs), run, self._record("scatter", sends or outputs), sends or outputs)
 
     # -- all_gather ---------------------------------------------------------------------
     def _gather_all(self, op: str, pairs: list[tuple[list[torch.Tensor], torch.Tensor]],
@@ -210,7 +213,8 @@ class Collectives:
                 outs.back()
 
         tensors = result if result is not None else [o for outs, _ in pairs for o in outs]
-        return self._shm(op, tensors, run, self._record(recorded, [inp for _, inp in pairs]))
+        sent = [inp for _, inp in pairs]
+        return self._shm(op, tensors, run, self._record(recorded, sent), sent)
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         work = None
@@ -276,7 +280,7 @@ class Collectives:
                 out.back()
 
         outputs = [out for out, _ in pairs]
-        return self._shm(op_name, outputs, run, self._record(recorded, outputs))
+        return self._shm(op_name, outputs, run, self._record(recorded, outputs), [t for _, ins in pairs for t in ins])
 
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         opts = opts or dist.ReduceScatterOptions()
@@ -333,7 +337,7 @@ class Collectives:
                                                                             "all_to_all"))
             receives.back()
 
-        return self._shm(op, written, run, self._record("all_to_all", recorded))
+        return self._shm(op, written, run, self._record("all_to_all", recorded), inputs)
 
     def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         work = self._exchange_all("all_to_all", list(outputs), list(inputs), list(outputs), list(inputs))

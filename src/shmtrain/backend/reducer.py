@@ -130,6 +130,7 @@ class HostReducer:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0  # calls queued for the thread and not yet done
+        self.queued = 0  # calls handed to the thread so far
         self._pending_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="shmtrain-pg", daemon=True)
@@ -147,19 +148,24 @@ class HostReducer:
         runs on the group's thread even where reductions are inline, so that its event is
         asynchronous like gloo's (upstream's profiling tests check it). Calls queued before
         it keep their order."""
-        return self.submit_call(lambda: self._reduce_each(tensors, mean, counted), tensors, profile, gloo)
+        small = sum(t.numel() * t.element_size() for t in tensors) <= self.carried
+        return self.submit_call(lambda: self._reduce_each(tensors, mean, counted), tensors, profile, gloo, small)
 
     def submit_call(self, run: Callable[[], None], tensors: list[torch.Tensor], profile: Any = None,
-                    gloo: Sequence[Any] = ()) -> ShmWork:
+                    gloo: Sequence[Any] = (), small: bool = False) -> ShmWork:
         """Run ``run`` (a call's shared-memory part, which begins with :meth:`begin`) and
         return its Work of ``tensors``, as :meth:`submit` does: in the order of the calls,
-        of any op."""
-        if self.inline and profile is None and not self._pending:
+        of any op. A ``small`` call (its data travels with its header: one hand-off, a few
+        microseconds once the peers are there) runs on this thread even where the group has
+        a reduction thread, when nothing is queued for it: handing it to the thread and
+        back would cost more than the call (``shmtrain bench floors``)."""
+        if (self.inline or small) and profile is None and not self._pending:
             error, interrupted = self._call(run)
             if interrupted is not None:
                 raise interrupted
             return ShmWork(tensors, gloo, pending=False, error=error)
         work = ShmWork(tensors, gloo)
+        self.queued += 1
         if not self._thread.is_alive():
             self._thread.start()
         with self._pending_lock:
