@@ -94,12 +94,13 @@ class CallRing:
         if nbytes:
             ctypes.memmove(self._address((self.seq + 1) % RING, self.me) + offset, src.data_ptr(), nbytes)
 
-    def copy_out(self, dst: torch.Tensor, rank: int, offset: int = 0) -> None:
-        """``dst`` (contiguous) <- its size in bytes of ``rank``'s payload of the last call,
-        from byte ``offset``."""
-        nbytes = dst.numel() * dst.element_size()
+    def copy_out(self, dst: torch.Tensor, rank: int, offset: int = 0, at: int = 0, nbytes: int | None = None) -> None:
+        """``dst`` (contiguous) from its byte ``at`` <- ``nbytes`` (default its size in
+        bytes) of ``rank``'s payload of the last call, from byte ``offset``."""
+        if nbytes is None:
+            nbytes = dst.numel() * dst.element_size()
         if nbytes:
-            ctypes.memmove(dst.data_ptr(), self._address(self.seq % RING, rank) + offset, nbytes)
+            ctypes.memmove(dst.data_ptr() + at, self._address(self.seq % RING, rank) + offset, nbytes)
 
     def _address(self, position: int, rank: int) -> int:
         return self._ring_address + (position * self.L + rank) * self.line + HEADER_BYTES

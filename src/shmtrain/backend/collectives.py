@@ -192,25 +192,32 @@ class Collectives:
         return self._shm("scatter", list(outputs), run, self._record("scatter", sends or outputs), sends or outputs)
 
     # -- all_gather ---------------------------------------------------------------------
-    def _gather_all(self, op: str, pairs: list[tuple[list[torch.Tensor], torch.Tensor]],
+    def _gather_all(self, op: str, pairs: list[tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor]],
                     result: list[torch.Tensor] | None = None, recorded: str = "all_gather") -> Work | None:
-        """All-gather each ``(outputs, input)`` pair in one call (``result``: the Work's
-        tensors, default every output); None where a pair cannot go through shared memory
-        (the caller hands the call to gloo)."""
+        """All-gather each ``(outputs, input)`` pair in one call (``outputs``: ``L`` tensors,
+        or one contiguous tensor of ``L`` pieces; ``result``: the Work's tensors, default
+        every output); None where a pair cannot go through shared memory (the caller hands
+        the call to gloo)."""
         L = self.reducer.local_world
         for outs, inp in pairs:
-            if (len(outs) != L or not self._in_host([inp, *outs])
+            if isinstance(outs, torch.Tensor):
+                if not self._in_host([inp, outs]):
+                    return None
+            elif (len(outs) != L or not self._in_host([inp, *outs])
                     or any(o.dtype != inp.dtype or o.numel() != inp.numel() for o in outs)):
                 return None
-        staged = [(_Staged(outs), _Staged([inp])) for outs, inp in pairs]
+        staged = [(outs if isinstance(outs, torch.Tensor) else _Staged(outs), _Staged([inp])) for outs, inp in pairs]
         reducer = self.reducer
 
         def run() -> None:
             for outs, inp in staged:
                 buffer = inp.buffers[0]
                 begin = partial(reducer.begin, op, buffer.numel(), buffer.dtype, "all_gather", len(staged))
-                reducer.ops.all_gather(outs.buffers, buffer, begin)
-                outs.back()
+                if isinstance(outs, torch.Tensor):
+                    reducer.ops.all_gather(outs, buffer, begin)
+                else:
+                    reducer.ops.all_gather(outs.buffers, buffer, begin)
+                    outs.back()
 
         tensors = result if result is not None else [o for outs, _ in pairs for o in outs]
         sent = [inp for _, inp in pairs]
@@ -222,18 +229,19 @@ class Collectives:
             work = self._gather_all("all_gather", [(list(outputs[0]), inputs[0])])
         return work or self._fallback("all_gather", "allgather", outputs, inputs, opts or dist.AllgatherOptions())
 
-    def _into_pairs(self, output: torch.Tensor, input: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-        """``all_gather_into_tensor``'s output as ``L`` pieces of the input's size (a
-        contiguous output only; None otherwise)."""
+    def _into_pairs(self, output: torch.Tensor, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``all_gather_into_tensor``'s output, ``L`` pieces of the input's size (a
+        contiguous output only, of a tensor that is not empty; None otherwise)."""
         L = self.reducer.local_world
-        if not output.is_contiguous() or output.numel() != L * input.numel() or output.dtype != input.dtype:
+        if (not output.is_contiguous() or output.numel() != L * input.numel() or output.dtype != input.dtype
+                or not input.numel()):
             return None
-        return list(output.detach().reshape(-1).split(input.numel())) if input.numel() else [], input
+        return output.detach(), input
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         pair = self._into_pairs(output, input)
         work = None
-        if pair and pair[0]:
+        if pair:
             work = self._gather_all("all_gather_into_tensor", [pair], [output], "all_gather_into_tensor")
         return work or self._fallback("all_gather_into_tensor", "_allgather_base", output, input,
                                       opts or dist.AllgatherOptions())
@@ -254,7 +262,7 @@ class Collectives:
         if len(outputs) == len(inputs):
             pairs = [self._into_pairs(o, i) for o, i in zip(outputs, inputs, strict=True)]
         work = None
-        if pairs and all(p and p[0] for p in pairs):
+        if pairs and all(pairs):
             work = self._gather_all("all_gather_into_tensor_coalesced", pairs, list(outputs),
                                     "all_gather_into_tensor_coalesced")
         return work or self._fallback("all_gather_into_tensor_coalesced", "all_gather_single_coalesced", outputs,

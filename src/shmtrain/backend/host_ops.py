@@ -127,25 +127,39 @@ class HostOps:
             combine(out, rows[r])
 
     # -- ops ------------------------------------------------------------------------
-    def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor, begin: Callable[..., object]) -> None:
-        """``outputs[r]`` <- rank ``r``'s ``input`` (every rank the same number of bytes)."""
+    def all_gather(self, outputs: Sequence[torch.Tensor] | torch.Tensor, input: torch.Tensor,
+                   begin: Callable[..., object]) -> None:
+        """``outputs[r]`` <- rank ``r``'s ``input`` (every rank the same number of bytes);
+        ``outputs`` one contiguous tensor: rank ``r``'s in its ``r``-th piece
+        (``all_gather_into_tensor``)."""
         self._collect(outputs, input, "all_gather", begin)
 
-    def _collect(self, outputs: Sequence[torch.Tensor], input: torch.Tensor, what: str,
+    def _collect(self, outputs: Sequence[torch.Tensor] | torch.Tensor, input: torch.Tensor, what: str,
                  begin: Callable[..., object]) -> None:
         """Every rank's ``input`` in its slot, block by block; ``outputs[r]`` (none: this
         rank receives nothing) <- rank ``r``'s."""
         src = as_bytes(input)
-        dsts = [as_bytes(o) for o in outputs]
         n, B = src.numel(), self.block_bytes
         if self._carried(begin, n):
             begin(payload=src)
-            for r, dst in enumerate(dsts):
+            if isinstance(outputs, torch.Tensor):  # one output: each rank's piece straight into it
+                whole = as_bytes(outputs)
+                for r in range(self.L):
+                    if r == self.me:
+                        whole[r * n:(r + 1) * n].copy_(src)
+                    else:
+                        self.calls.copy_out(whole, r, at=r * n, nbytes=n)
+                return
+            for r, dst in enumerate(outputs):
                 if r == self.me:
-                    dst.copy_(src)
+                    as_bytes(dst).copy_(src)
                 else:
                     self.calls.copy_out(dst, r)
             return
+        if isinstance(outputs, torch.Tensor):
+            dsts = list(as_bytes(outputs).split(n))
+        else:
+            dsts = [as_bytes(o) for o in outputs]
         for start in range(0, n, B):
             stop = min(start + B, n)
             slots = self._next()
