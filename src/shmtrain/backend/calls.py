@@ -137,6 +137,9 @@ class CallRing:
         block (:func:`~shmtrain.fabric.allreduce.pipeline.all_read_sum`; float32 in C, in
         rank order), divided by ``L`` where ``mean``. Raises the control block's
         :class:`PeerFailure` or :class:`PeerTimeout` (``what``: the call, as errors name it)."""
+        if payload is not None and payload.numel() * payload.element_size() > self.payload_bytes:
+            raise ValueError(f"a call's payload of {payload.numel() * payload.element_size()} bytes does not fit the "
+                             f"call ring's {self.payload_bytes}; send its header alone and the data after it")
         if self._lib is not None:
             in_c = total is not None and total.dtype == torch.float32
             agree = self._compiled(header, what, own, payload, total if in_c else None, mean)
@@ -158,7 +161,8 @@ class CallRing:
         if self.L > 1:
             control.post(self._channel, me, n)
             control.wait(self._channel, self.host.ranks, n, timeout=self.host.timeout, what=what, spin=self.spin)
-            if control.aborted() is not None:  # a rank gave up on the group, perhaps after posting this call
+            aborted = control.aborted()
+            if aborted is not None and aborted[0] == me:  # a peer posted this call, then gave up on this rank
                 control.check(me, what)
         rows = self._headers[k, :, :COMPARED]
         if not (rows == rows[me]).all():

@@ -43,8 +43,8 @@ static void sum_payloads(float *out, const char *slot, int64_t line, int L, int 
  * payload into its line, post, wait for every local rank, compare the headers; then, where
  * sum is not NULL, sum's n float32 <- the ranks' payloads summed in rank order (times 1/L
  * where mean). Returns 0 when done, 1 when the wait used up budget_s (call again: progress
- * says where), -1 on the control block's abort (even where every rank posted: one gave up on
- * the group), 2 when the headers differ (nothing summed). */
+ * says where), -1 on the control block's abort (even where every rank posted, if the abort
+ * names this rank: a peer gave up on it), 2 when the headers differ (nothing summed). */
 int shm_call(const struct plan *p, struct progress *s, const int64_t *header, const void *payload,
              int64_t nbytes, float *sum, int64_t n, int mean, double budget_s) {
     const int L = p->L, me = p->me;
@@ -62,8 +62,8 @@ int shm_call(const struct plan *p, struct progress *s, const int64_t *header, co
     int rc = wait_all(p, p->posted, p->done, (uint32_t)s->seq, now_s() + budget_s, s);
     if (rc)
         return rc;
-    if (__atomic_load_n(p->ctrl + ABORT_WORD, __ATOMIC_ACQUIRE) != 0)
-        return -1; /* a rank gave up on the group (on this call, perhaps, after posting it) */
+    if (__atomic_load_n(p->ctrl + ABORT_WORD, __ATOMIC_ACQUIRE) == me + 1)
+        return -1; /* a peer gave up on this rank (it posted this call, then timed out on it) */
     s->phase = 0;
     const char *slot = ring + (s->seq % RING) * L * line;
     const int64_t *own = (const int64_t *)(slot + me * line);

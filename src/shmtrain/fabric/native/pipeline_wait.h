@@ -1,4 +1,5 @@
-/* The compiled pipeline's plan, progress record and waits (included by pipeline_native.c).
+/* The compiled pipeline's plan, progress record and waits (included by pipeline_native.c, and by
+ * call_native.c, the shm backend's call hand-off, which waits the same way).
  *
  * Waiting: a hand-off waits for all its ranks' words at once, never one sleep per peer in
  * a row. Spin (mode 0) or yield the core (mode 1) briefly while scanning every word, then
