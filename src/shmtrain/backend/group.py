@@ -140,7 +140,7 @@ class ShmBackend(Collectives, Backend):
                 options.reduceOp, options.timeout = opts.reduceOp, opts.timeout
                 ShmBackend.fallbacks += 1
                 gloo.append(self.gloo.allreduce([tensor], options))
-        return self.reducer.submit(ours, bool(mean), self._count, _profile("all_reduce", ours), gloo)
+        return self.reducer.submit(ours, bool(mean), self._count, _profile("all_reduce", ours), gloo, list(tensors))
 
     # -- everything else: gloo ---------------------------------------------------------
     def _gloo(self, name: str, *args: Any) -> Work:

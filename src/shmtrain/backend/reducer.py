@@ -139,17 +139,19 @@ class HostReducer:
 
     # -- calls -------------------------------------------------------------------------
     def submit(self, tensors: list[torch.Tensor], mean: bool, counted: Callable[[], None], profile: Any = None,
-               gloo: Sequence[Any] = ()) -> ShmWork:
+               gloo: Sequence[Any] = (), result: list[torch.Tensor] | None = None) -> ShmWork:
         """Reduce ``tensors`` (one after the other): now on this thread, or queued for the
-        group's thread; returns the call's :class:`ShmWork` (also waiting for ``gloo``'s
-        works of the same call), done where the call ran on this thread. ``counted`` is
+        group's thread; returns the call's :class:`ShmWork` of ``result`` (default
+        ``tensors``; also waiting for ``gloo``'s works of the same call), done where the
+        call ran on this thread. ``counted`` is
         called per tensor reduced. ``profile``: the call's profiler record
         (``_record_function_with_args_enter``), ended when the reduction is; a profiled call
         runs on the group's thread even where reductions are inline, so that its event is
         asynchronous like gloo's (upstream's profiling tests check it). Calls queued before
         it keep their order."""
         small = sum(t.numel() * t.element_size() for t in tensors) <= self.carried
-        return self.submit_call(lambda: self._reduce_each(tensors, mean, counted), tensors, profile, gloo, small)
+        return self.submit_call(lambda: self._reduce_each(tensors, mean, counted),
+                                tensors if result is None else result, profile, gloo, small)
 
     def submit_call(self, run: Callable[[], None], tensors: list[torch.Tensor], profile: Any = None,
                     gloo: Sequence[Any] = (), small: bool = False) -> ShmWork:
