@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from backend.test_ops import OPS, _run
+from support.backend_runs import OPS, run_case
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_a_small_call_is_one_hand_off_and_a_large_one_goes_through_the_rings(native: str) -> None:
-    results = _run("hand_offs", 2, SHMTRAIN_NATIVE=native)
+    results = run_case("hand_offs", 2, SHMTRAIN_NATIVE=native)
     for rank, result in results.items():
         calls = result["outputs"]
         assert len(calls) == 18, sorted(calls)
@@ -33,7 +33,7 @@ def test_with_a_reduction_thread_a_small_call_runs_on_the_callers_thread() -> No
     """Handing a small call to the thread and back would cost more than the call: it runs
     where it is called (its Work done when returned, async_op=True too); a large call goes
     to the thread."""
-    results = _run("threads", 2, SHMTRAIN_PG_THREAD="1")
+    results = run_case("threads", 2, SHMTRAIN_PG_THREAD="1")
     for rank, result in results.items():
         out = result["outputs"]
         assert out["inline"] is False and out["small_done_at_once"] is True, (rank, out)
@@ -45,7 +45,7 @@ def test_with_a_reduction_thread_a_small_call_runs_on_the_callers_thread() -> No
 def test_every_op_and_dtype_equals_gloo_on_the_python_path() -> None:
     """``backend_ops_script.every_op`` (as ``test_ops``) without the compiled library: the call
     ring's Python hand-off and sums give gloo's results too."""
-    results = _run("every_op", 2, SHMTRAIN_NATIVE="0")
+    results = run_case("every_op", 2, SHMTRAIN_NATIVE="0")
     for rank, result in results.items():
         outputs = result["outputs"]
         assert outputs["mismatches"] == [], (rank, outputs["mismatches"][:5])
