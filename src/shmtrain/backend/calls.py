@@ -53,7 +53,9 @@ class CallRing:
 
     Args:
         host: the host's workers of the group.
-        spin: whether waits spin before sleeping (the reducer's rule).
+        spin: whether waits spin before sleeping (the reducer's rule; :attr:`spin` may change
+            between calls: a call on the caller's thread waits by the host's rule, one on the
+            reduction thread sleeps at once).
         lib: the compiled library (None: the Python path); every local rank alike.
         payload_bytes: bytes of data a rank's line carries.
         tag: name fragment of the segment and the channel.
@@ -179,6 +181,7 @@ class CallRing:
                   payload: torch.Tensor | None, total: torch.Tensor | None, mean: bool) -> bool:
         words = self._header
         words[0], words[1], words[2], words[3] = header
+        self._plan.mode = _mode(self.host.control, self.spin)
         for i in range(4):
             words[COMPARED + i] = own[i] if i < len(own) else 0
         progress = self._progress
@@ -232,8 +235,13 @@ def _plan(host: HostGroup, spin: bool | None, segment: Any, ring_at: int, announ
     for r in range(L):
         plan.posted[r], plan.sleepers[r], plan.all[r] = posted[r], sleepers[r], r
     plan.L, plan.me = L, host.local_rank
-    spin = control.spin if spin is None else spin
-    # as ControlBlock.wait: spin when asked, yield when ranks outnumber cores, else sleep
-    plan.mode = 0 if spin else (1 if not control.spin else 2)
+    plan.mode = _mode(control, spin)
     plan.spin_ns, plan.yields = int(SPIN_S * 1e9), YIELDS
     return plan
+
+
+def _mode(control: Any, spin: bool | None) -> int:
+    """The compiled wait's mode, as ControlBlock.wait: spin when asked (None: the host's
+    rule, cores >= ranks), yield when ranks outnumber cores, else sleep at once."""
+    spin = control.spin if spin is None else spin
+    return 0 if spin else (1 if not control.spin else 2)

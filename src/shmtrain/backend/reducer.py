@@ -222,19 +222,21 @@ class HostReducer:
             counted()
 
     def _reduce_all(self, run: Callable[[], None], work: ShmWork, profile: Any = None) -> None:
-        """A queued call, on the group's thread."""
-        error, interrupted = self._call(run, profile)
+        """A queued call, on the group's thread (its call ring's waits sleep at once)."""
+        error, interrupted = self._call(run, profile, self.spin)
         work.finish(error)
         if interrupted is not None:
             raise interrupted
 
-    def _call(self, run: Callable[[], None],
-              profile: Any = None) -> tuple[BaseException | None, BaseException | None]:
+    def _call(self, run: Callable[[], None], profile: Any = None,
+              spin: bool | None = None) -> tuple[BaseException | None, BaseException | None]:
         """Run one call: its error (the group fails with it), and a Ctrl-C to re-raise once
-        the call's Work is finished."""
+        the call's Work is finished. ``spin``: how its call ring's waits wait (None: the
+        host's rule, for a call on the caller's thread, which has nothing else to do)."""
         error: BaseException | None = None
         interrupted: BaseException | None = None
         with self._lock:  # one call at a time: callers on several threads share the rings
+            self.calls_ring.spin = spin
             try:
                 self.check()
                 run()
