@@ -120,12 +120,14 @@ def _failed_for_good(result: dict) -> None:
         assert "failed earlier and cannot continue" in later["text"] and "destroy" in later["text"].lower()
 
 
-def test_a_failing_reduction_fails_the_work_on_every_rank() -> None:
-    results, codes = _scenario("raise")
+@pytest.mark.parametrize("scenario,where", [("raise", "the pipeline"), ("raise_small", "the call ring")])
+def test_a_failing_reduction_fails_the_work_on_every_rank(scenario: str, where: str) -> None:
+    """Rank 1's reduction raises (a large tensor's pipeline, a small one's call ring)."""
+    results, codes = _scenario(scenario)
     for rank, result in results.items():
         first = result["first"]
         assert first["wait"]["raised"] == "ShmBackendError", first  # wait() raises
-        assert "injected fault in the pipeline" in first["wait"]["text"]
+        assert f"injected fault in {where}" in first["wait"]["text"]
         assert first["future"]["raised"] and "ShmBackendError" in first["future"]["text"]  # so does the future
         assert first["left"] == rank + 1.0  # unreduced, and said so
         _failed_for_good(result)
@@ -161,15 +163,20 @@ def test_a_peer_that_never_calls_times_the_survivor_out() -> None:
     assert codes == [0, 0]
 
 
-@pytest.mark.parametrize("thread", [False, True])
-def test_mismatched_sizes_raise_on_every_rank(thread: bool) -> None:
-    results, codes = _scenario("mismatch", thread=thread)
+@pytest.mark.parametrize("thread,other", [(False, 10), (True, 10), (False, 200_000)])
+def test_mismatched_sizes_raise_on_every_rank(thread: bool, other: int) -> None:
+    """Rank 0's tensor against rank 1's ``other`` elements: 1000 (on the caller's thread)
+    and 10, both small (their data travels with the headers); 1000 and one too large for
+    the call ring (its header goes alone); with a reduction thread, rank 0's 100000 there
+    and rank 1's 10 on its caller's thread."""
+    results, codes = _scenario("mismatch" if other == 10 else "mismatch_large", thread=thread)
     assert set(results) == {0, 1}
+    mine = 100_000 if thread else 1000
     for rank, result in results.items():
         first = result["first"]
         text = first["wait"]["text"]
         assert first["wait"]["raised"] == "ShmBackendError", first
-        assert "rank 0: 1000 x float32 SUM," in text and "rank 1: 10 x float32 SUM)" in text, text
+        assert f"rank 0: {mine} x float32 SUM," in text and f"rank 1: {other} x float32 SUM)" in text, text
         assert first["left"] == rank + 1.0  # nothing reduced: the sizes were compared first
         assert result["own_work"] == {"is_completed": True, "is_success": False, "exception": "ShmBackendError"}
         _failed_for_good(result)

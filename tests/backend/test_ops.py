@@ -5,48 +5,13 @@ the ranks rounding toward zero), in one host and across hosts."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from support.backend_ops_script import INTEGERS, inputs
-from support.paths import SUPPORT
-from support.torchrun import env, free_port
+from support.backend_runs import OPS, run_case
 
 pytestmark = pytest.mark.timeout(180)
-SCRIPT = str(SUPPORT / "backend_ops_script.py")
-
-
-def _run(case: str, world: int, local_world: int | None = None, reporting: int | None = None,
-         **extra: str) -> dict[int, dict]:
-    """Every rank's report of ``case`` (hosts of ``local_world`` ranks; default one host;
-    ``reporting``: how many ranks report, default all)."""
-    port = str(free_port())
-    if local_world:
-        extra["LOCAL_WORLD_SIZE"] = str(local_world)
-    procs = [subprocess.Popen([sys.executable, SCRIPT, case, str(r), port, str(world)],
-                              env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), outputs
-    world = reporting or world
-    results = {}
-    for out in outputs:
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
-                results[result["rank"]] = result
-    assert sorted(results) == list(range(world)), outputs
-    return results
 
 
 def nccl_avg(values: list[list[int]], dtype: torch.dtype) -> list[int]:
@@ -68,7 +33,7 @@ def nccl_avg(values: list[list[int]], dtype: torch.dtype) -> list[int]:
 def test_avg_of_integers_is_ncclavg_on_every_route(world: int, local_world: int | None) -> None:
     """2 and 3 ranks in one host, 4 as two hosts of 2 (the host sum, gloo among the leaders,
     then NCCL's division); one tensor, a strided one and a coalesced call per dtype."""
-    results = _run("avg_int", world, local_world)
+    results = run_case("avg_int", world, local_world)
     for seed, (name, dtype) in enumerate(INTEGERS.items()):
         shapes = {"one": (1001, seed), "strided": (37, seed + 10), "coalesced0": (5, seed + 20),
                   "coalesced1": (300, seed + 30)}
@@ -90,12 +55,6 @@ def test_the_definition_rounds_toward_zero_and_wraps() -> None:
     assert nccl_avg([[250], [10]], torch.uint8) == [2]
 
 
-#: every op the backend declares, by the name its counts use
-OPS = {"all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
-       "all_gather_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter", "reduce_scatter_tensor",
-       "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier"}
-
-
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])  # 25-40 s each
 def test_every_op_and_dtype_equals_gloo_through_shared_memory(world: int) -> None:
     """In one host of 2, 3 and 4 ranks: each op of ``backend_ops_script.every_op`` (every
@@ -104,11 +63,11 @@ def test_every_op_and_dtype_equals_gloo_through_shared_memory(world: int) -> Non
     strided tensors; the coalesced forms) equals what a gloo group of the same ranks
     returns, bit for bit (whole-number inputs: the sums and products are exact), and went
     through shared memory: no call fell back to gloo."""
-    results = _run("every_op", world)
+    results = run_case("every_op", world)
     for rank, result in results.items():
         outputs = result["outputs"]
         assert outputs["mismatches"] == [], (rank, outputs["mismatches"][:5])
-        assert outputs["checked"] == 449, outputs["checked"]
+        assert outputs["checked"] == 459, outputs["checked"]
         # gloo has no complex gather: the one case not compared
         assert all(line.startswith("gather torch.complex64") for line in outputs["gloo_lacks"]), outputs["gloo_lacks"]
         assert set(result["through_shm"]) == OPS, sorted(OPS - set(result["through_shm"]))
@@ -120,7 +79,7 @@ def test_every_op_and_dtype_equals_gloo_through_shared_memory(world: int) -> Non
 def test_a_peer_that_dies_fails_every_ops_work_naming_it(first: str) -> None:
     """Rank 1 exits; rank 0's ``first`` op, waiting for it, fails at once naming the dead
     rank and the op; every op called after it fails too, naming the same cause."""
-    results = _run("peer_dies", 2, reporting=1, FIRST_OP=first, SHMTRAIN_PG_THREAD="0")
+    results = run_case("peer_dies", 2, reporting=1, FIRST_OP=first, SHMTRAIN_PG_THREAD="0")
     outputs = results[0]["outputs"]
     failed = outputs[first]
     assert failed["raised"] == "ShmBackendError", failed

@@ -34,18 +34,20 @@ def test_bench_floors_refuses_a_size_that_is_not_whole_floats() -> None:
 
 
 @pytest.mark.slow  # ~60 s on the shared 2-core VM: 12 rows of two process groups
-def test_bench_ops_checks_every_peer_and_goes_through_shared_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("streak", [1, 3])
+def test_bench_ops_checks_every_peer_and_goes_through_shared_memory(tmp_path: Path, streak: int) -> None:
     """``shmtrain bench ops`` on 2 processes, one size: each op's rows on shm and gloo,
-    every result checked, nothing of shm's handed to gloo; MPICH named when it cannot run."""
+    every result checked, nothing of shm's handed to gloo; MPICH named when it cannot run.
+    ``--streak 3``: samples of 3 calls in a row (the lone first call still checked)."""
     out = tmp_path / "ops.json"
     result = subprocess.run([sys.executable, "-m", "shmtrain", "bench", "ops", "--procs", "2", "--sizes", "4KiB",
-                             "--reps", "2", "--peers", "--json", str(out)],
+                             "--reps", "2", "--streak", str(streak), "--peers", "--json", str(out)],
                             capture_output=True, text=True, timeout=170, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     timed = [r for r in rows if "median_s" in r]
     assert {(r["impl"], r["op"]) for r in timed} == {(i, op) for i in ("shm", "gloo") for op in OPS}
-    assert all(r["correct"] and r["median_s"] > 0 for r in timed), timed
+    assert all(r["correct"] and r["median_s"] > 0 and r["streak"] == streak for r in timed), timed
     counts = next(r for r in rows if "through_shm" in r)
     assert counts["through_gloo"] == {} and counts["through_shm"]["all_to_all_single"] >= 3, counts
     assert "| all_gather_into_tensor | 2 | 4 KiB |" in result.stdout

@@ -33,6 +33,9 @@ dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
 backend = dist.group.WORLD._get_backend(torch.device("cpu"))
 assert isinstance(backend, ShmBackend), type(backend)
 result: dict = {"rank": rank, "inline": backend.inline}
+#: elements of the calls: with a reduction thread, more than the call ring carries (a call that
+#: fits runs on the caller's thread), so that the failures are the thread's
+NUMEL = 1000 if backend.inline else 100_000
 
 
 def attempt(call) -> dict:
@@ -46,14 +49,14 @@ def attempt(call) -> dict:
                 "runtime_error": isinstance(exc, RuntimeError)}
 
 
-def all_reduce(numel: int = 1000) -> float:
+def all_reduce(numel: int = NUMEL) -> float:
     """SUM of ``rank + 1`` (3.0 when both of 2 ranks took part); the value left in the tensor."""
     t = torch.full((numel,), float(rank + 1))
     dist.all_reduce(t)
     return float(t[0])
 
 
-def async_wait(numel: int = 1000) -> dict:
+def async_wait(numel: int = NUMEL) -> dict:
     """all_reduce(async_op=True): what wait(), is_success() and the future said."""
     t = torch.full((numel,), float(rank + 1))
     work = dist.all_reduce(t, async_op=True)
@@ -73,6 +76,13 @@ if scenario == "raise":  # the reduction itself fails on rank 1 (fault injected 
                 raise RuntimeError("injected fault in the pipeline")
 
         backend.reducer.pipeline = Broken(backend.reducer.pipeline)
+    result["first"] = async_wait(200_000)  # 800 KB: more than the call ring carries, so through the pipeline
+elif scenario == "raise_small":  # the same in a small call, summed from the call ring on rank 1
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected fault in the call ring")
+
+        backend.reducer.calls_ring.exchange = broken
     result["first"] = async_wait()
 elif scenario in ("sys_exit", "os_exit", "sigkill"):
     if rank == 1:
@@ -87,8 +97,8 @@ elif scenario == "never_calls":  # rank 1 is alive but calls only after rank 0 g
     if rank == 1:
         time.sleep(timeout + 3)
     result["first"] = attempt(all_reduce)
-elif scenario == "mismatch":
-    result["first"] = async_wait(1000 if rank == 0 else 10)
+elif scenario in ("mismatch", "mismatch_large"):  # large: rank 1's data does not travel with its header
+    result["first"] = async_wait(NUMEL if rank == 0 else (10 if scenario == "mismatch" else 200_000))
     # the backend's own Work (torch hands dist.* callers a holder that forwards wait() and
     # the future only): completed, not a success, its exception the group's failure
     own = backend.allreduce([torch.ones(3)])

@@ -167,8 +167,9 @@ def _moves(c: Compare, rank: int, world: int) -> None:
             return [values(dtype, (4, 3), seed, rank), *[torch.zeros(4, 3, dtype=dtype) for _ in range(world)]]
 
         c.check(f"all_gather list {dtype}", lambda ts, g: dist.all_gather(list(ts[1:]), ts[0], group=g), listed)
-        # all_to_all_single, uneven: rank r sends r + 2j + 1 rows of 3 to rank j (x 20000: many blocks)
-        for scale in (1, 20_000):
+        # all_to_all_single, uneven: rank r sends r + 2j + 1 rows of 3 to rank j (x 800: some ranks'
+        # data fits the call ring and some not; x 20000: many blocks)
+        for scale in (1, 800, 20_000):
             sends = [(rank + 2 * j + 1) * scale for j in range(world)]
             receives = [(i + 2 * rank + 1) * scale for i in range(world)]
 
@@ -317,7 +318,82 @@ def peer_dies(rank: int, world: int) -> dict:
     return out
 
 
-CASES = {"avg_int": avg_int, "every_op": every_op, "peer_dies": peer_dies}
+def hand_offs(rank: int, world: int) -> dict:
+    """Ops of a small (4 KB) and a large (400 KB) float tensor: whether each result is right,
+    and what each call took: call ring hand-offs, blocks of the ops' ring and of the pipeline."""
+    reducer = dist.group.WORLD._get_backend(torch.device("cpu")).reducer
+    total, op = world * (world + 1) / 2, dist.ReduceOp
+
+    def full(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((numel,), float(rank + 1), dtype=dtype)
+
+    def reduced(t: torch.Tensor, red=None) -> bool:
+        dist.all_reduce(t, **({"op": red} if red else {}))
+        return bool((t == (total if red is None else world)).all())
+
+    def gathered(numel: int) -> bool:
+        out = torch.zeros(world * numel)
+        dist.all_gather_into_tensor(out, full(numel))
+        return bool((out.view(world, numel) == torch.arange(1, world + 1).view(world, 1)).all())
+
+    def scattered(numel: int) -> bool:
+        out = torch.zeros(numel)
+        dist.reduce_scatter_tensor(out, full(world * numel))
+        return bool((out == total).all())
+
+    def exchanged(numel: int) -> bool:
+        out = torch.zeros(world * numel)
+        dist.all_to_all_single(out, full(world * numel))
+        return bool((out.view(world, numel) == torch.arange(1, world + 1).view(world, 1)).all())
+
+    def broadcast(numel: int) -> bool:
+        t = full(numel)
+        dist.broadcast(t, src=world - 1)
+        return bool((t == world).all())
+
+    cases = {"all_reduce SUM float32": lambda n: reduced(full(n)),
+             "all_reduce AVG float32": lambda n: dist.all_reduce(t := full(n), op=op.AVG) or bool(
+                 torch.allclose(t, torch.full_like(t, total / world))),
+             "all_reduce SUM float64": lambda n: reduced(full(n, torch.float64)),
+             "all_reduce SUM int64": lambda n: reduced(full(n, torch.int64)),
+             "all_reduce MAX float32": lambda n: reduced(full(n), op.MAX),
+             "broadcast": broadcast, "all_gather_into_tensor": gathered, "reduce_scatter_tensor": scattered,
+             "all_to_all_single": exchanged}
+    out = {}
+    for size, numel in (("small", 1000), ("large", 100_000)):
+        for name, case in cases.items():
+            before = (reducer.calls_ring.seq, reducer.ops.blocks, reducer.pipeline.blocks)
+            right = case(numel)
+            after = (reducer.calls_ring.seq, reducer.ops.blocks, reducer.pipeline.blocks)
+            calls, ring, pipeline = (a - b for a, b in zip(after, before, strict=True))
+            out[f"{name} {size}"] = {"right": right, "calls": calls, "ring_blocks": ring, "pipeline_blocks": pipeline}
+    return out
+
+
+def threads(rank: int, world: int) -> dict:
+    """With a reduction thread (``SHMTRAIN_PG_THREAD=1``): small calls (async ones too) run
+    on the caller's thread, done when they return, none handed to the thread; a large one
+    goes to it."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    reducer = backend.reducer
+    t = torch.ones(1000)
+    work = backend.allreduce([t])
+    out = {"inline": reducer.inline, "small_done_at_once": work.is_completed()}
+    work.wait()
+    dist.broadcast(t, src=0)
+    dist.all_gather_into_tensor(torch.zeros(world * 1000), t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    dist.all_reduce(t, async_op=True).wait()
+    out["queued_after_small"] = reducer.queued
+    big = torch.ones(100_000)
+    dist.all_reduce(big)
+    out["queued_after_large"] = reducer.queued
+    out["values"] = [float(t[0]), float(big[0])]
+    return out
+
+
+CASES = {"avg_int": avg_int, "every_op": every_op, "hand_offs": hand_offs, "peer_dies": peer_dies, "threads": threads}
 
 if __name__ == "__main__":
     case, rank, port, world = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])

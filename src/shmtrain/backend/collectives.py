@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +29,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work
 
 from shmtrain.backend.reduce_ops import DTYPES, INTEGERS, MOVED, reduction
-from shmtrain.backend.work import ShmWork
 
 
 def _movable(tensor: torch.Tensor) -> bool:
@@ -82,16 +82,17 @@ class Collectives:
     def _in_host(self, tensors: Sequence[torch.Tensor]) -> bool:
         return self.reducer.hosts == 1 and all(_movable(t) for t in tensors)
 
-    def _shm(self, op: str, tensors: list[torch.Tensor], run: Callable[[], None], profile: Any = None) -> Work:
+    def _shm(self, op: str, tensors: list[torch.Tensor], run: Callable[[], None], profile: Any = None,
+             sent: Sequence[torch.Tensor] = ()) -> Work:
         """Submit ``run`` (the call, on the reducer's thread or this one) with a Work of
-        ``tensors``; ``profile``: its profiler record (:meth:`_record`)."""
+        ``tensors``; ``profile``: its profiler record (:meth:`_record`); ``sent``: what this
+        rank sends (a call small enough to travel with its header runs on this thread)."""
         def counted() -> None:
             run()
             Collectives.through_shm[op] += 1
 
-        work = ShmWork(tensors)
-        self.reducer.submit_call(counted, work, profile)
-        return work
+        small = sum(t.numel() * t.element_size() for t in sent) <= self.reducer.carried
+        return self.reducer.submit_call(counted, tensors, profile, small=small)
 
     def _fallback(self, op: str, name: str, *args: Any) -> Work:
         Collectives.through_gloo[op] += 1
@@ -107,11 +108,11 @@ class Collectives:
 
         def run() -> None:
             for buffer in staged.buffers:
-                reducer.begin("all_reduce", buffer.numel(), buffer.dtype, op, len(tensors))
-                reducer.ops.reduce_scatter(buffer, [buffer], op, same=True)
+                begin = partial(reducer.begin, "all_reduce", buffer.numel(), buffer.dtype, op, len(tensors))
+                reducer.ops.reduce_scatter(buffer, [buffer], op, begin, same=True)
             staged.back()
 
-        return self._shm(name, tensors, run, profile)
+        return self._shm(name, tensors, run, profile, tensors)
 
     def _other_reduction(self, tensors: list[torch.Tensor], op: str | None) -> bool:
         """Whether the reduction ``op`` of ``tensors`` goes through :meth:`_reduce_in_host`."""
@@ -127,11 +128,11 @@ class Collectives:
 
         def run() -> None:
             buffer = staged.buffers[0]
-            reducer.begin("broadcast", buffer.numel(), buffer.dtype, "broadcast", root)
-            reducer.ops.broadcast(buffer, root)
+            begin = partial(reducer.begin, "broadcast", buffer.numel(), buffer.dtype, "broadcast", root)
+            reducer.ops.broadcast(buffer, root, begin)
             staged.back()
 
-        return self._shm("broadcast", tensors, run, self._record("broadcast", tensors))
+        return self._shm("broadcast", tensors, run, self._record("broadcast", tensors), tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts or dist.ReduceOptions()
@@ -142,11 +143,11 @@ class Collectives:
 
         def run() -> None:
             buffer = staged.buffers[0]
-            reducer.begin("reduce", buffer.numel(), buffer.dtype, f"reduce {op}", root)
-            reducer.ops.reduce(buffer, root, op)
+            begin = partial(reducer.begin, "reduce", buffer.numel(), buffer.dtype, f"reduce {op}", root)
+            reducer.ops.reduce(buffer, root, op, begin)
             staged.back()
 
-        return self._shm("reduce", tensors, run, self._record("reduce", tensors))
+        return self._shm("reduce", tensors, run, self._record("reduce", tensors), tensors)
 
     def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         opts = opts or dist.GatherOptions()
@@ -163,11 +164,11 @@ class Collectives:
 
         def run() -> None:
             buffer = source.buffers[0]
-            reducer.begin("gather", buffer.numel(), buffer.dtype, "gather", root)
-            reducer.ops.gather(staged.buffers if mine else None, buffer, root)
+            begin = partial(reducer.begin, "gather", buffer.numel(), buffer.dtype, "gather", root)
+            reducer.ops.gather(staged.buffers if mine else None, buffer, root, begin)
             staged.back()
 
-        return self._shm("gather", receives or list(inputs), run, self._record("gather", inputs))
+        return self._shm("gather", receives or list(inputs), run, self._record("gather", inputs), inputs)
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         opts = opts or dist.ScatterOptions()
@@ -184,35 +185,43 @@ class Collectives:
 
         def run() -> None:
             buffer = staged.buffers[0]
-            reducer.begin("scatter", buffer.numel(), buffer.dtype, "scatter", root)
-            reducer.ops.scatter(buffer, source.buffers if mine else None, root)
+            begin = partial(reducer.begin, "scatter", buffer.numel(), buffer.dtype, "scatter", root)
+            reducer.ops.scatter(buffer, source.buffers if mine else None, root, begin)
             staged.back()
 
-        return self._shm("scatter", list(outputs), run, self._record("scatter", sends or outputs))
+        return self._shm("scatter", list(outputs), run, self._record("scatter", sends or outputs), sends or outputs)
 
     # -- all_gather ---------------------------------------------------------------------
-    def _gather_all(self, op: str, pairs: list[tuple[list[torch.Tensor], torch.Tensor]],
+    def _gather_all(self, op: str, pairs: list[tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor]],
                     result: list[torch.Tensor] | None = None, recorded: str = "all_gather") -> Work | None:
-        """All-gather each ``(outputs, input)`` pair in one call (``result``: the Work's
-        tensors, default every output); None where a pair cannot go through shared memory
-        (the caller hands the call to gloo)."""
+        """All-gather each ``(outputs, input)`` pair in one call (``outputs``: ``L`` tensors,
+        or one contiguous tensor of ``L`` pieces; ``result``: the Work's tensors, default
+        every output); None where a pair cannot go through shared memory (the caller hands
+        the call to gloo)."""
         L = self.reducer.local_world
         for outs, inp in pairs:
-            if (len(outs) != L or not self._in_host([inp, *outs])
+            if isinstance(outs, torch.Tensor):
+                if not self._in_host([inp, outs]):
+                    return None
+            elif (len(outs) != L or not self._in_host([inp, *outs])
                     or any(o.dtype != inp.dtype or o.numel() != inp.numel() for o in outs)):
                 return None
-        staged = [(_Staged(outs), _Staged([inp])) for outs, inp in pairs]
+        staged = [(outs if isinstance(outs, torch.Tensor) else _Staged(outs), _Staged([inp])) for outs, inp in pairs]
         reducer = self.reducer
 
         def run() -> None:
             for outs, inp in staged:
                 buffer = inp.buffers[0]
-                reducer.begin(op, buffer.numel(), buffer.dtype, "all_gather", len(staged))
-                reducer.ops.all_gather(outs.buffers, buffer)
-                outs.back()
+                begin = partial(reducer.begin, op, buffer.numel(), buffer.dtype, "all_gather", len(staged))
+                if isinstance(outs, torch.Tensor):
+                    reducer.ops.all_gather(outs, buffer, begin)
+                else:
+                    reducer.ops.all_gather(outs.buffers, buffer, begin)
+                    outs.back()
 
         tensors = result if result is not None else [o for outs, _ in pairs for o in outs]
-        return self._shm(op, tensors, run, self._record(recorded, [inp for _, inp in pairs]))
+        sent = [inp for _, inp in pairs]
+        return self._shm(op, tensors, run, self._record(recorded, sent), sent)
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         work = None
@@ -220,18 +229,19 @@ class Collectives:
             work = self._gather_all("all_gather", [(list(outputs[0]), inputs[0])])
         return work or self._fallback("all_gather", "allgather", outputs, inputs, opts or dist.AllgatherOptions())
 
-    def _into_pairs(self, output: torch.Tensor, input: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-        """``all_gather_into_tensor``'s output as ``L`` pieces of the input's size (a
-        contiguous output only; None otherwise)."""
+    def _into_pairs(self, output: torch.Tensor, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``all_gather_into_tensor``'s output, ``L`` pieces of the input's size (a
+        contiguous output only, of a tensor that is not empty; None otherwise)."""
         L = self.reducer.local_world
-        if not output.is_contiguous() or output.numel() != L * input.numel() or output.dtype != input.dtype:
+        if (not output.is_contiguous() or output.numel() != L * input.numel() or output.dtype != input.dtype
+                or not input.numel()):
             return None
-        return list(output.detach().reshape(-1).split(input.numel())) if input.numel() else [], input
+        return output.detach(), input
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         pair = self._into_pairs(output, input)
         work = None
-        if pair and pair[0]:
+        if pair:
             work = self._gather_all("all_gather_into_tensor", [pair], [output], "all_gather_into_tensor")
         return work or self._fallback("all_gather_into_tensor", "_allgather_base", output, input,
                                       opts or dist.AllgatherOptions())
@@ -252,7 +262,7 @@ class Collectives:
         if len(outputs) == len(inputs):
             pairs = [self._into_pairs(o, i) for o, i in zip(outputs, inputs, strict=True)]
         work = None
-        if pairs and all(p and p[0] for p in pairs):
+        if pairs and all(pairs):
             work = self._gather_all("all_gather_into_tensor_coalesced", pairs, list(outputs),
                                     "all_gather_into_tensor_coalesced")
         return work or self._fallback("all_gather_into_tensor_coalesced", "all_gather_single_coalesced", outputs,
@@ -272,12 +282,13 @@ class Collectives:
         def run() -> None:
             for out, ins in staged:
                 buffer = out.buffers[0]
-                reducer.begin(op_name, buffer.numel(), buffer.dtype, f"reduce_scatter {op}", len(staged))
-                reducer.ops.reduce_scatter(buffer, ins.buffers, op)
+                begin = partial(reducer.begin, op_name, buffer.numel(), buffer.dtype, f"reduce_scatter {op}",
+                                len(staged))
+                reducer.ops.reduce_scatter(buffer, ins.buffers, op, begin)
                 out.back()
 
         outputs = [out for out, _ in pairs]
-        return self._shm(op_name, outputs, run, self._record(recorded, outputs))
+        return self._shm(op_name, outputs, run, self._record(recorded, outputs), [t for _, ins in pairs for t in ins])
 
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         opts = opts or dist.ReduceScatterOptions()
@@ -330,11 +341,11 @@ class Collectives:
         reducer = self.reducer
 
         def run() -> None:
-            reducer.begin(op, -1, outputs[0].dtype, "all_to_all")
-            reducer.ops.all_to_all(receives.buffers, sends.buffers)
+            reducer.ops.all_to_all(receives.buffers, sends.buffers, partial(reducer.begin, op, -1, outputs[0].dtype,
+                                                                            "all_to_all"))
             receives.back()
 
-        return self._shm(op, written, run, self._record("all_to_all", recorded))
+        return self._shm(op, written, run, self._record("all_to_all", recorded), inputs)
 
     def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         work = self._exchange_all("all_to_all", list(outputs), list(inputs), list(outputs), list(inputs))

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import Backend, Work
 from shmtrain.backend.collectives import Collectives
 from shmtrain.backend.reduce_ops import DTYPES, reduction
 from shmtrain.backend.reducer import HostReducer
-from shmtrain.backend.work import ShmBackendError, ShmWork
+from shmtrain.backend.work import ShmBackendError
 
 NAME = "shm"
 _live: set[ShmBackend] = set()  # groups not yet shut down (c10d holds them through C++ only)
@@ -110,9 +110,7 @@ class ShmBackend(Collectives, Backend):
             Collectives.through_gloo["all_reduce"] += 1
             return self.gloo.allreduce(tensors, opts)
         Collectives.through_shm["all_reduce"] += 1
-        work = ShmWork(tensors)
-        self.reducer.submit(list(tensors), mean, work, self._count, _profile("all_reduce", tensors))
-        return work
+        return self.reducer.submit(tensors, mean, self._count, _profile("all_reduce", tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """Each tensor reduced on its own: SUM/AVG of float tensors in shared memory (one
@@ -130,9 +128,7 @@ class ShmBackend(Collectives, Backend):
         ours = [t for t in tensors if mean is not None and _ours(t)]
         if tensors and len(ours) == len(tensors):
             Collectives.through_shm["all_reduce_coalesced"] += 1
-            work = ShmWork(tensors)
-            self.reducer.submit(ours, bool(mean), work, self._count, _profile("all_reduce", ours))
-            return work
+            return self.reducer.submit(ours, bool(mean), self._count, _profile("all_reduce", ours))
         if not ours:
             ShmBackend.fallbacks += 1
             Collectives.through_gloo["all_reduce_coalesced"] += 1
@@ -144,9 +140,7 @@ class ShmBackend(Collectives, Backend):
                 options.reduceOp, options.timeout = opts.reduceOp, opts.timeout
                 ShmBackend.fallbacks += 1
                 gloo.append(self.gloo.allreduce([tensor], options))
-        work = ShmWork(tensors, gloo)
-        self.reducer.submit(ours, bool(mean), work, self._count, _profile("all_reduce", ours))
-        return work
+        return self.reducer.submit(ours, bool(mean), self._count, _profile("all_reduce", ours), gloo, list(tensors))
 
     # -- everything else: gloo ---------------------------------------------------------
     def _gloo(self, name: str, *args: Any) -> Work:

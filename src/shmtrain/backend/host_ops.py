@@ -1,6 +1,12 @@
 """The ``shm`` backend's collectives other than the sum, inside one host, through a ring of
 shared blocks.
 
+A call whose every rank's data fits in the call ring's payload (:mod:`~shmtrain.backend.calls`,
+:data:`~shmtrain.backend.calls.CALL_BYTES`) is one block there: each rank writes what it
+sends beside its header, the header's hand-off is the block's, and each reads what it
+receives from the others' lines (one hand-off for the whole call). A larger call passes its
+header alone, then goes through the ring below, block after block.
+
 Every local rank owns one slot of ``block_bytes`` in each of the ring's two positions. A
 block of a call is one hand-off: each rank writes what it sends into its slot, posts the
 block's sequence number on the ring's channel, waits until every local rank has posted
@@ -23,7 +29,9 @@ What each op moves per block (``L`` local ranks, ``B`` bytes a slot):
   of blocks is every rank's largest, exchanged in a first block;
 - gather, scatter: the ranks' pieces into the root, the root's pieces out to each rank.
 
-Each method takes contiguous tensors (the backend makes copies of strided ones) and runs on
+Each method takes contiguous tensors (the backend makes copies of strided ones) and ``begin``,
+the call's header hand-off (``begin(own=...)``, :meth:`HostReducer.begin
+<shmtrain.backend.reducer.HostReducer.begin>` of the call's header), and runs on
 the group's reduction thread or the caller's (:class:`~shmtrain.backend.reducer.HostReducer`
 decides, and keeps the calls of every op in the order they were issued).
 """
@@ -34,6 +42,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from shmtrain.backend.calls import CallRing
 from shmtrain.backend.reduce_ops import average
 from shmtrain.fabric.shm.host import HostGroup
 
@@ -69,13 +78,14 @@ class HostOps:
     Args:
         host: the host's workers of the group.
         spin: whether waits spin before sleeping (the reducer's rule).
+        calls: the group's call ring (a small call's one block).
         block_bytes: bytes of one rank's slot.
         tag: name fragment of the segment and the channel.
     """
 
-    def __init__(self, host: HostGroup, spin: bool | None, block_bytes: int = BLOCK_BYTES,
+    def __init__(self, host: HostGroup, spin: bool | None, calls: CallRing, block_bytes: int = BLOCK_BYTES,
                  tag: str = "pg-ops") -> None:
-        self.host, self.spin, self.block_bytes = host, spin, block_bytes
+        self.host, self.spin, self.block_bytes, self.calls = host, spin, block_bytes, calls
         self.L, self.me = host.local_world, host.local_rank
         self.segment = host.allocate(tag, RING * self.L * block_bytes)
         self._ring = self.segment.tensor(torch.uint8, 0, RING * self.L * block_bytes).view(RING, self.L, block_bytes)
@@ -84,6 +94,16 @@ class HostOps:
         self.phase = ""  # what a failed wait was waiting for (errors name it)
 
     # -- the one primitive ----------------------------------------------------------
+    def _carried(self, begin: Callable[..., object], whole: int) -> bool:
+        """Whether a call whose one block would take ``whole`` bytes of each rank's line
+        (the same on every rank: the header's sizes decide it) travels with its header: then
+        the caller writes its line and calls ``begin``; else its header goes now, alone,
+        and the call goes through the ring."""
+        if 0 < whole <= self.calls.payload_bytes:
+            return True
+        begin()
+        return False
+
     def _next(self) -> torch.Tensor:
         """The next block's slots, ``(L, block_bytes)`` bytes; write this rank's row, then
         :meth:`_swap`."""
@@ -98,17 +118,48 @@ class HostOps:
         control.wait(self._channel, self.host.ranks, self.blocks, timeout=self.host.timeout, what=f"a block of {what}",
                      spin=self.spin)
 
-    # -- ops ------------------------------------------------------------------------
-    def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> None:
-        """``outputs[r]`` <- rank ``r``'s ``input`` (every rank the same number of bytes)."""
-        self._collect(outputs, input, "all_gather")
+    def _combined(self, out: torch.Tensor, rows: torch.Tensor, op: str) -> None:
+        """``out`` <- ``rows[0] (op) rows[1] (op) ...`` in rank order (every rank that
+        computes a piece computes the same bits)."""
+        combine = _combine(op)
+        out.copy_(rows[0])
+        for r in range(1, self.L):
+            combine(out, rows[r])
 
-    def _collect(self, outputs: Sequence[torch.Tensor], input: torch.Tensor, what: str) -> None:
+    # -- ops ------------------------------------------------------------------------
+    def all_gather(self, outputs: Sequence[torch.Tensor] | torch.Tensor, input: torch.Tensor,
+                   begin: Callable[..., object]) -> None:
+        """``outputs[r]`` <- rank ``r``'s ``input`` (every rank the same number of bytes);
+        ``outputs`` one contiguous tensor: rank ``r``'s in its ``r``-th piece
+        (``all_gather_into_tensor``)."""
+        self._collect(outputs, input, "all_gather", begin)
+
+    def _collect(self, outputs: Sequence[torch.Tensor] | torch.Tensor, input: torch.Tensor, what: str,
+                 begin: Callable[..., object]) -> None:
         """Every rank's ``input`` in its slot, block by block; ``outputs[r]`` (none: this
         rank receives nothing) <- rank ``r``'s."""
         src = as_bytes(input)
-        dsts = [as_bytes(o) for o in outputs]
         n, B = src.numel(), self.block_bytes
+        if self._carried(begin, n):
+            begin(payload=src)
+            if isinstance(outputs, torch.Tensor):  # one output: each rank's piece straight into it
+                whole = as_bytes(outputs)
+                for r in range(self.L):
+                    if r == self.me:
+                        whole[r * n:(r + 1) * n].copy_(src)
+                    else:
+                        self.calls.copy_out(whole, r, at=r * n, nbytes=n)
+                return
+            for r, dst in enumerate(outputs):
+                if r == self.me:
+                    as_bytes(dst).copy_(src)
+                else:
+                    self.calls.copy_out(dst, r)
+            return
+        if isinstance(outputs, torch.Tensor):
+            dsts = list(as_bytes(outputs).split(n))
+        else:
+            dsts = [as_bytes(o) for o in outputs]
         for start in range(0, n, B):
             stop = min(start + B, n)
             slots = self._next()
@@ -117,10 +168,15 @@ class HostOps:
             for r, dst in enumerate(dsts):
                 dst[start:stop].copy_(src[start:stop] if r == self.me else slots[r, :stop - start])
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, root: int, begin: Callable[..., object]) -> None:
         """Every rank's ``tensor`` <- the root's."""
         data = as_bytes(tensor)
         n, B = data.numel(), self.block_bytes
+        if self._carried(begin, n):
+            begin(payload=data if self.me == root else None)
+            if self.me != root:
+                self.calls.copy_out(data, root)
+            return
         for start in range(0, n, B):
             stop = min(start + B, n)
             slots = self._next()
@@ -131,62 +187,85 @@ class HostOps:
                 data[start:stop].copy_(slots[root, :stop - start])
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str,
-                       same: bool = False) -> None:
+                       begin: Callable[..., object], same: bool = False) -> None:
         """``output`` <- the reduction over the ranks, in rank order, of their
         ``inputs[me]`` (``same``: every ``inputs[j]`` is one tensor, an all_reduce: one
         piece per rank per block, not ``L``). AVG as gloo's (floats) or NCCL's (integers)."""
         out = output.reshape(-1)
         size = out.element_size()
-        per = (self.block_bytes // size) // (1 if same else self.L)
-        combine = _combine(op)
         sends = [t.reshape(-1) for t in inputs]
         n = out.numel()
-        for start in range(0, n, per):
-            stop = min(start + per, n)
-            m = stop - start
-            slots = self._next().view(out.dtype)
-            row = slots[self.me]
-            for j in range(1 if same else self.L):
-                row[j * per:j * per + m].copy_(sends[j][start:stop])
-            self._swap(f"{'all_reduce' if same else 'reduce_scatter'} {op}")
-            at = 0 if same else self.me * per
-            piece = out[start:stop]
-            piece.copy_(slots[0, at:at + m])
-            for r in range(1, self.L):
-                combine(piece, slots[r, at:at + m])
+        if self._carried(begin, n * size * (1 if same else self.L)):
+            if same:
+                begin(payload=sends[0])
+            else:
+                for j, send in enumerate(sends):
+                    self.calls.copy_in(send, j * n * size)
+                begin()
+            at = 0 if same else self.me * n
+            self._combined(out, self.calls.rows(out.dtype)[:, at:at + n], op)
+        else:
+            per = (self.block_bytes // size) // (1 if same else self.L)
+            combine = _combine(op)
+            for start in range(0, n, per):
+                stop = min(start + per, n)
+                m = stop - start
+                slots = self._next().view(out.dtype)
+                row = slots[self.me]
+                for j in range(1 if same else self.L):
+                    row[j * per:j * per + m].copy_(sends[j][start:stop])
+                self._swap(f"{'all_reduce' if same else 'reduce_scatter'} {op}")
+                at = 0 if same else self.me * per
+                piece = out[start:stop]
+                piece.copy_(slots[0, at:at + m])
+                for r in range(1, self.L):
+                    combine(piece, slots[r, at:at + m])
         if op == "AVG":
             average(out, self.L)
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: str) -> None:
+    def reduce(self, tensor: torch.Tensor, root: int, op: str, begin: Callable[..., object]) -> None:
         """The root's ``tensor`` <- the reduction over the ranks in rank order; the others'
         tensors are left as they were."""
         data = tensor.reshape(-1)
-        per = self.block_bytes // data.element_size()
-        combine = _combine(op)
         n = data.numel()
-        for start in range(0, n, per):
-            stop = min(start + per, n)
-            m = stop - start
-            slots = self._next().view(data.dtype)
-            slots[self.me, :m].copy_(data[start:stop])
-            self._swap(f"reduce {op}")
+        if self._carried(begin, n * data.element_size()):
+            begin(payload=data)
             if self.me == root:
-                piece = data[start:stop]
-                piece.copy_(slots[0, :m])
-                for r in range(1, self.L):
-                    combine(piece, slots[r, :m])
+                self._combined(data, self.calls.rows(data.dtype)[:, :n], op)
+        else:
+            per = self.block_bytes // data.element_size()
+            combine = _combine(op)
+            for start in range(0, n, per):
+                stop = min(start + per, n)
+                m = stop - start
+                slots = self._next().view(data.dtype)
+                slots[self.me, :m].copy_(data[start:stop])
+                self._swap(f"reduce {op}")
+                if self.me == root:
+                    piece = data[start:stop]
+                    piece.copy_(slots[0, :m])
+                    for r in range(1, self.L):
+                        combine(piece, slots[r, :m])
         if op == "AVG" and self.me == root:
             average(data, self.L)
 
-    def gather(self, outputs: Sequence[torch.Tensor] | None, input: torch.Tensor, root: int) -> None:
+    def gather(self, outputs: Sequence[torch.Tensor] | None, input: torch.Tensor, root: int,
+               begin: Callable[..., object]) -> None:
         """The root's ``outputs[r]`` <- rank ``r``'s ``input``."""
-        self._collect(outputs if outputs is not None else [], input, "gather")
+        self._collect(outputs if outputs is not None else [], input, "gather", begin)
 
-    def scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor] | None, root: int) -> None:
+    def scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor] | None, root: int,
+                begin: Callable[..., object]) -> None:
         """``output`` <- the root's ``inputs[me]``."""
         dst = as_bytes(output)
         srcs = [as_bytes(t) for t in inputs] if inputs is not None else []
         n, per = dst.numel(), self.block_bytes // self.L
+        if self._carried(begin, n * self.L):
+            for j, src in enumerate(srcs):
+                self.calls.copy_in(src, j * n)
+            begin()
+            self.calls.copy_out(dst, root, self.me * n)
+            return
         for start in range(0, n, per):
             stop = min(start + per, n)
             m = stop - start
@@ -197,17 +276,26 @@ class HostOps:
             self._swap("scatter")
             dst[start:stop].copy_(slots[root, self.me * per:self.me * per + m])
 
-    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                   begin: Callable[..., object]) -> None:
         """``outputs[i]`` <- rank ``i``'s ``inputs[me]``; each pair may move a different
-        number of bytes (uneven splits)."""
+        number of bytes (uneven splits). The header carries each rank's count of blocks
+        and whether its data fit the call ring (then, on every rank, that was the call)."""
         sends = [as_bytes(t) for t in inputs]
         recvs = [as_bytes(t) for t in outputs]
+        small = self.calls.payload_bytes // self.L
+        fits = all(t.numel() <= small for t in sends + recvs)
+        if fits:
+            for j, src in enumerate(sends):
+                self.calls.copy_in(src, j * small)
         per = self.block_bytes // self.L
         mine = max([-(-t.numel() // per) for t in sends + recvs] + [0])
-        slots = self._next().view(torch.int64)  # first block: every rank's count of blocks
-        slots[self.me, 0] = mine
-        self._swap("all_to_all")
-        blocks = int(slots[:, 0].max())
+        begin(own=(mine, 0 if fits else 1))
+        if not any(self.calls.owns(1)):  # every rank's data came with the headers
+            for i, dst in enumerate(recvs):
+                self.calls.copy_out(dst, i, self.me * small)
+            return
+        blocks = max(self.calls.owns(0))
         for b in range(blocks):
             start = b * per
             slots = self._next()
@@ -223,6 +311,6 @@ class HostOps:
                     dst[start:start + m].copy_(slots[i, self.me * per:self.me * per + m])
 
     def close(self) -> None:
-        """Release the ring (no call may follow)."""
+        """Release the ring (no call may follow; the call ring is the reducer's)."""
         self._ring = None
         self.segment.close()

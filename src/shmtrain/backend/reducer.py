@@ -6,9 +6,12 @@ hierarchical (the host sum, then gloo among the hosts' local rank 0s, then the r
 inside each host). It reduces on the caller's thread where the host has no core to spare,
 else on one thread per group (FIFO: every rank reduces in the order it issued the calls).
 
-Every call first exchanges a header (numel, dtype, op) through a small shared segment
-(one hand-off; every rank reads every header), so ranks that pass different tensors all
-raise, naming the mismatch, before any byte is reduced. A failure (a peer died, did not
+Every call first exchanges a header (numel, dtype, op) through the call ring
+(:mod:`~shmtrain.backend.calls`: one hand-off; every rank reads every header), so ranks
+that pass different tensors all raise, naming the mismatch, before any byte is reduced; a
+tensor of at most :data:`~shmtrain.backend.calls.CALL_BYTES` travels with its header and
+is summed from there (one hand-off in all; in C for float32), larger ones go through the
+pipeline. A failure (a peer died, did not
 call within the group's timeout, a mismatch, an error of the reduction itself) fails the
 call's :class:`~shmtrain.backend.work.ShmWork` with a :class:`ShmBackendError` naming
 this rank, the peer and the cause; it is recorded in the host's control block (the other
@@ -22,7 +25,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shmtrain.backend.calls import REASON_BYTES, CallRing
 from shmtrain.backend.host_ops import HostOps
 from shmtrain.backend.reduce_ops import DTYPES, FLOATS, KIND_CODE, KINDS, MOVED, MOVED_CODE, ROOTED, average
 from shmtrain.backend.work import ShmBackendError, ShmWork
@@ -38,14 +42,11 @@ from shmtrain.fabric.job import hosts
 from shmtrain.fabric.job.hierarchy import Hierarchy
 from shmtrain.fabric.shm.affinity import allowed_cores
 from shmtrain.fabric.shm.control import DIED, PeerFailure, PeerTimeout, first_line
-from shmtrain.fabric.shm.stitch import PAGE
 
 #: abort codes beside :data:`~shmtrain.fabric.shm.control.DIED`: the rank named did not answer
 #: within the timeout (recorded by the peer that gave up on it), or failed on its own
 TIMED_OUT, FAILED = 254, 1
 _WHAT_TO_DO = "Destroy it (dist.destroy_process_group) and create a new one"
-_LINE = 256  # header bytes per local rank: two slots of 4 int64, then the reason text
-_REASON_AT = 64
 _STOP_S = 10.0  # a stopping reduction thread's waits end within 50 ms of the abort
 
 
@@ -117,13 +118,9 @@ class HostReducer:
         # pass running beside it (measured either way, the difference was noise)
         self.spin = None if self.inline else False
         self.pipeline = PipelinedAllreduce(self.host, spin=self.spin, tag="pg")
-        segment = self.host.allocate("pg-header", max(PAGE, local_world * _LINE))
-        lines = np.frombuffer(segment.buffer, dtype=np.uint8, count=local_world * _LINE).reshape(local_world, _LINE)
-        self._headers = lines[:, :_REASON_AT].view(np.int64)  # (L, 8): two slots of 4 words
-        self._reasons = lines[:, _REASON_AT:]
-        self._header_segment = segment
-        self._channel = self.host.channel("pg.header")
-        self.ops = HostOps(self.host, self.spin)  # every other collective's ring
+        self.calls_ring = CallRing(self.host, self.spin, self.pipeline._lib)  # every call's header
+        self._reasons = self.calls_ring.reasons
+        self.ops = HostOps(self.host, self.spin, self.calls_ring)  # every other collective's ring
         self.host.barrier("the shm backend's set-up")
         self.calls = 0  # allreduce calls so far (every rank counts alike: the header's number)
         self.failure: ShmBackendError | None = None
@@ -133,6 +130,7 @@ class HostReducer:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0  # calls queued for the thread and not yet done
+        self.queued = 0  # calls handed to the thread so far
         self._pending_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="shmtrain-pg", daemon=True)
@@ -140,39 +138,66 @@ class HostReducer:
             self._thread.start()
 
     # -- calls -------------------------------------------------------------------------
-    def submit(self, tensors: list[torch.Tensor], mean: bool, work: ShmWork,
-               counted: Callable[[], None], profile: Any = None) -> None:
-        """Reduce ``tensors`` (one after the other) and finish ``work``: now on this thread,
-        or queued for the group's thread. ``counted`` is called per tensor reduced.
-        ``profile``: the call's profiler record (``_record_function_with_args_enter``),
-        ended when the reduction is; a profiled call runs on the group's thread even where
-        reductions are inline, so that its event is asynchronous like gloo's (upstream's
-        profiling tests check it). Calls queued before it keep their order."""
-        self.submit_call(lambda: self._reduce_each(tensors, mean, counted), work, profile)
+    def submit(self, tensors: list[torch.Tensor], mean: bool, counted: Callable[[], None], profile: Any = None,
+               gloo: Sequence[Any] = (), result: list[torch.Tensor] | None = None) -> ShmWork:
+        """Reduce ``tensors`` (one after the other): now on this thread, or queued for the
+        group's thread; returns the call's :class:`ShmWork` of ``result`` (default
+        ``tensors``; also waiting for ``gloo``'s works of the same call), done where the
+        call ran on this thread. ``counted`` is
+        called per tensor reduced. ``profile``: the call's profiler record
+        (``_record_function_with_args_enter``), ended when the reduction is; a profiled call
+        runs on the group's thread even where reductions are inline, so that its event is
+        asynchronous like gloo's (upstream's profiling tests check it). Calls queued before
+        it keep their order."""
+        small = sum(t.numel() * t.element_size() for t in tensors) <= self.carried
+        return self.submit_call(lambda: self._reduce_each(tensors, mean, counted),
+                                tensors if result is None else result, profile, gloo, small)
 
-    def submit_call(self, run: Callable[[], None], work: ShmWork, profile: Any = None) -> None:
+    def submit_call(self, run: Callable[[], None], tensors: list[torch.Tensor], profile: Any = None,
+                    gloo: Sequence[Any] = (), small: bool = False) -> ShmWork:
         """Run ``run`` (a call's shared-memory part, which begins with :meth:`begin`) and
-        finish ``work``, as :meth:`submit` does: in the order of the calls, of any op."""
-        if self.inline and profile is None and not self._pending:
-            self._reduce_all(run, work)
-            return
+        return its Work of ``tensors``, as :meth:`submit` does: in the order of the calls,
+        of any op. A ``small`` call (its data travels with its header: one hand-off, a few
+        microseconds once the peers are there) runs on this thread even where the group has
+        a reduction thread, when nothing is queued for it: handing it to the thread and
+        back would cost more than the call (``shmtrain bench floors``)."""
+        if (self.inline or small) and profile is None and not self._pending:
+            error, interrupted = self._call(run)
+            if interrupted is not None:
+                raise interrupted
+            return ShmWork(tensors, gloo, pending=False, error=error)
+        work = ShmWork(tensors, gloo)
+        self.queued += 1
         if not self._thread.is_alive():
             self._thread.start()
         with self._pending_lock:
             self._pending += 1
         self._queue.put((run, work, profile))
+        return work
 
-    def begin(self, op: str, numel: int, dtype: torch.dtype, kind: str, extra: int = 1) -> int:
+    def begin(self, op: str, numel: int, dtype: torch.dtype, kind: str, extra: int = 1, *,
+              own: tuple[int, ...] = (), payload: torch.Tensor | None = None, total: torch.Tensor | None = None,
+              mean: bool = False) -> int:
         """Start call ``n`` (returned) of ``op``: the header hand-off of ``(numel, dtype,
         kind, extra)`` (``kind`` one of :data:`~shmtrain.backend.reduce_ops.KINDS`, ``extra``
-        the root or the tensors in the call), which every local rank must pass alike."""
+        the root or the tensors in the call), which every local rank must pass alike, with
+        this rank's ``own`` words and its data for the call ring (``payload``, or what the
+        caller put there with :meth:`CallRing.copy_in
+        <shmtrain.backend.calls.CallRing.copy_in>`; inside one host only); ``total``:
+        summed there from every rank's payload (:meth:`CallRing.exchange
+        <shmtrain.backend.calls.CallRing.exchange>`)."""
         self.calls += 1
         n = self.calls
         self._op = op
         self._phase = f"call {op} #{n}"
-        self._exchange_headers(n, (numel, MOVED_CODE[dtype], KIND_CODE[kind], extra))
+        self._exchange_headers(n, (numel, MOVED_CODE[dtype], KIND_CODE[kind], extra), own, payload, total, mean)
         self._phase = f"finish a block of {op} #{n}"
         return n
+
+    @property
+    def carried(self) -> int:
+        """The bytes of a rank's data that travel with a call's header (0 across hosts)."""
+        return self.calls_ring.payload_bytes if self.hosts == 1 else 0
 
     def check(self) -> None:
         """Raise if the group failed earlier (every later call of the group says so)."""
@@ -197,9 +222,21 @@ class HostReducer:
             counted()
 
     def _reduce_all(self, run: Callable[[], None], work: ShmWork, profile: Any = None) -> None:
+        """A queued call, on the group's thread (its call ring's waits sleep at once)."""
+        error, interrupted = self._call(run, profile, self.spin)
+        work.finish(error)
+        if interrupted is not None:
+            raise interrupted
+
+    def _call(self, run: Callable[[], None], profile: Any = None,
+              spin: bool | None = None) -> tuple[BaseException | None, BaseException | None]:
+        """Run one call: its error (the group fails with it), and a Ctrl-C to re-raise once
+        the call's Work is finished. ``spin``: how its call ring's waits wait (None: the
+        host's rule, for a call on the caller's thread, which has nothing else to do)."""
         error: BaseException | None = None
         interrupted: BaseException | None = None
         with self._lock:  # one call at a time: callers on several threads share the rings
+            self.calls_ring.spin = spin
             try:
                 self.check()
                 run()
@@ -212,22 +249,25 @@ class HostReducer:
                 interrupted = exc
         if profile is not None:  # ended before the work is: a profiler stopped after wait() has it
             torch._C._autograd._record_function_with_args_exit(profile)
-        work.finish(error)
-        if interrupted is not None:
-            raise interrupted
+        return error, interrupted
 
     def _reduce(self, tensor: torch.Tensor, mean: bool, count: int) -> None:
-        """One tensor (of ``count`` in its call): the header hand-off, then the pipeline (on
-        a contiguous copy of a strided tensor, copied back; on the data of a tensor that
-        requires grad)."""
+        """One tensor (of ``count`` in its call): the header hand-off with the tensor's data
+        where it fits (summed from there), else followed by the pipeline (on a contiguous
+        copy of a strided tensor, copied back; on the data of a tensor that requires grad)."""
         data = tensor.detach()
-        n = self.begin("all_reduce", data.numel(), data.dtype, "AVG" if mean else "SUM", count)
         buffer = data if data.is_contiguous() else data.contiguous()
         blockwise = mean and buffer.is_floating_point()  # integers: NCCL's average of the sum
-        if self.hosts == 1:  # a float mean is taken block by block while each is in cache
-            self.pipeline(buffer, op="mean" if blockwise else "sum")
-        else:  # the host's sum, the leaders' sum, back inside the host
-            self.hierarchy.reduce_private(buffer, self._host_sum, back=lambda: self._taking(n))
+        kind = "AVG" if mean else "SUM"
+        if buffer.numel() * buffer.element_size() <= self.carried:  # one hand-off: the header's
+            self.begin("all_reduce", data.numel(), data.dtype, kind, count, payload=buffer, total=buffer,
+                       mean=blockwise)
+        else:
+            n = self.begin("all_reduce", data.numel(), data.dtype, kind, count)
+            if self.hosts == 1:  # a float mean is taken block by block while each is in cache
+                self.pipeline(buffer, op="mean" if blockwise else "sum")
+            else:  # the host's sum, the leaders' sum, back inside the host
+                self.hierarchy.reduce_private(buffer, self._host_sum, back=lambda: self._taking(n))
         if mean and (self.hosts > 1 or not blockwise):
             average(buffer, self.size)
         if buffer is not data:
@@ -241,22 +281,17 @@ class HostReducer:
         """The way back of call ``n``: a failed wait names it."""
         self._phase = f"take all_reduce #{n}'s result from its host's leader"
 
-    def _exchange_headers(self, n: int, mine: tuple[int, int, int, int]) -> None:
-        """Publish ``(numel, dtype, kind, tensors in the call or root)`` for call ``n``, wait
-        for every local rank's and compare (two slots alternate: a rank writes slot ``n + 2``
-        only after every rank posted ``n + 1``, that is after every rank compared ``n``)."""
-        L, me = self.local_world, self.host.local_rank
-        slot = (n % 2) * 4
-        self._headers[me, slot:slot + 4] = mine
+    def _exchange_headers(self, n: int, mine: tuple[int, int, int, int], own: tuple[int, ...] = (),
+                          payload: torch.Tensor | None = None, total: torch.Tensor | None = None,
+                          mean: bool = False) -> None:
+        """Publish ``(numel, dtype, kind, tensors in the call or root)`` for call ``n`` (with
+        the call's data, :meth:`begin`), wait for every local rank's and compare; across
+        hosts the leaders compare their hosts' through gloo."""
+        L = self.local_world
         local: _Mismatch | None = None
-        if L > 1:
-            self.control.post(self._channel, me, n)
-            self.control.wait(self._channel, self.host.ranks, n, timeout=self.timeout,
-                              what=f"{self._op} #{n}", spin=self.spin)
-            rows = self._headers[:, slot:slot + 4]
-            if not (rows == rows[me]).all():
-                local = _Mismatch(self._mismatch(n, [tuple(int(v) for v in row) for row in rows],
-                                                 lambda r: self._rank_name(self.node * L + r)))
+        if not self.calls_ring.exchange(mine, f"{self._op} #{n}", own, payload, total, mean):
+            local = _Mismatch(self._mismatch(n, self.calls_ring.headers(),
+                                             lambda r: self._rank_name(self.node * L + r)))
         if self.hierarchy.group is not None:  # the hosts' leaders compare theirs through gloo; a leader
             # whose host disagrees sends _DISAGREE, so the other hosts raise too (not time out)
             sent = _DISAGREE if local is not None else mine
@@ -328,7 +363,7 @@ class HostReducer:
         return f"{self._rank_name(self.node * self.local_world + local_rank)} (pid {self.control.pid(local_rank)})"
 
     def _write_reason(self, text: str) -> None:
-        raw = text.split(": ", 1)[-1].encode()[: _LINE - _REASON_AT - 1]
+        raw = text.split(": ", 1)[-1].encode()[: REASON_BYTES - 1]
         line = self._reasons[self.host.local_rank]
         line[:] = 0
         line[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
@@ -368,7 +403,7 @@ class HostReducer:
             del leaders
         self.pipeline.close()
         self.ops.close()
-        self._header_segment.close()
+        self.calls_ring.close()
         self.control.segment.close()
 
 

@@ -46,20 +46,27 @@ class ShmWork(Work):
         tensors: the call's tensors (the future's value and :meth:`result`).
         gloo: works of the same call that gloo runs.
         pending: whether a shared-memory part is still to come (:meth:`finish`).
+        error: the shared-memory part's error, where it is done already (``pending`` False).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], gloo: Sequence[Work] = (), *, pending: bool = True) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], gloo: Sequence[Work] = (), *, pending: bool = True,
+                 error: BaseException | None = None) -> None:
         super().__init__()
-        self._tensors = list(tensors)
+        self._tensors = tensors if isinstance(tensors, list) else list(tensors)
         self._gloo = list(gloo)
-        self._done = threading.Event()
         self._error: BaseException | None = None
         self._source: torch.futures.Future = torch.futures.Future()
-        # the callback re-raises a set_exception: that fails the chained future in C++
-        self._own: torch.futures.Future = self._source.then(_value)
         self._future: torch.futures.Future | None = None
-        if not pending:
-            self.finish()
+        if pending or error is not None:
+            self._done = threading.Event()
+            # the callback re-raises a set_exception: that fails the chained future in C++
+            self._own: torch.futures.Future = self._source.then(_value)
+            if not pending:
+                self.finish(error)
+        else:  # done and a success (a call on the caller's thread): nothing to wait on, no chain to fail
+            self._done = _DONE
+            self._source.set_result(self._tensors)
+            self._own = self._source
 
     def finish(self, error: BaseException | None = None) -> None:
         """The shared-memory part is done (``error``: it failed)."""
@@ -113,6 +120,10 @@ class ShmWork(Work):
 
     def synchronize(self) -> None:
         """CPU work: nothing to synchronise with."""
+
+
+_DONE = threading.Event()  # the event of every work done when it was made
+_DONE.set()
 
 
 def _value(source: torch.futures.Future) -> list[torch.Tensor]:

@@ -11,12 +11,17 @@ Every figure is the least mean per call over 5 rounds of many calls of a 4 KiB f
 - ``thread_handoff``: a call handed to another thread through a queue and waited for
   (what a reduction thread costs per call);
 - ``copy``: ``copy_`` of the tensor (into a slot and back out is two);
-- ``pipeline``: the host's allreduce itself between 2 processes
+- ``pipeline``: the host's pipelined allreduce between 2 processes
   (:class:`~shmtrain.fabric.allreduce.pipeline.PipelinedAllreduce`, its compiled path for
-  float32: the copies, the hand-off between the processes, the sum);
-- ``headers``: the backend's call header hand-off between the 2 processes (Python);
+  float32: the copies, the hand-off between the processes, the sum; what a tensor too large
+  for the call ring goes through after its header);
+- ``headers``: the backend's call header hand-off alone between the 2 processes (the call
+  ring, :mod:`~shmtrain.backend.calls`; what a call too large for it begins with);
+- ``carried``: the same hand-off carrying the tensor, and its sum from there (what a small
+  ``all_reduce`` does inside the backend: :meth:`HostReducer.begin
+  <shmtrain.backend.reducer.HostReducer.begin>` with the tensor's data);
 - ``backend_call``: the backend's ``allreduce(...).wait()`` called directly (no torch
-  dispatch; the header hand-off, the pipeline, the ``ShmWork``);
+  dispatch; the call's hand-off and sum, the ``ShmWork``);
 - ``shm_inline`` / ``shm_thread``: ``dist.all_reduce`` on ``cpu:shm`` between 2 processes,
   on the caller's thread and on the group's reduction thread;
 - ``gloo``: ``dist.all_reduce`` on gloo between the same 2 processes.
@@ -141,11 +146,15 @@ def _layers(backend: Any, t: torch.Tensor, reps: int) -> dict[str, float]:
     """The backend's own layers between the 2 processes (module docstring)."""
     reducer = backend.reducer
 
-    def headers() -> None:  # a call's header hand-off alone (every call's begin)
+    def headers() -> None:  # a call's header hand-off alone (a large call's begin)
         reducer.begin("all_reduce", t.numel(), t.dtype, "SUM", 1)
+
+    def carried() -> None:  # the hand-off with the data, and the sum (a small all_reduce's begin)
+        reducer.begin("all_reduce", t.numel(), t.dtype, "SUM", 1, payload=t, total=t)
 
     return {"backend_call": _slowest(per_call(lambda: backend.allreduce([t]).wait(), reps)),
             "headers": _slowest(per_call(headers, reps)),
+            "carried": _slowest(per_call(carried, reps)),
             "pipeline": _slowest(per_call(lambda: reducer.pipeline(t), reps)),
             "gloo": _slowest(per_call(lambda: backend.gloo.allreduce([t]).wait(), reps))}
 
@@ -195,8 +204,9 @@ LABELS = {
     "dispatch_python": "torch's dispatch into a Python backend + its ShmWork",
     "thread_handoff": "a hand-off to a thread and back",
     "copy": "copy_ of the tensor",
-    "headers": "the call header's hand-off (Python, 2 processes)",
-    "pipeline": "the host's allreduce itself (2 processes)",
+    "headers": "the call header's hand-off alone (2 processes)",
+    "carried": "the hand-off carrying the tensor, and its sum",
+    "pipeline": "the pipelined allreduce (2 processes)",
     "backend_call": "ShmBackend.allreduce(...).wait(), no torch dispatch",
     "shm_inline": "dist.all_reduce on cpu:shm, caller's thread",
     "shm_thread": "dist.all_reduce on cpu:shm, reduction thread",

@@ -4,7 +4,9 @@ For each process count and size, in one run: each op through ``torch.distributed
 ``cpu:shm`` (the default group) and on a gloo group of the same processes, the two
 interleaved repetition by repetition; then MPICH through mpi4py (numpy buffers, started
 with the ``mpiexec`` beside this Python: ``pip install mpi4py mpich``) with the same ops and
-sizes. Each sample is the slowest rank's time of one call after a barrier; the table shows
+sizes. Each sample is the slowest rank's time of one call after a barrier (``--streak N``:
+of N calls in a row after it, per call: what calls issued back to back cost, as a training
+loop issues them, rather than a lone call's latency, wake-ups included); the table shows
 medians. Every result of every peer is checked against its definition (float32 inputs
 filled by rank; a peer whose check fails is reported invalid and not ranked):
 
@@ -83,7 +85,8 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 
 # -- torch.distributed: shm and gloo in the same processes -------------------------------------
-def _torch_rank(rank: int, procs: int, port: int, sizes: list[int], ops: list[str], reps: int, out: str) -> None:
+def _torch_rank(rank: int, procs: int, port: int, sizes: list[int], ops: list[str], reps: int, out: str,
+                streak: int = 1) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -105,10 +108,12 @@ def _torch_rank(rank: int, procs: int, port: int, sizes: list[int], ops: list[st
                 for impl, group in groups.items():
                     inp, outp = _buffers(op, procs, rank, n, torch)
                     call = _torch_call(op, inp, outp, group, dist)
+                    calls = 1 if i == 0 else streak  # the first call alone: its result is checked
                     dist.barrier()
                     start = time.perf_counter()
-                    call()
-                    elapsed = time.perf_counter() - start
+                    for _ in range(calls):
+                        call()
+                    elapsed = (time.perf_counter() - start) / calls
                     if i >= 2:
                         samples[impl].append(elapsed)
                     if i == 0:
@@ -119,7 +124,7 @@ def _torch_rank(rank: int, procs: int, port: int, sizes: list[int], ops: list[st
                 ok = torch.tensor([int(correct[impl])])
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN)
                 rows.append({"impl": impl, "op": op, "procs": procs, "bytes": nbytes, "reps": count,
-                             "correct": bool(ok), **_summary(times.tolist())})
+                             "streak": streak, "correct": bool(ok), **_summary(times.tolist())})
     if rank == 0:
         rows.append({"impl": "shm", "through_gloo": dict(ShmBackend.through_gloo),
                      "through_shm": dict(ShmBackend.through_shm)})
@@ -143,7 +148,7 @@ def _torch_call(op: str, inp: Any, outp: Any, group: Any, dist: Any) -> Any:
 
 
 # -- MPICH -----------------------------------------------------------------------------------------
-def _mpich_rank(sizes: list[int], ops: list[str], reps: int, out: str) -> None:
+def _mpich_rank(sizes: list[int], ops: list[str], reps: int, out: str, streak: int = 1) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -158,10 +163,12 @@ def _mpich_rank(sizes: list[int], ops: list[str], reps: int, out: str) -> None:
             for i in range(2 + count):
                 inp, outp = _buffers(op, procs, rank, n, np)
                 call = _mpi_call(op, inp, outp, comm, MPI)
+                calls = 1 if i == 0 else streak
                 comm.Barrier()
                 start = time.perf_counter()
-                call()
-                elapsed = time.perf_counter() - start
+                for _ in range(calls):
+                    call()
+                elapsed = (time.perf_counter() - start) / calls
                 if i >= 2:
                     samples.append(elapsed)
                 if i == 0:
@@ -170,7 +177,7 @@ def _mpich_rank(sizes: list[int], ops: list[str], reps: int, out: str) -> None:
             comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
             ok = comm.allreduce(int(correct), op=MPI.MIN)
             rows.append({"impl": "mpich", "op": op, "procs": procs, "bytes": nbytes, "reps": count,
-                         "correct": bool(ok), **_summary(times.tolist())})
+                         "streak": streak, "correct": bool(ok), **_summary(times.tolist())})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
 
@@ -205,16 +212,18 @@ def _mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
-def run(procs_list: list[int], sizes: list[int], ops: list[str], reps: int, peers: list[str]) -> list[dict]:
+def run(procs_list: list[int], sizes: list[int], ops: list[str], reps: int, peers: list[str],
+        streak: int = 1) -> list[dict]:
     """Every row (shm, gloo, then each peer), each checked (``correct``; a peer's failure
-    to run is a row with its ``reason``)."""
+    to run is a row with its ``reason``); ``streak``: calls timed in a row per sample."""
     rows: list[dict] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="shmtrain-bench-ops-") as tmp:
         for procs in procs_list:
             out = os.path.join(tmp, f"torch-{procs}.json")
             port = _free_port()
-            args = ["--sizes", *map(str, sizes), "--ops", *ops, "--reps", str(reps), "--out", out]
+            args = ["--sizes", *map(str, sizes), "--ops", *ops, "--reps", str(reps), "--streak", str(streak),
+                    "--out", out]
             ranks = [subprocess.Popen([sys.executable, "-m", "shmtrain.bench.ops", "torch", str(r), str(procs),
                                        str(port), *args], env=env) for r in range(procs)]
             codes = [p.wait(timeout=3600) for p in ranks]
@@ -287,6 +296,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, help="ops (default all)")
     p.add_argument("--reps", type=int, default=20, help="timed calls at small sizes (fewer above 1 MiB)")
     p.add_argument("--peers", nargs="*", default=["mpich"], choices=["mpich"], help="peers beside gloo")
+    p.add_argument("--streak", type=int, default=1,
+                   help="calls timed in a row per sample, per call (default 1: a lone call after a barrier)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.set_defaults(handler=lambda a: _main([parse_size(s) for s in a.sizes], a))
 
@@ -294,7 +305,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _main(sizes: list[int], args: argparse.Namespace) -> int:
     if any(p < 2 for p in args.procs):
         raise ValueError(f"--procs {args.procs}: every count must be at least 2; e.g. --procs 2 4")
-    rows = run(args.procs, sizes, args.ops, args.reps, args.peers)
+    if args.streak < 1:
+        raise ValueError(f"--streak {args.streak}: at least 1 call per sample; e.g. --streak 20")
+    rows = run(args.procs, sizes, args.ops, args.reps, args.peers, args.streak)
     print(table(rows))
     for row in rows:
         if "reason" in row:
@@ -312,9 +325,10 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", type=int, nargs="+", required=True)
     parser.add_argument("--ops", nargs="+", required=True)
     parser.add_argument("--reps", type=int, required=True)
+    parser.add_argument("--streak", type=int, default=1)
     parser.add_argument("--out", required=True)
     a = parser.parse_args(rest)
     if which == "torch":
-        _torch_rank(int(rank), int(procs), int(port), a.sizes, a.ops, a.reps, a.out)
+        _torch_rank(int(rank), int(procs), int(port), a.sizes, a.ops, a.reps, a.out, a.streak)
     else:
-        _mpich_rank(a.sizes, a.ops, a.reps, a.out)
+        _mpich_rank(a.sizes, a.ops, a.reps, a.out, a.streak)

@@ -247,7 +247,7 @@ class PipelinedAllreduce:
 
     def _all_read(self, flat: torch.Tensor, op: str) -> None:
         """One hand-off per block: every rank sums all ``L`` slots into its own tensor."""
-        L, me = self.host.local_world, self.host.local_rank
+        me = self.host.local_rank
         ring = self._ring(flat.dtype)[0]
         per = ring.shape[2]
         for start in range(0, flat.numel(), per):
@@ -258,16 +258,7 @@ class PipelinedAllreduce:
             out = flat[start:stop]
             slot[me, :m].copy_(out)
             self._hand_off(self._channel, self.blocks, self.host.ranks, "a block of the allreduce")
-            if L == 2:  # own + peer: addition commutes, so both ranks get the same bits
-                out.add_(slot[1 - me, :m])
-            elif out.is_floating_point():
-                torch.sum(slot[:, :m], dim=0, out=out)
-            else:  # torch.sum would widen integers
-                out.copy_(slot[0, :m])
-                for j in range(1, L):
-                    out.add_(slot[j, :m])
-            if op == "mean":
-                out.mul_(1.0 / L)
+            all_read_sum(out, slot[:, :m], me, op == "mean")
 
     def _split(self, flat: torch.Tensor, op: str) -> None:
         """Two hand-offs per block, about 2 reads and 1 write per byte at any ``L``: rank
@@ -399,6 +390,25 @@ class PipelinedAllreduce:
         self.segment.close()
 
 
+def all_read_sum(out: torch.Tensor, rows: torch.Tensor, me: int, mean: bool) -> None:
+    """The all-read path's sum of one block: ``out`` (this rank's row, ``rows[me]``'s
+    values) <- the sum of the ``L`` rows of ``rows`` (``(L, m)``), divided by ``L`` where
+    ``mean``. With 2 ranks own + peer (addition commutes: both ranks get the same bits),
+    else in rank order (integers do not widen). The backend's small calls, whose data came
+    with their header, sum through this too."""
+    L = rows.shape[0]
+    if L == 2:
+        out.add_(rows[1 - me])
+    elif out.is_floating_point():
+        torch.sum(rows, dim=0, out=out)
+    else:  # torch.sum would widen integers
+        out.copy_(rows[0])
+        for j in range(1, L):
+            out.add_(rows[j])
+    if mean:
+        out.mul_(1.0 / L)
+
+
 def _sum_rows(out: torch.Tensor, rows: list[torch.Tensor], mean: bool, count: int | None = None) -> None:
     """``out = ((rows[0] + rows[1]) + ...)`` in this order (integers do not widen), then
     divided by ``count`` (default ``len(rows)``) when ``mean``."""
@@ -425,4 +435,4 @@ def _shared_machine(host: HostGroup, tag: str) -> Machine:
     return machine_model.from_json(host.store.get(key).decode(), "local rank 0's machine description")
 
 
-__all__ = ["BLOCK_BYTES", "NATIVE_BLOCK_BYTES", "PAGE", "RING", "PipelinedAllreduce", "split"]
+__all__ = ["BLOCK_BYTES", "NATIVE_BLOCK_BYTES", "PAGE", "RING", "PipelinedAllreduce", "all_read_sum", "split"]

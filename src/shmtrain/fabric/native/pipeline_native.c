@@ -220,3 +220,53 @@ void shm_sum_into_f32(float *own, const float *const *peers, int npeers, int64_t
                 own[i] *= factor;
     }
 }
+
+/* The hand-off latency of the cost model (machine_model.py): a word passed back and
+ * forth between this thread and a second one, each waiting as a rank of the pipeline
+ * does (mode 0: spin, else sleep on the futex at once). Returns seconds per one-way
+ * hand-off, or -1 when no thread could be started. */
+struct pingpong { int32_t words[2]; int rounds; int spin; };
+
+static void pp_wait(int32_t *word, int32_t target, int spin) {
+    for (int i = 0;; i++) {
+        int32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (v >= target)
+            return;
+        if (!spin)
+            futex_wait(word, v, 0.01);
+        else if ((i & 4095) == 4095)
+            sched_yield(); /* the peer thread lost its core: let it run */
+        else
+            cpu_relax();
+    }
+}
+
+static void pp_post(int32_t *word, int32_t value, int spin) {
+    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    if (!spin)
+        futex_wake(word);
+}
+
+static void *pp_echo(void *arg) {
+    struct pingpong *pp = arg;
+    for (int i = 1; i <= pp->rounds; i++) {
+        pp_wait(&pp->words[0], i, pp->spin);
+        pp_post(&pp->words[1], i, pp->spin);
+    }
+    return NULL;
+}
+
+double shm_handoff_s(int rounds, int spin) {
+    struct pingpong pp = {{0, 0}, rounds, spin};
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, pp_echo, &pp) != 0)
+        return -1.0;
+    double start = now_s();
+    for (int i = 1; i <= rounds; i++) {
+        pp_post(&pp.words[0], i, spin);
+        pp_wait(&pp.words[1], i, spin);
+    }
+    double elapsed = now_s() - start;
+    pthread_join(thread, NULL);
+    return elapsed / rounds / 2;
+}
