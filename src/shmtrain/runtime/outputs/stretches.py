@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmtrain.runtime.files import write_output
+from shmtrain.runtime.files import OutputError, write_output
 from shmtrain.runtime.outputs.worker_logs import mark
 
 FILE = "stretches.json"
@@ -54,7 +54,10 @@ class Stretch:
                         "end_iteration": start_iteration, "wall_s": 0.0, "ended": RUNNING,
                         "started_epoch": self.epoch0})
         if out.is_dir():
-            write_output(out / FILE, (json.dumps(entries, indent=2) + "\n").encode())
+            try:
+                write_output(out / FILE, (json.dumps(entries, indent=2) + "\n").encode())
+            except OutputError:  # a full disk: the run's own writes say so; its end is recorded then
+                pass
         if workers is not None:
             mark(out / "logs", workers, f"--- stretch {self.number}: started {self.started_at}, "
                                         f"from iteration {start_iteration} ---")
