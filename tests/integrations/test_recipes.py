@@ -17,10 +17,13 @@ from support.torchrun import TORCHRUN, env, free_port
 
 DOC = ROOT / "docs" / "integrations.md"
 #: appended to each run: how many tensors each rank reduced through the shm backend
+#: then the process ends without the interpreter's teardown, where torch 2.14 can abort a
+#: gloo job that made an optimizer, with or without shmtrain (tests/support/script_exit.py)
 REPORT = """
 import os as _os, sys as _sys
 _group = _sys.modules.get("shmtrain.backend.group")
 open(f"reductions-{_os.environ['RANK']}", "w").write(str(_group.ShmBackend.reductions if _group else 0))
+_sys.stdout.flush(); _sys.stderr.flush(); _os._exit(0)
 """
 DP_LINE = 'model = shmtrain.DataParallel(net, optimizer, strategy="ssgd")'
 

@@ -64,16 +64,7 @@ def test_a_killed_asynchronous_worker_is_replaced_from_the_global_weights(tmp_pa
 
     run = tmp_path / "run"
     job = [*JOB, "--strategy", "seasgd", "--max-restarts", "3", "--out", str(run)]
-    launcher = start(job)
-    for n, victim in enumerate((0, 2)):
-        wait_for(lambda n=n: rows_written(run, 1) > 600 * (n + 1), launcher, f"iteration {600 * (n + 1)}")
-        os.kill(worker_process(launcher.pid, victim).pid, signal.SIGKILL)
-    _, err = launcher.communicate(timeout=240)
-    assert launcher.returncode == 0, err
-    assert err.count("replaced in place") == 2 and "restarting every worker" not in err, err
-    for rank in (0, 1, 2):
-        logged = iterations_logged(run, rank)
-        assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 1200, rank
+    _kill_in_turn(job, run, (0, 2), 600)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["lost_workers"] == {} and summary["accuracy"] > 0.3, summary  # W_g trained on (10 classes)
 
@@ -85,13 +76,19 @@ def test_a_killed_hsgd_worker_is_replaced_from_its_group(tmp_path: Path) -> None
     run = tmp_path / "run"
     job = [*JOB[:JOB.index("--workers")], "--workers", "4", *JOB[JOB.index("--workers") + 2:],
            "--strategy", "hsgd", "--groups", "2", "--max-restarts", "3", "--out", str(run)]
+    _kill_in_turn(job, run, (0, 3), 400, workers=4)
+
+
+def _kill_in_turn(job: list[str], run: Path, victims: tuple[int, ...], every: int, workers: int = 3) -> None:
+    """Run ``job``, kill each of ``victims`` once rank 1 has logged ``every`` more rows;
+    the run ends 0, each death replaced in place, every rank's rows each iteration once."""
     launcher = start(job)
-    for n, victim in enumerate((0, 3)):
-        wait_for(lambda n=n: rows_written(run, 1) > 400 * (n + 1), launcher, f"iteration {400 * (n + 1)}")
+    for n, victim in enumerate(victims):
+        wait_for(lambda n=n: rows_written(run, 1) > every * (n + 1), launcher, f"iteration {every * (n + 1)}")
         os.kill(worker_process(launcher.pid, victim).pid, signal.SIGKILL)
     _, err = launcher.communicate(timeout=240)
     assert launcher.returncode == 0, err
-    assert err.count("replaced in place") == 2 and "restarting every worker" not in err, err
-    for rank in range(4):
+    assert err.count("replaced in place") == len(victims) and "restarting every worker" not in err, err
+    for rank in range(workers):
         logged = iterations_logged(run, rank)
-        assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 800, rank
+        assert logged == list(range(1, len(logged) + 1)) and len(logged) >= every * len(victims), rank
