@@ -47,6 +47,7 @@ def workers_of(launcher: int) -> dict[int, int]:
     named ``shmtrain-w<rank>``), read from /proc."""
     parents: dict[int, int] = {}
     names: dict[int, str] = {}
+    dead: set[int] = set()  # zombies: killed already, not yet reaped (a kill would change nothing)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -57,12 +58,15 @@ def workers_of(launcher: int) -> dict[int, int]:
             continue
         pid = int(entry)
         names[pid] = head.split(b"(", 1)[1].decode(errors="replace")
-        parents[pid] = int(tail.split()[1])
+        fields = tail.split()
+        parents[pid] = int(fields[1])
+        if fields[0] in (b"Z", b"X"):
+            dead.add(pid)
     found = {}
     for pid, name in names.items():  # a worker's parent is the zygote (the launcher's child), not a
         parent = parents.get(pid, 0)  # worker: its loader processes carry its name too
         if (name.startswith("shmtrain-w") and name[10:].isdigit() and parents.get(parent) == launcher
-                and not names.get(parent, "").startswith("shmtrain-w")):
+                and not names.get(parent, "").startswith("shmtrain-w") and pid not in dead):
             found[int(name[10:])] = pid
     return found
 
