@@ -36,7 +36,6 @@ import io
 import json
 import os
 import time
-from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +81,7 @@ def keep(trainer: Any) -> dict[str, Any]:
     """A copy of this rank's state as it stands between steps (the model, optimizer,
     strategy, loop, schedule and loss-scale state: what a checkpoint holds), taken
     without draining exchanges (a peer is gone: they would not complete)."""
-    state = deepcopy(trainer.state_dict(copy=False, quiesce=False))
+    state = trainer.state_dict(copy=True, quiesce=False)
     strategy = trainer.engine.strategy
     state[MODE] = strategy.recovery
     group = strategy.replicas()
