@@ -36,7 +36,7 @@ import torch
 
 from shmtrain.bench.common import table, write_json
 
-DEFAULT_RUNS = ["ssgd", "ssgd --overlap", "seasgd", "hsgd --groups 2 --workers 4"]
+DEFAULT_RUNS = ["ssgd", "ssgd --overlap", "gpi", "seasgd", "hsgd --groups 2 --workers 4"]
 #: the job every run trains (the flags before a run's own)
 JOB = ["--model", "mlp", "--data", "synthetic", "--samples", "2048", "--input-shape", "1x8x8",
        "--batch-size", "16", "--checkpoint-every", "200", "--timeout", "60", "--no-progress"]

@@ -40,6 +40,7 @@ import dataclasses
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -372,6 +373,18 @@ class Strategy:
         """The block of consecutive ranks whose state equals this rank's between steps
         (recovery in place): every rank for a replica, this one alone otherwise."""
         return range(self.ctx.world_size) if self.recovery == "replica" else range(self.ctx.rank, self.ctx.rank + 1)
+
+    def prepare_recovery(self, folder: Path) -> None:
+        """A worker killed on one host will be replaced in place (``runtime/run/recovery.py``):
+        keep, in the launch's private ``folder``, what a survivor's state needs beyond its
+        own (nothing by default: a replica's or an asynchronous worker's own state is whole
+        between steps)."""
+
+    def recovery_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """``state`` (this rank's, kept after a peer's death, ``Trainer.state_dict``) made
+        the state after its last whole step; None where that cannot be had (every worker
+        restarts instead). By default ``state`` itself."""
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """What this strategy adds to the model's and optimizer's state (call ``quiesce``

@@ -80,6 +80,8 @@ import torch
 from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 from shmtrain.strategies.layout.flat import FlatLayout
+from shmtrain.strategies.optim import step_journal
+from shmtrain.strategies.optim.step_journal import StepJournal
 
 #: the root updates ready layers once they hold this many elements (or at finalization)
 UPDATE_BATCH = 1 << 18
@@ -91,6 +93,9 @@ class GPI(Strategy):
 
     name = "gpi"
     synchronous = True
+    #: a worker killed on one host is replaced in place: every rank goes on from the state
+    #: after the last whole step, which the root journals (``strategies/optim/step_journal.py``)
+    recovery = "replica"
     shared_gradients = False  # each rank's own (the root's holds the mean, the others partial sums)
     fp16_reason = ("the root updates layer by layer during backward, while a GradScaler unscales "
                    "and steps the whole optimizer once per iteration")
@@ -153,6 +158,11 @@ class GPI(Strategy):
         # staged: gradients copied to host buffers, and the copies still in flight
         self._host_grads = self.staging.pinned if self.staging is not None else None
         self._outgoing: list[tuple[list[int], object]] = []  # root: (layers, Copy) of new weights
+        self._stepped = 0  # root: layers updated in this step
+        #: recovery in place (:meth:`prepare_recovery`): the launch folder of the step journal,
+        #: the root's writer, and the iteration this session began at
+        self._journal_folder = None
+        self._journal: StepJournal | None = None
         self._copy_s = 0.0
         #: staged: the host thread that waits for the gradients' copies and takes the turns
         self.courier = self.staging.courier("shmtrain-gpi") if self.staging is not None else None
@@ -291,6 +301,9 @@ class GPI(Strategy):
         staging = self.staging
         if staging is None:
             self._step_layers(self._ready)
+            self._stepped += len(self._ready)
+            if self._journal is not None and self._stepped == self.num_layers:
+                self._journal.write(self.iteration + 1)  # before the step's last layer goes down
             for layer in self._ready:
                 self._send_down(layer, seq)
         else:  # mean to the GPU, step there, new weights back to the area, then announce
@@ -384,13 +397,41 @@ class GPI(Strategy):
         """Nothing left to do: the root updated each layer as its gradient was complete."""
 
     def after_update(self) -> None:
+        self._stepped = 0
         self._own[:] = False
         self._sent[:] = False
         self._have[:] = False
         self._summed[:] = False
         super().after_update()
 
+    # -- recovery in place ----------------------------------------------------------------
+    def prepare_recovery(self, folder) -> None:
+        """The root journals the state after each step in ``folder`` from now on (one host,
+        CPU parameters: across hosts or staged, a death restarts every worker)."""
+        self._journal_folder = folder
+        if self.me == 0 and self.ctx.num_nodes == 1 and self.staging is None and self._journal is None:
+            names = {id(p): name for name, p in self.model.named_parameters()}
+            self._journal = StepJournal(folder, [names[id(p)] for p in self.params], self.params, self.optimizer)
+            self._journal.write(self.iteration)
+
+    def recovery_state(self, state: dict) -> dict | None:
+        """This rank's kept ``state`` with the weights and optimizer state after its last
+        whole step, from the root's journal (a root part-way through a step holds layers of
+        the next one; a child may have read some); None where the journal lacks that step."""
+        if self._journal_folder is None:
+            return None
+        found = step_journal.read(self._journal_folder, int(state["train"]["iteration"]))
+        if found is None:
+            return None
+        weights, optimizer_state = found
+        state["model"] = {**state["model"], **weights}
+        state["optimizer"] = {**state["optimizer"], "state": optimizer_state}
+        return state
+
     def finish(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
         if self._combiner is not None:
             self._combiner.close()
         if self.courier is not None:

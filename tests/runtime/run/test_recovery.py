@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 JOB = [*LONG[:LONG.index("--workers")], "--workers", "3", *LONG[LONG.index("--workers") + 2:]]
 
 
-@pytest.fixture(scope="module", params=[[], ["--overlap"]], ids=["ssgd", "overlap"])
+@pytest.fixture(scope="module", params=[[], ["--overlap"], ["--strategy", "gpi"]], ids=["ssgd", "overlap", "gpi"])
 def straight(request, tmp_path_factory) -> tuple[list[str], Path]:
     """The run that is never killed, which the killed ones must equal."""
     run = tmp_path_factory.mktemp("straight") / "run"

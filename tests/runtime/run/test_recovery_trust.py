@@ -18,6 +18,7 @@ from shmtrain.fabric.shm.control import PeerFailure
 from shmtrain.fabric.trust import UntrustedError, private_dir
 from shmtrain.runtime.launch.replacement import LAUNCHER_ENV
 from shmtrain.runtime.run import recovery
+from shmtrain.strategies.optim import step_journal
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,3 +105,70 @@ def test_the_donor_is_the_dead_ranks_replica_a_step_ahead_else_the_first_survivo
     assert recovery.choose_donor({1: 5, 2: 4, 3: 4}, 0, 2) == (1, True)
     # seasgd: every worker alone: the first survivor gives W_g
     assert recovery.choose_donor({1: 50, 2: 70}, 0, 1) == (1, False)
+
+
+def _journal(folder: Path) -> tuple[step_journal.StepJournal, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    names = [name for name, _ in model.named_parameters()]
+    return step_journal.StepJournal(folder, names, list(model.parameters()), optimizer), model, optimizer
+
+
+def test_the_step_journal_gives_back_the_state_of_its_step_alone() -> None:
+    """gpi's journal: the weights and the optimizer state after step t, from slot t % 2;
+    another step, or a slot whose write a death cut short, gives nothing."""
+    folder = private_dir("shmtrain-test-journal-")
+    try:
+        journal, model, optimizer = _journal(folder)
+        assert journal.write(7)
+        weights, state = step_journal.read(folder, 7)
+        for name, value in model.state_dict().items():
+            assert weights[name].equal(value), name
+        expected = optimizer.state_dict()["state"]
+        assert state.keys() == expected.keys()
+        for index, entries in expected.items():
+            for key, value in entries.items():
+                assert torch.equal(state[index][key], value), (index, key)
+        assert step_journal.read(folder, 6) is None and step_journal.read(folder, 9) is None  # other steps
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        assert journal.write(8)  # the other slot: step 7 is still there, unchanged
+        assert not step_journal.read(folder, 7)[0]["0.weight"].equal(model[0].weight)
+        assert step_journal.read(folder, 8)[0]["0.weight"].equal(model[0].weight)
+        os.pwrite(journal.fds[0], step_journal._HEAD.pack(-1, 0), 0)  # step 8's write cut short by a death
+        assert step_journal.read(folder, 8) is None and step_journal.read(folder, 7) is not None
+        journal.close()
+    finally:
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+
+
+def test_a_step_journal_others_could_write_or_naming_no_dtype_is_refused() -> None:
+    folder = private_dir("shmtrain-test-journal-")
+    try:
+        journal, _, _ = _journal(folder)
+        journal.write(3)
+        journal.close()
+        path = step_journal.slot_path(folder, 1)
+        path.chmod(0o666)  # a slot another user could have written
+        with pytest.raises(UntrustedError):
+            step_journal.read(folder, 3)
+        path.chmod(0o600)
+        data = bytearray(path.read_bytes())  # a header naming something that is not a dtype
+        at = data.index(b'"float32"')
+        data[at:at + 9] = b'"os.path"'
+        path.write_bytes(bytes(data))
+        with pytest.raises(ValueError, match="not a dtype"):
+            step_journal.read(folder, 3)
+        path.unlink()
+        path.symlink_to(folder / "elsewhere")  # a link planted in the slot's place: not followed
+        with pytest.raises(OSError):
+            step_journal.StepJournal(folder, [], [], torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    finally:
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()

@@ -95,6 +95,8 @@ class WorkerSession:
         self.replacement = replacement
         #: this rank's state when a peer's death ended the loop (recovering in place)
         self.kept: dict[str, Any] | None = None
+        #: the strategy could not make this rank's state whole (``Strategy.recovery_state``)
+        self.unkept = False
         self.config: TrainConfig = payload["config"]
         self.out = Path(payload["out"])
         self.resume: str | None = payload.get("resume")
@@ -191,6 +193,7 @@ class WorkerSession:
         self.stop = StopRequest(ctx)  # Ctrl-C / SIGTERM: finish the iteration, save, end (runtime/train/stop.py)
         # an asynchronous worker is not held by a peer's death: it looks for the launcher's abort
         self.stop.watch_abort = recovery.elastic(self.dp.strategy)
+        recovery.prepare(self.dp.strategy)  # gpi: the root journals each step's state from here
         self.loop.callback(self.stop.close)
         # --keep-best, --early-stop (runtime/outputs/selection.py): rank 0, after each evaluation
         selection = Selection(out, self.task, config.keep_best, config.early_stop, self.stop.request_early)
@@ -211,6 +214,7 @@ class WorkerSession:
         except recovery.PEER_LOSS:
             if recovery.enabled(self.dp.strategy):  # the launcher replaces the dead peer: keep the state
                 self.kept = recovery.keep(self.trainer)
+                self.unkept = self.kept is None  # no whole state: this worker ends, the job restarts
             raise
         self.dp.close()
         self.loop.close()
@@ -279,7 +283,7 @@ def train_worker(ctx: ProcessContext, payload: dict[str, Any]) -> dict[str, Any]
             # a death before this session trained (the replacement's, during the set-up after a
             # recovery): this rank's state is still the one it was to continue from
             kept = session.kept if session.kept is not None or session.replacement else recovered
-            if kept is None:
+            if kept is None or session.unkept:
                 raise
             failure: BaseException = exc
         else:

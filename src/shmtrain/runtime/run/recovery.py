@@ -47,6 +47,7 @@ from shmtrain.fabric.job.context import GENERATION_ENV, ProcessContext
 from shmtrain.fabric.shm.control import PeerFailure, PeerTimeout
 from shmtrain.fabric.shm.segment import open_descriptor
 from shmtrain.fabric.trust import UntrustedError, read_private, write_private
+from shmtrain.runtime.launch.job_dir import JobDir
 from shmtrain.runtime.launch.replacement import LAUNCHER_ENV, STATE_FILE_ENV
 from shmtrain.startup import mark
 
@@ -77,12 +78,25 @@ def elastic(strategy: Any) -> bool:
     return enabled(strategy) and strategy.recovery == "elastic"
 
 
-def keep(trainer: Any) -> dict[str, Any]:
+def prepare(strategy: Any) -> None:
+    """Before training: a strategy whose survivors need more than their own state keeps it
+    from now on (``Strategy.prepare_recovery``: gpi's step journal), in the launch's
+    private folder."""
+    folder = JobDir.from_env()
+    if enabled(strategy) and folder is not None:
+        strategy.prepare_recovery(folder.path)
+
+
+def keep(trainer: Any) -> dict[str, Any] | None:
     """A copy of this rank's state as it stands between steps (the model, optimizer,
     strategy, loop, schedule and loss-scale state: what a checkpoint holds), taken
-    without draining exchanges (a peer is gone: they would not complete)."""
-    state = trainer.state_dict(copy=True, quiesce=False)
+    without draining exchanges (a peer is gone: they would not complete), as the strategy
+    completes it (``Strategy.recovery_state``); None where it cannot (every worker
+    restarts from the latest checkpoint instead)."""
     strategy = trainer.engine.strategy
+    state = strategy.recovery_state(trainer.state_dict(copy=True, quiesce=False))
+    if state is None:
+        return None
     state[MODE] = strategy.recovery
     group = strategy.replicas()
     state[REPLICAS] = [group.start, len(group)]
