@@ -73,6 +73,7 @@ from shmtrain.runtime.checkpoint.files import (
 )
 from shmtrain.runtime.config import TrainConfig, to_toml
 from shmtrain.runtime.files import LineLog, cannot_write, fsync_dir, write_atomic
+from shmtrain.runtime.outputs import metrics_tail
 from shmtrain.runtime.train.finite import check_state
 
 
@@ -117,12 +118,17 @@ class Checkpointer:
         self.resumed_from = step_of(path)
         self.last = Path(path)
 
-    def open_metrics(self, path: Path, upto: int, keep: bool = False) -> LineLog:
+    def open_metrics(self, path: Path, upto: int, keep: bool = False, tail: bool = False) -> LineLog:
         """This rank's metrics file: new for a fresh run; for a resumed one (or ``keep``: a
         rank whose host rejoined the job), its rows up to iteration ``upto`` kept (rows an
         interrupted run wrote after its checkpoint are dropped, so none is duplicated) and
-        the file opened for appending."""
+        the file opened for appending. ``tail``: a worker replaced in place, or a survivor,
+        whose rows past ``upto`` can only be at the end (a line its death cut short): the
+        file is cut back from its end, not read whole."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        if tail and path.exists():
+            metrics_tail.cut_after(path, upto)
+            return LineLog(path)
         if (self.resumed_from is None and not keep) or not path.exists():
             return LineLog(path, truncate=True)
         kept = []

@@ -23,6 +23,7 @@ import functools
 import math
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,5 +206,15 @@ class Prefetcher:
         return self._queue.get(timeout=timeout)
 
     def close(self) -> None:
+        """End the thread now: the batches it holds are dropped, so a ``put`` it waits in
+        returns at once (a worker replaced in place closes its loader on the recovery's
+        critical path)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        deadline = time.monotonic() + 5.0
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.01)

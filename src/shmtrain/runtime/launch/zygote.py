@@ -84,10 +84,12 @@ def _serve(sock: socket.socket) -> None:
     closed its end and every worker has ended. What a worker started is ended with it
     (:func:`shmtrain.runtime.launch.reaping.reap`)."""
     live: set[int] = set()
+    exits: dict[int, int] = {}  # a worker's pidfd, readable once it ends: its exit is reported at once
     open_ = True
     while open_ or live:
-        ready, _, _ = select.select([sock] if open_ else [], [], [], 0.05)
-        if ready:
+        ready, _, _ = select.select([sock] if open_ else [], [], [], 0.05) if not exits else \
+            select.select([sock, *exits.values()] if open_ else list(exits.values()), [], [], 0.05)
+        if sock in ready:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, _MAX_FDS)
             except OSError:
@@ -99,8 +101,12 @@ def _serve(sock: socket.socket) -> None:
                 _preload(request["env"].get(PRELOAD_ENV, ""))
                 pid = _fork(sock, request, fds)
                 live.add(pid)
+                with contextlib.suppress(OSError, AttributeError):  # without pidfds: the 50 ms poll
+                    exits[pid] = os.pidfd_open(pid)
                 _send(sock, {"pid": pid})
         reaping.reap(live, lambda pid, code: _send(sock, {"exit": pid, "code": code}))
+        for pid in set(exits) - live:
+            os.close(exits.pop(pid))
     reaping.kill_children()
 
 

@@ -183,7 +183,7 @@ class WorkerSession:
                                 self.device.type == "cuda", limit=config.eval_samples)  # --eval-samples
         self.stack.callback(self.held_out.close)
         metrics = out / "metrics" / f"rank-{ctx.rank}.jsonl"
-        log = checkpoints.open_metrics(metrics, start, keep=rejoined or self.recovered is not None)
+        log = checkpoints.open_metrics(metrics, start, keep=rejoined, tail=self.recovered is not None)
         self.loop.callback(log.close)
         if self.recovered is not None:  # a peer replaced in place: the rows up to the step every rank goes on from
             log.flush()
@@ -212,8 +212,10 @@ class WorkerSession:
         try:
             outcome = self.trainer.train(self.prefetch.next, services, self.total)
         except recovery.PEER_LOSS:
+            mark("recover-stopped")
             if recovery.enabled(self.dp.strategy):  # the launcher replaces the dead peer: keep the state
                 self.kept = recovery.keep(self.trainer)
+                mark("recover-copied")
                 self.unkept = self.kept is None  # no whole state: this worker ends, the job restarts
             raise
         self.dp.close()

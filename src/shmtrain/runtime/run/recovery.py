@@ -49,6 +49,7 @@ from shmtrain.fabric.shm.segment import open_descriptor
 from shmtrain.fabric.trust import UntrustedError, read_private, write_private
 from shmtrain.runtime.launch.job_dir import JobDir
 from shmtrain.runtime.launch.replacement import LAUNCHER_ENV, STATE_FILE_ENV
+from shmtrain.runtime.outputs import metrics_tail
 from shmtrain.startup import mark
 
 #: the key of a kept state that holds the interrupted step's row
@@ -234,17 +235,8 @@ def _adopt(donor: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
 
 
 def logged(metrics: Path) -> int:
-    """The last iteration of a rank's metrics file (0: none yet)."""
-    last = 0
-    if metrics.exists():
-        for line in metrics.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by the kill
-            if isinstance(row, dict) and "eval" not in row and "iteration" in row:
-                last = max(last, int(row["iteration"]))
-    return last
+    """The last iteration of a rank's metrics file (0: none yet), read from its end."""
+    return metrics_tail.last_iteration(metrics)
 
 
 def catch_up_rows(state: dict[str, Any], metrics: Path, stamp: float) -> list[dict[str, Any]]:
