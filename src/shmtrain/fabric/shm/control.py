@@ -58,11 +58,13 @@ class PeerFailure(RuntimeError):
 
 class PeerTimeout(TimeoutError):
     """A peer did not answer within the timeout; ``peer`` is its local rank when known
-    (the launcher then blames that peer, not the worker that gave up)."""
+    (the launcher then blames that peer, not the worker that gave up); ``server``: the
+    address of the memory server that did not answer (no worker is to blame)."""
 
-    def __init__(self, message: str, peer: int | None = None) -> None:
+    def __init__(self, message: str, peer: int | None = None, server: str | None = None) -> None:
         super().__init__(message)
         self.peer = peer
+        self.server = server
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:

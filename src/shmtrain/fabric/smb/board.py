@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -46,8 +47,11 @@ class StoreProgressBoard(ProgressBoard):
 
     def __init__(self, store: dist.Store, rank: int, world: int,
                  lost: Callable[[RuntimeError, str], Exception] | None = None, *,
-                 secret: bytes | None = None, nonce: str = "", log: Callable[[str], None] = _stderr) -> None:
+                 secret: bytes | None = None, nonce: str = "", log: Callable[[str], None] = _stderr,
+                 watch: Any = None) -> None:
         self.store, self.rank, self.world = store, rank, world
+        #: times each store call (a :class:`~shmtrain.fabric.smb.stuck.CallWatch`; None: untimed)
+        self.watch = watch
         self._lost = lost
         self.secret, self.nonce, self.log = secret, nonce, log
         self._seen: dict[str, tuple[int, str, bytes]] = {}  # key -> (write time, value, entry): newest sealed
@@ -60,7 +64,10 @@ class StoreProgressBoard(ProgressBoard):
 
     def _do(self, fn: Callable, what: str):
         try:
-            return fn()
+            if self.watch is None:
+                return fn()
+            with self.watch.call(what):
+                return fn()
         except RuntimeError as exc:
             if self._lost is None:
                 raise

@@ -29,6 +29,7 @@ from shmtrain.fabric.smb.api import STATE_DONE, Buffer, BufferKey, BufferService
 from shmtrain.fabric.smb.board import DEAD, LEFT, StoreProgressBoard
 from shmtrain.fabric.smb.job_server import forget
 from shmtrain.fabric.smb.links import join
+from shmtrain.fabric.smb.stuck import CallWatch
 from shmtrain.fabric.smb.wire import (
     DTYPES,
     NAME_BYTES,
@@ -97,6 +98,8 @@ class RemoteBufferService(BufferService):
         except (RuntimeError, dist.DistError) as exc:
             raise PeerFailure(f"cannot reach the memory server at {address} ({first_line(exc)}); start it with "
                               f"`shmtrain smb-server --port {port} --clients {world}` or fix --smb-server") from None
+        #: every later store call is timed (a stopped server would hold it forever: ``stuck.py``)
+        self.watch = CallWatch(address, timeout)
         clients = int(self.store.get("smb/clients"))
         if clients < world:
             raise ValueError(f"the memory server at {address} serves at most {clients} workers but this job has "
@@ -127,7 +130,7 @@ class RemoteBufferService(BufferService):
         except PermissionError:
             self.close()  # leave, so the server does not wait for this client
             raise
-        self.board = StoreProgressBoard(self.store, rank, world, self._lost,
+        self.board = StoreProgressBoard(self.store, rank, world, self._lost, watch=self.watch,
                                         secret=secret if sealed else None, nonce=nonce)
 
     def _await_earlier_lost(self, secret: bytes | None) -> None:
@@ -158,7 +161,8 @@ class RemoteBufferService(BufferService):
     # -- requests --------------------------------------------------------------------
     def call(self, fn: Callable, what: str):
         try:
-            return fn()
+            with self.watch.call(what):
+                return fn()
         except RuntimeError as exc:
             raise self._lost(exc, what) from None
 
@@ -179,7 +183,7 @@ class RemoteBufferService(BufferService):
                                "RUN_DIR")
         if "Timed out" in text or "timed out" in text:
             return PeerTimeout(f"the memory server at {self.address} did not answer within "
-                               f"{self.timeout:.0f} s while {what}")
+                               f"{self.timeout:.0f} s while {what}", server=self.address)
         return PeerFailure(f"the memory server at {self.address} failed while {what}: {first_line(exc)}")
 
     def request(self, op: int, a: int = 0, b: int = 0, c: int = 0, landing: torch.Tensor | None = None,
@@ -373,6 +377,7 @@ class RemoteBufferService(BufferService):
         """Say goodbye (after the accumulates in flight); the server stops when all have."""
         forget(self.address)  # the secret this worker kept for its host's next start, if any
         if self._abandoned:
+            self.watch.close()
             return
         with self.lock:
             try:
@@ -381,3 +386,5 @@ class RemoteBufferService(BufferService):
                 self.status(seq, posted, "goodbye")
             except (PeerFailure, PermissionError, ValueError):
                 pass
+            finally:
+                self.watch.close()

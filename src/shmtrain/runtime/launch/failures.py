@@ -139,8 +139,8 @@ def root_cause(children: list[Any], rank: int, code: int, record: dict[str, Any]
     peer: one it gave up waiting for (that peer stalled; the launcher ended it), or one it
     found dead or failed (that peer's own failure is the cause)."""
     peer = record.get("peer")
-    if record.get("timeout") and peer is None and stuck:
-        peer = stuck[0]
+    if record.get("timeout") and peer is None and stuck and not record.get("server"):
+        peer = stuck[0]  # (a memory server that did not answer is named by the worker's own line)
     if peer is None and connection_lost(record.get("cause") or ""):
         peer = next((r for r, c in enumerate(children) if r != rank and c.returncode is not None
                      and r not in stuck), None)  # the one that had already ended: it closed the connection

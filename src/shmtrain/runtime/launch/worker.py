@@ -87,6 +87,7 @@ def _report(job, rank: int, exc: BaseException) -> None:
     from shmtrain.runtime.train.finite import TrainingDiverged
 
     record = {"cause": " ".join(cause.split()), "peer": getattr(exc, "peer", None),
+              "server": getattr(exc, "server", None),
               # a restart would meet it again: the launcher does not restart
               "diverged": isinstance(exc, TrainingDiverged),
               # gloo's own timeouts are RuntimeErrors that say so
@@ -95,6 +96,20 @@ def _report(job, rank: int, exc: BaseException) -> None:
         job.put_error(rank, record)
     except OSError:  # the folder is gone (the launcher ended): it reads the log instead
         pass
+
+
+def _fail_from_threads(job, ctx, rank: str) -> None:
+    """A call to the memory server found stuck by its watch thread (``fabric/smb/stuck.py``)
+    fails this worker as an error raised here would: marked, reported, said, exit 1."""
+    from shmtrain.fabric.smb import stuck
+
+    def fail(exc: BaseException) -> None:
+        ctx.fail(1)
+        _report(job, ctx.rank, exc)
+        print(f"shmtrain: worker rank {rank}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    stuck.set_fatal(fail)
 
 
 def resolve(target: str):
@@ -132,6 +147,7 @@ def main() -> int:
 
         torch.set_num_threads(threads)
         ctx = _join(float(os.environ.get("SHMTRAIN_TIMEOUT", "120")))
+        _fail_from_threads(job, ctx, rank)
         payload = job.payload()
         result = resolve(target)(ctx, payload)
         job.put_result(ctx.rank, result)

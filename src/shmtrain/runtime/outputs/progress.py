@@ -50,3 +50,32 @@ class Progress:
     def close(self) -> None:
         if self.enabled and self.tty:
             print(file=self.stream)
+
+
+#: seconds an evaluation runs before it reports its progress (then again every as many)
+EVAL_REPORT_S = 5.0
+
+
+def _items(batch: Any) -> int:
+    """Items in one held-out batch (``(x, y)``, a dict of tensors, or a tensor)."""
+    first = batch[0] if isinstance(batch, (tuple, list)) and batch else \
+        next(iter(batch.values()), None) if isinstance(batch, dict) else batch
+    return len(first) if hasattr(first, "__len__") else 1
+
+
+def evaluation_progress(batches: Any, total: int, iteration: int, stream: Any = None,
+                        every: float = EVAL_REPORT_S) -> Any:
+    """``batches`` of a held-out evaluation, passed through; once it has run ``every``
+    seconds, a line every ``every`` seconds on ``stream`` (the launcher's terminal): the
+    items done of ``total`` and their rate, so a long evaluation is not mistaken for a hang."""
+    start = time.perf_counter()
+    last, done = start, 0
+    out = stream if stream is not None else console()
+    for batch in batches:
+        yield batch
+        done += _items(batch)
+        now = time.perf_counter()
+        if now - last >= every:
+            last = now
+            print(f"evaluating the model of iteration {iteration}: {done}/{total} held-out items "
+                  f"({done / max(now - start, 1e-9):.0f} items/s)", file=out, flush=True)

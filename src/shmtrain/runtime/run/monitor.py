@@ -25,6 +25,7 @@ evaluations of a rank never overlap and ranks of one host line up (``runtime/out
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -35,6 +36,7 @@ from torch import nn
 from torch.nn import functional
 
 from shmtrain.runtime.config import TrainConfig
+from shmtrain.runtime.outputs.progress import evaluation_progress
 from shmtrain.runtime.outputs.selection import Selection
 from shmtrain.runtime.tasks.base import Task
 from shmtrain.runtime.tasks.lookup import build_task
@@ -115,6 +117,10 @@ class Monitor:
         # tensors (hosts_ddp's data): slices, iterable again at every evaluation
         self.held_out = held_out if held_out is not None else _Slices(data.test_x, data.test_y)
         self.every = eval_interval(config, data.train_samples, world) if self.active else 0
+        #: a line on the terminal while a long evaluation runs (``--progress``)
+        self.progress = (self.active and bool(getattr(config, "progress", False))
+                         and os.environ.get("SHMTRAIN_NO_PROGRESS") != "1")
+        self.samples = len(self.held_out) if hasattr(self.held_out, "__len__") else len(data.test_x)
         self.last_eval: int | None = None
         #: the metrics of that evaluation, and whether they were the job model's (W_g, θ)
         self.last_metrics: dict[str, Any] | None = None
@@ -157,7 +163,10 @@ class Monitor:
         ``eval`` row in ``log`` (and TensorBoard)."""
         start = time.perf_counter()
         job_model = self.job_model() if self.job_model is not None else None
-        metrics = self.task.evaluate(job_model or self.model, self.held_out)
+        batches = self.held_out
+        if self.progress:  # a long evaluation says how far it is
+            batches = evaluation_progress(self.held_out, self.samples, iteration)
+        metrics = self.task.evaluate(job_model or self.model, batches)
         seconds = time.perf_counter() - start
         entry = {"iteration": iteration, **metrics, "t0": self.stamp(start), "time": seconds}
         if job_model is not None:

@@ -141,6 +141,11 @@ class ElasticExchange:
             while self._pending and self._error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    server = getattr(self.service, "address", None)
+                    if server is not None:  # its requests wait for the memory server, not for a worker
+                        raise PeerTimeout(f"the memory server at {server} did not answer within "
+                                          f"{self.timeout:.0f} s: the SEASGD update thread did not finish {what}",
+                                          server=server)
                     raise PeerTimeout(f"the SEASGD update thread did not finish {what} within {self.timeout:.0f} s")
                 self._cond.wait(left)
             if self._error is not None:
