@@ -64,6 +64,9 @@ class CPUAccumulation(Strategy):
 
     name = "cpu_acc"
     synchronous = True
+    #: a worker killed on one host is replaced in place: every worker applies the same update
+    #: (Algorithm 5) once the accumulation that held every worker's gradient is complete
+    recovery = "replica"
 
     @dataclass(kw_only=True, slots=True)
     class Config(StrategyConfig):

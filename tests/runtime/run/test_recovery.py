@@ -56,6 +56,23 @@ def test_a_killed_worker_is_replaced_and_the_weights_are_those_of_the_straight_r
     assert not list((run / "checkpoints").glob("step-*.tmp"))  # a save the death cut short is gone
 
 
+def test_a_killed_cpu_acc_worker_is_replaced_and_the_weights_are_those_of_the_straight_run(tmp_path: Path) -> None:
+    """cpu_acc: every worker applies the same update once the host's accumulation is
+    complete, so a death is recovered as under ssgd. Two workers: the accumulator threads
+    add in the order the gradients arrive, and a sum of two terms is the same either way,
+    so the run is reproducible bit for bit (with three it is not: two straight runs differ
+    in rounding, by as much as one step more or less would)."""
+    job = [*JOB[:JOB.index("--workers")], "--workers", "2", *JOB[JOB.index("--workers") + 2:], "--strategy", "cpu_acc"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    assert train(*job, "--out", str(straight)) == 0
+    victims = tuple(random.Random(os.getpid()).choice([0, 1]) for _ in range(2))
+    _kill_in_turn([*job, "--max-restarts", "3", "--out", str(run)], run, victims, 600, workers=2)
+    for rank in (0, 1):
+        assert iterations_logged(run, rank) == list(range(1, 3001)), rank
+    for key, value in weights(straight / "model.pt").items():
+        assert weights(run / "model.pt")[key].equal(value), key  # bit for bit
+
+
 def test_a_killed_asynchronous_worker_is_replaced_from_the_global_weights(tmp_path: Path) -> None:
     """seasgd: the master (rank 0, which holds W_g's buffer service) and another worker
     killed; each is replaced from W_g, the others go on from their own state, and every
