@@ -80,15 +80,14 @@ import torch
 from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy, StrategyConfig, register
 from shmtrain.strategies.layout.flat import FlatLayout
-from shmtrain.strategies.optim import step_journal
-from shmtrain.strategies.optim.step_journal import StepJournal
+from shmtrain.strategies.optim.step_journal import JournaledSteps
 
 #: the root updates ready layers once they hold this many elements (or at finalization)
 UPDATE_BATCH = 1 << 18
 
 
 @register
-class GPI(Strategy):
+class GPI(JournaledSteps, Strategy):
     """Synchronous SGD with layer-wise one-sided tree reduction and broadcast."""
 
     name = "gpi"
@@ -159,10 +158,6 @@ class GPI(Strategy):
         self._host_grads = self.staging.pinned if self.staging is not None else None
         self._outgoing: list[tuple[list[int], object]] = []  # root: (layers, Copy) of new weights
         self._stepped = 0  # root: layers updated in this step
-        #: recovery in place (:meth:`prepare_recovery`): the launch folder of the step journal,
-        #: the root's writer, and the iteration this session began at
-        self._journal_folder = None
-        self._journal: StepJournal | None = None
         self._copy_s = 0.0
         #: staged: the host thread that waits for the gradients' copies and takes the turns
         self.courier = self.staging.courier("shmtrain-gpi") if self.staging is not None else None
@@ -302,8 +297,8 @@ class GPI(Strategy):
         if staging is None:
             self._step_layers(self._ready)
             self._stepped += len(self._ready)
-            if self._journal is not None and self._stepped == self.num_layers:
-                self._journal.write(self.iteration + 1)  # before the step's last layer goes down
+            if self._stepped == self.num_layers:
+                self.journal_step()  # recovery in place: before the step's last layer goes down
             for layer in self._ready:
                 self._send_down(layer, seq)
         else:  # mean to the GPU, step there, new weights back to the area, then announce
@@ -405,33 +400,13 @@ class GPI(Strategy):
         super().after_update()
 
     # -- recovery in place ----------------------------------------------------------------
-    def prepare_recovery(self, folder) -> None:
-        """The root journals the state after each step in ``folder`` from now on (one host,
-        CPU parameters: across hosts or staged, a death restarts every worker)."""
-        self._journal_folder = folder
-        if self.me == 0 and self.ctx.num_nodes == 1 and self.staging is None and self._journal is None:
-            names = {id(p): name for name, p in self.model.named_parameters()}
-            self._journal = StepJournal(folder, [names[id(p)] for p in self.params], self.params, self.optimizer)
-            self._journal.write(self.iteration)
-
-    def recovery_state(self, state: dict) -> dict | None:
-        """This rank's kept ``state`` with the weights and optimizer state after its last
-        whole step, from the root's journal (a root part-way through a step holds layers of
-        the next one; a child may have read some); None where the journal lacks that step."""
-        if self._journal_folder is None:
-            return None
-        found = step_journal.read(self._journal_folder, int(state["train"]["iteration"]))
-        if found is None:
-            return None
-        weights, optimizer_state = found
-        state["model"] = {**state["model"], **weights}
-        state["optimizer"] = {**state["optimizer"], "state": optimizer_state}
-        return state
+    def journals(self) -> bool:
+        """The root journals each step (one host, CPU parameters: across hosts or staged, a
+        death restarts every worker)."""
+        return self.me == 0 and self.ctx.num_nodes == 1 and self.staging is None
 
     def finish(self) -> None:
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
+        self.close_journal()
         if self._combiner is not None:
             self._combiner.close()
         if self.courier is not None:

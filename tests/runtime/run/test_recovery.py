@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(300)
 JOB = [*LONG[:LONG.index("--workers")], "--workers", "3", *LONG[LONG.index("--workers") + 2:]]
 
 
-@pytest.fixture(scope="module", params=[[], ["--overlap"], ["--strategy", "gpi"]], ids=["ssgd", "overlap", "gpi"])
+@pytest.fixture(scope="module", params=[[], ["--overlap"], ["--strategy", "gpi"], ["--strategy", "ps_grad"]],
+                ids=["ssgd", "overlap", "gpi", "ps_grad"])
 def straight(request, tmp_path_factory) -> tuple[list[str], Path]:
     """The run that is never killed, which the killed ones must equal."""
     run = tmp_path_factory.mktemp("straight") / "run"

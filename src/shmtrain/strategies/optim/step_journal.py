@@ -137,3 +137,52 @@ def read(folder: Path, step: int) -> tuple[dict[str, torch.Tensor], dict[int, di
     for index, key, kind, *rest in header["state"]:
         state.setdefault(int(index), {})[key] = get(*rest) if kind == "tensor" else rest[0]
     return weights, state
+
+
+class JournaledSteps:
+    """A strategy whose root alone steps the optimizer (gpi's root, ps_grad's server) and
+    whose survivors of a death therefore go on from the root's journal: the root calls
+    :meth:`journal_step` once a step's update is whole and before any rank can complete
+    that step; every survivor's kept state takes its weights and optimizer state from the
+    slot of its own last step (``Strategy.prepare_recovery``, ``Strategy.recovery_state``).
+    Needs the strategy's ``model``, ``params``, ``optimizer`` and ``iteration``, and
+    :meth:`journals`."""
+
+    _journal_folder: Path | None = None
+    _journal: StepJournal | None = None
+
+    def journals(self) -> bool:
+        """Whether this rank writes the journal (the root, on one host, CPU parameters)."""
+        raise NotImplementedError
+
+    def prepare_recovery(self, folder: Path) -> None:
+        self._journal_folder = folder
+        if self._journal is None and self.journals():
+            names = {id(p): name for name, p in self.model.named_parameters()}
+            self._journal = StepJournal(folder, [names[id(p)] for p in self.params], self.params, self.optimizer)
+            self._journal.write(self.iteration)
+
+    def journal_step(self) -> None:
+        """The root: this step's update is whole; the state after it into the journal."""
+        if self._journal is not None:
+            self._journal.write(self.iteration + 1)
+
+    def recovery_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's kept ``state`` with the weights and optimizer state after its last
+        whole step, from the root's journal (a root part-way through a step may hold part
+        of the next one, and the other ranks' weights may too); None where the journal
+        lacks that step."""
+        if self._journal_folder is None:
+            return None
+        found = read(self._journal_folder, int(state["train"]["iteration"]))
+        if found is None:
+            return None
+        weights, optimizer_state = found
+        state["model"] = {**state["model"], **weights}
+        state["optimizer"] = {**state["optimizer"], "state": optimizer_state}
+        return state
+
+    def close_journal(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None

@@ -46,15 +46,19 @@ import torch
 
 from shmtrain.strategies.base import register
 from shmtrain.strategies.layout.flat import FlatLayout
+from shmtrain.strategies.optim.step_journal import JournaledSteps
 from shmtrain.strategies.parts import ParameterServer, ParameterServerConfig, ps_phase
 
 
 @register
-class ParameterServerGrad(ParameterServer):
+class ParameterServerGrad(JournaledSteps, ParameterServer):
     """Gradient-averaging parameter server, rank 0 the server (eq. 2.1, Section 6)."""
 
     name = "ps_grad"
     synchronous = True
+    #: a worker killed on one host is replaced in place: every rank goes on from the state
+    #: after the last whole step, which the server journals (``strategies/optim/step_journal.py``)
+    recovery = "replica"
     Config = ParameterServerConfig
     fp16_reason = ("only the server steps its optimizer, so the workers' GradScalers would never "
                    "see the gradients they scaled")
@@ -94,6 +98,10 @@ class ParameterServerGrad(ParameterServer):
     def is_server(self) -> bool:
         return self.star.is_server
 
+    def journals(self) -> bool:
+        """The server journals each step (one host, CPU parameters)."""
+        return self.is_server and self.ctx.num_nodes == 1 and self.staging is None
+
     def zero_grad(self) -> None:
         if self.staging is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -117,6 +125,7 @@ class ParameterServerGrad(ParameterServer):
             self.step_optimizer()
             if self.staging is not None:  # the new weights into the server buffer
                 self._to_host(self._weight_views, grads=False)
+            self.journal_step()  # recovery in place: before the broadcast lets a worker complete it
 
     def after_update(self) -> None:
         """Step 6: the server's weights reach every worker."""
@@ -144,6 +153,7 @@ class ParameterServerGrad(ParameterServer):
 
     def finish(self) -> None:
         """Give the model private copies of its weights, so it outlives the shared buffers."""
+        self.close_journal()
         self.release_weights()
         for p in self.params:
             p.grad = None
