@@ -56,10 +56,12 @@ class StepJournal:
         #: the last step written (None: none yet)
         self.tag: int | None = None
         self.fds = []
-        for slot in range(SLOTS):  # this launch's files: a previous generation's slots are emptied
+        # this launch's files; a previous generation's slots stay readable: the state after
+        # step t is the same in every generation (the ranks are replicas), and a root killed
+        # before it wrote again leaves the survivors its predecessor's
+        for slot in range(SLOTS):
             fd = os.open(slot_path(folder, slot), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             check_fd(fd, f"the step journal {slot}", "it is not the one this run wrote", private=True)
-            os.pwrite(fd, _HEAD.pack(-1, 0), 0)
             self.fds.append(fd)
         self._closer = weakref.finalize(self, _close, self.fds)  # a session dropped without finish
 
