@@ -23,6 +23,9 @@ from contextlib import contextmanager
 
 from shmtrain.fabric.shm.control import PeerTimeout
 
+#: a call is stuck once it has waited this many timeouts
+GRACE = 1.5
+
 
 def _exit(exc: BaseException) -> None:
     print(f"shmtrain: {exc}", file=sys.stderr, flush=True)
@@ -63,13 +66,15 @@ class CallWatch:
                 self.current = None
 
     def stuck(self) -> PeerTimeout | None:
-        """The error of the call in progress, once it has waited the timeout."""
+        """The error of the call in progress, once it has waited the timeout and half as
+        long again (a call with a deadline of its own, such as the connection's, says first
+        what it waited for)."""
         current = self.current
-        if current is None or time.monotonic() - current[1] < self.timeout:
+        if current is None or time.monotonic() - current[1] < self.timeout * GRACE:
             return None
-        return PeerTimeout(f"the memory server at {self.address} did not answer within {self.timeout:.0f} s "
-                           f"while {current[0]} (it is stopped or unreachable, but its connection is open)",
-                           server=self.address)
+        return PeerTimeout(f"the memory server at {self.address} did not answer within "
+                           f"{self.timeout * GRACE:.0f} s while {current[0]} (it is stopped or unreachable, but "
+                           "its connection is open)", server=self.address)
 
     def close(self) -> None:
         self._closed.set()

@@ -12,6 +12,7 @@ resumed by the workers themselves (torchrun's own ``--max-restarts`` restarts th
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -80,6 +81,13 @@ def recovers_in_place(config: TrainConfig) -> bool:
     fits = ((mode == "replica" and getattr(options, "allreduce", None) != "auto")
             or (mode == "elastic" and not getattr(options, "smb_server", "")))
     return config.max_restarts > 0 and on_cpu and fits
+
+
+def _clean_partial(out: Path) -> None:
+    """Remove the unfinished checkpoints of a launch that failed or was stopped (never read,
+    but litter); a folder that cannot be cleaned keeps them, the run's own error stands."""
+    with contextlib.suppress(OSError):
+        checkpoint_files.clean_partial(out)
 
 
 def run_training(config: TrainConfig, echo=print, *, resume: bool = False,
@@ -169,9 +177,11 @@ def _run_local(config: TrainConfig, out: Path, echo, resume: bool,
                 exc.args = (f"{exc} (after {restarts} restart(s), the last cause)",)
             if exc.zygote:
                 exc.args = (f"{exc}; {resume_hint(out)}",)
+            _clean_partial(out)  # a checkpoint the failure cut short (every worker has ended)
             raise
         except KeyboardInterrupt as exc:
             end_stretch(stretch, "interrupted")
+            _clean_partial(out)
             signum = getattr(exc, "signum", signal.SIGINT)
             raise RunStopped(interrupted_message(out, exc), 128 + signum) from None
     stopped = [r for r in results if r.get("stopped")]
