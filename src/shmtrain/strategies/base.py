@@ -386,6 +386,13 @@ class Strategy:
         restarts instead). By default ``state`` itself."""
         return state
 
+    def adopted_state(self, state: dict[str, Any], folder: Path | None) -> dict[str, Any]:
+        """The state this rank goes on from after a recovery in place (its own kept one, or
+        a donor's), as this rank loads it: by default ``state`` itself; a strategy whose
+        ranks hold parts of their own (``--sharded-update``'s momentum chunks) puts this
+        rank's part in, from its journal in the launch's private ``folder``."""
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         """What this strategy adds to the model's and optimizer's state (call ``quiesce``
         first). Every rank returns its own; buffers the strategy owns come from their owner."""

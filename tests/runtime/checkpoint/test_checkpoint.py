@@ -132,9 +132,10 @@ def test_ctrl_c_saves_and_the_resume_equals_the_straight_run(straight: Path, tmp
 
 
 def test_killed_worker_restarts_from_the_latest_checkpoint(tmp_path: Path) -> None:
-    """A strategy that does not recover in place (ZeRO-1's momentum is sharded: no survivor
-    holds the dead rank's) restarts every worker from the latest checkpoint."""
-    job = [*LONG, "--sharded-update"]
+    """A strategy that does not recover in place (ps_weight: each worker's momentum is its
+    own, and no survivor holds the dead one's) restarts every worker from the latest
+    checkpoint."""
+    job = [*LONG, "--strategy", "ps_weight"]
     straight = tmp_path / "straight"
     assert train(*job, "--out", str(straight)) == 0
     run = tmp_path / "run"

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.timeout(300)
 JOB = [*LONG[:LONG.index("--workers")], "--workers", "3", *LONG[LONG.index("--workers") + 2:]]
 
 
-@pytest.fixture(scope="module", params=[[], ["--overlap"], ["--strategy", "gpi"], ["--strategy", "ps_grad"]],
-                ids=["ssgd", "overlap", "gpi", "ps_grad"])
+@pytest.fixture(scope="module", params=[[], ["--overlap"], ["--sharded-update"], ["--strategy", "gpi"],
+                                        ["--strategy", "ps_grad"]],
+                ids=["ssgd", "overlap", "sharded", "gpi", "ps_grad"])
 def straight(request, tmp_path_factory) -> tuple[list[str], Path]:
     """The run that is never killed, which the killed ones must equal."""
     run = tmp_path_factory.mktemp("straight") / "run"

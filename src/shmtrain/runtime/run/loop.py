@@ -163,7 +163,8 @@ class WorkerSession:
             rejoin_position(self.trainer, steps)
             self.recovered = state
         elif self.recovered is not None:  # a peer replaced in place: the state every rank continues from
-            self.trainer.load_state_dict(recovery.with_global_weights(self.recovered))
+            state = self.dp.strategy.adopted_state(recovery.with_global_weights(self.recovered), recovery.folder())
+            self.trainer.load_state_dict(state)
             if ctx.rank == 0:  # a checkpoint the death interrupted (no rank saves before the next step)
                 checkpoint_files.clean_partial(out)
         elif rejoined:  # a host started again: the job's state, not a file's

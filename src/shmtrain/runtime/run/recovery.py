@@ -79,6 +79,12 @@ def elastic(strategy: Any) -> bool:
     return enabled(strategy) and strategy.recovery == "elastic"
 
 
+def folder() -> Path | None:
+    """The launch's private folder (where the strategies' step journals are)."""
+    job = JobDir.from_env()
+    return None if job is None else job.path
+
+
 def prepare(strategy: Any) -> None:
     """Before training: a strategy whose survivors need more than their own state keeps it
     from now on (``Strategy.prepare_recovery``: gpi's step journal), in the launch's

@@ -38,8 +38,8 @@ _HEAD = struct.Struct("<qq")  # the step, the header's length
 _PLAIN = (int, float, bool, str, type(None))
 
 
-def slot_path(folder: Path, slot: int) -> Path:
-    return folder / f"step-journal-{slot}"
+def slot_path(folder: Path, slot: int, prefix: str = "step-journal") -> Path:
+    return folder / f"{prefix}-{slot}"
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
@@ -51,7 +51,7 @@ class StepJournal:
     module's ``state_dict``, in the order of ``params``."""
 
     def __init__(self, folder: Path, names: list[str], params: list[torch.Tensor],
-                 optimizer: torch.optim.Optimizer) -> None:
+                 optimizer: torch.optim.Optimizer | None, prefix: str = "step-journal") -> None:
         self.names, self.params, self.optimizer = names, params, optimizer
         #: the last step written (None: none yet)
         self.tag: int | None = None
@@ -60,7 +60,7 @@ class StepJournal:
         # step t is the same in every generation (the ranks are replicas), and a root killed
         # before it wrote again leaves the survivors its predecessor's
         for slot in range(SLOTS):
-            fd = os.open(slot_path(folder, slot), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fd = os.open(slot_path(folder, slot, prefix), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             check_fd(fd, f"the step journal {slot}", "it is not the one this run wrote", private=True)
             self.fds.append(fd)
         self._closer = weakref.finalize(self, _close, self.fds)  # a session dropped without finish
@@ -69,6 +69,23 @@ class StepJournal:
         """The state after ``step`` (weights and optimizer state, as they stand) into slot
         ``step % 2``; False (the slot left empty) for an optimizer state that is neither a
         tensor nor a plain value."""
+        state: list[tuple[int, str, Any]] = []
+        index = 0
+        for group in self.optimizer.param_groups if self.optimizer is not None else []:
+            for p in group["params"]:
+                for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                    if not isinstance(value, (torch.Tensor, *_PLAIN)):
+                        os.pwrite(self.fds[step % SLOTS], _HEAD.pack(-1, 0), 0)
+                        self.tag = None
+                        return False
+                    state.append((index, key, value))
+                index += 1
+        return self.write_entries(step, list(zip(self.names, self.params, strict=True)), state)
+
+    def write_entries(self, step: int, named: list[tuple[str, torch.Tensor]],
+                      state: list[tuple[int, str, Any]] = ()) -> bool:
+        """Tensors by name (and ``(index, key, value)`` of an optimizer's state) as the
+        state after ``step``, into slot ``step % 2``."""
         fd = self.fds[step % SLOTS]
         os.pwrite(fd, _HEAD.pack(-1, 0), 0)
         chunks: list[memoryview] = []
@@ -82,21 +99,10 @@ class StepJournal:
             offset += view.nbytes
             return entry
 
-        params = [[name, *put(p)] for name, p in zip(self.names, self.params, strict=True)]
-        state: list[list[Any]] = []
-        index = 0
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                    if isinstance(value, torch.Tensor):
-                        state.append([index, key, "tensor", *put(value)])
-                    elif isinstance(value, _PLAIN):
-                        state.append([index, key, "plain", value])
-                    else:
-                        self.tag = None
-                        return False
-                index += 1
-        header = json.dumps({"params": params, "state": state}).encode()
+        params = [[name, *put(t)] for name, t in named]
+        entries = [[index, key, "tensor", *put(value)] if isinstance(value, torch.Tensor) else
+                   [index, key, "plain", value] for index, key, value in state]
+        header = json.dumps({"params": params, "state": entries}).encode()
         os.pwritev(fd, [header, *chunks], _HEAD.size)
         os.pwrite(fd, _HEAD.pack(step, len(header)), 0)  # whole: readable from now on
         self.tag = step
@@ -111,10 +117,11 @@ def _close(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
-def read(folder: Path, step: int) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, Any]]] | None:
+def read(folder: Path, step: int, prefix: str = "step-journal"
+         ) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, Any]]] | None:
     """The journal's state after ``step``: the weights by name and the optimizer's
     ``state`` (as in its ``state_dict``), or None where no whole slot holds that step."""
-    path = slot_path(folder, step % SLOTS)
+    path = slot_path(folder, step % SLOTS, prefix)
     if not path.exists():
         return None
     data = read_private(path, "the step journal")

@@ -28,6 +28,8 @@ import torch
 from shmtrain.fabric.exchanges.weights import broadcast_parameters
 from shmtrain.strategies.base import Strategy
 from shmtrain.strategies.layout.flat import FlatLayout
+from shmtrain.strategies.optim import step_journal
+from shmtrain.strategies.optim.step_journal import StepJournal
 from shmtrain.strategies.parts import SlotGradients
 
 
@@ -60,6 +62,9 @@ class ShardedSSGD(SlotGradients, Strategy):
     grad_clip_reason = ("each rank updates its chunk of the weights from its chunk of the shared mean, "
                         "so no rank holds the whole gradient's norm")
     allreduces = ("shm",)
+    #: a worker killed on one host is replaced in place: every rank journals its chunk of the
+    #: weights and its momentum after each update, before it posts "updated"
+    recovery = "replica"
     variant_reason = ("the sharded update follows the shared-memory allreduce (each rank updates "
                       "the chunk it reduced)")
 
@@ -94,6 +99,9 @@ class ShardedSSGD(SlotGradients, Strategy):
         self.momentum: torch.Tensor | None = None
         self._updated = self.transports.channel("grads.updated")
         self.bind_slots()
+        #: recovery in place: the launch folder of every rank's journal, and this rank's writer
+        self._journal_folder: Any = None
+        self._journal: StepJournal | None = None
 
     def _group_runs(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, int, dict]]:
         """Contiguous ranges of this rank's chunk, relative to the chunk, with their group."""
@@ -126,6 +134,8 @@ class ShardedSSGD(SlotGradients, Strategy):
         with torch.no_grad():
             for a, b, group in self._runs:
                 self._update(weights[a:b], grads[a:b], a, b, group, first)
+        if self._journal is not None:  # recovery in place: before any rank can complete the step
+            self._write_chunk(self.iteration + 1)
         control = self.transports.control()
         control.post(self._updated, self.ctx.local_rank, step)
         with self.timer.phase("update_wait"):  # inside "update": not added to "comm"
@@ -153,6 +163,59 @@ class ShardedSSGD(SlotGradients, Strategy):
             p.add_(d_p.add_(buf, alpha=mu), alpha=-lr)
         else:
             p.add_(buf, alpha=-lr)
+
+    # -- recovery in place --------------------------------------------------------
+    def _prefix(self, local_rank: int) -> str:
+        return f"step-journal-r{local_rank}"
+
+    def _write_chunk(self, step: int) -> None:
+        named = [("weights", self.weights[self.lo : self.hi])]
+        if self.momentum is not None:
+            named.append(("momentum", self.momentum))
+        assert self._journal is not None
+        self._journal.write_entries(step, named)
+
+    def prepare_recovery(self, folder) -> None:
+        """Every rank journals its chunk (its weights and momentum) after each update, in
+        ``folder`` (one host: across hosts a death restarts every worker)."""
+        self._journal_folder = folder
+        if self.ctx.num_nodes == 1 and self._journal is None:
+            self._journal = StepJournal(folder, [], [], None, prefix=self._prefix(self.ctx.local_rank))
+            self._write_chunk(self.iteration)
+
+    def _chunk(self, local_rank: int, step: int, folder: Any = None) -> dict[str, torch.Tensor] | None:
+        found = step_journal.read(folder or self._journal_folder, step, self._prefix(local_rank))
+        return None if found is None else found[0]
+
+    def recovery_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's kept ``state`` with the host's weights after its last whole step,
+        chunk by chunk from every rank's journal (a death mid-update leaves the shared
+        weights part updated), and its own momentum; None where a chunk is missing."""
+        if self._journal_folder is None or self.ctx.num_nodes != 1:
+            return None
+        step = int(state["train"]["iteration"])
+        flat = self.weights.clone()
+        for rank, (lo, hi) in enumerate(self.allreduce.chunks):
+            chunk = self._chunk(rank, step)
+            if chunk is None:
+                return None
+            flat[lo:hi] = chunk["weights"]
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        views = self.layout.views(flat)
+        state["model"] = {**state["model"], **{names[id(p)]: v for p, v in zip(self.params, views, strict=True)}}
+        return self.adopted_state(state, self._journal_folder)
+
+    def adopted_state(self, state: dict[str, Any], folder: Any) -> dict[str, Any]:
+        """``state`` with this rank's own momentum chunk after the state's step (a donor's
+        state holds the donor's chunk), from this rank's journal."""
+        if folder is None or self.ctx.num_nodes != 1:
+            return state
+        chunk = self._chunk(self.ctx.local_rank, int(state["train"]["iteration"]), folder)
+        if chunk is None:
+            raise ValueError(f"--sharded-update: rank {self.ctx.rank} has no journal of its chunk after step "
+                             f"{state['train']['iteration']}, which every rank goes on from")
+        strategy = dict(state["strategy"], chunk=(self.lo, self.hi), momentum=chunk.get("momentum"))
+        return {**state, "strategy": strategy}
 
     # -- state ------------------------------------------------------------------
     def momentum_bytes(self) -> int:
@@ -183,6 +246,9 @@ class ShardedSSGD(SlotGradients, Strategy):
 
     def finish(self) -> None:
         """Give the model private weights again (the shared segment is the fabric's)."""
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
         super().finish()
         self.layout.bind_data(self.weights.clone(), copy=False)
 
