@@ -92,10 +92,11 @@ class JobOptions:
     keep_checkpoints: int = option(2, "complete checkpoints kept, the newest (0 keeps every one)", "job",
                                    metavar="K")
     max_restarts: int = option(
-        0, "when a worker dies, replace it in place (on CPU: ssgd, --overlap, --sharded-update, gpi, cpu_acc, "
-        "ps_grad, seasgd, easgd, downpour, hsgd; the others never exit, and the synchronous ones end with "
-        "the weights of a run never killed) or restart every worker from the latest checkpoint, up to R times in all "
-        "(local launches; under torchrun use torchrun's own --max-restarts)", "job", metavar="R")
+        0, "when a worker dies, replace it in place (on CPU: ssgd, --overlap, --sharded-update, gpi, "
+        "cpu_acc, ps_grad, diloco --inner host-sync, seasgd, easgd, downpour, hsgd; the others never "
+        "exit, and the synchronous ones end with the weights of a run never killed) or restart every "
+        "worker from the latest checkpoint, up to R times in all (local launches; under torchrun use "
+        "torchrun's own --max-restarts)", "job", metavar="R")
 
     def _check_job(self) -> None:
         _need(self.workers >= 1, "workers", self.workers, "at least 1 worker is needed", "use --workers 1 or more")

@@ -399,6 +399,10 @@ class HostSyncDiLoCo(SlotGradients, DiLoCo):
     each host (gradients averaged in the host's shared memory, ssgd's zero-copy slots),
     the outer step DiLoCo's between hosts (Algorithm 1 with one "worker" per host)."""
 
+    #: a worker killed on one host is replaced in place: the host's workers are replicas (the
+    #: same inner update from the host's mean gradient, the same outer step), as under ssgd
+    recovery = "replica"
+
     def __init__(self, config, ctx, model, optimizer, timer=None, *, transports=None) -> None:
         super().__init__(config, ctx, model, optimizer, timer, transports=transports)
         #: the host's gradient allreduce (SlotGradients' ``allreduce``)

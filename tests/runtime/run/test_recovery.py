@@ -21,8 +21,8 @@ JOB = [*LONG[:LONG.index("--workers")], "--workers", "3", *LONG[LONG.index("--wo
 
 
 @pytest.fixture(scope="module", params=[[], ["--overlap"], ["--sharded-update"], ["--strategy", "gpi"],
-                                        ["--strategy", "ps_grad"]],
-                ids=["ssgd", "overlap", "sharded", "gpi", "ps_grad"])
+                                        ["--strategy", "ps_grad"], ["--strategy", "diloco", "--inner", "host-sync"]],
+                ids=["ssgd", "overlap", "sharded", "gpi", "ps_grad", "diloco-host-sync"])
 def straight(request, tmp_path_factory) -> tuple[list[str], Path]:
     """The run that is never killed, which the killed ones must equal."""
     run = tmp_path_factory.mktemp("straight") / "run"
