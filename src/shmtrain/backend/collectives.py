@@ -8,7 +8,8 @@ MIN, PRODUCT (and BAND, BOR, BXOR of integers), ``broadcast``, ``allgather``,
 ``gather``, ``scatter``, ``reduce_scatter``, ``_reduce_scatter_base``
 (``reduce_scatter_tensor``), its coalesced form, ``alltoall`` and ``all_to_all_single``
 (uneven splits) and ``barrier``. Across hosts these are gloo's (the sum and the average are
-hierarchical, :mod:`shmtrain.backend.reducer`); so are sparse tensors, PREMUL_SUM,
+hierarchical, :mod:`shmtrain.backend.reducer`); so are sparse tensors (inside a host their SUM is
+:mod:`shmtrain.backend.sparse`'s), PREMUL_SUM,
 ``monitored_barrier`` and send/recv.
 
 Each call's counts: :attr:`Collectives.through_shm` and :attr:`Collectives.through_gloo`

@@ -10,10 +10,11 @@ gloo's integers; contiguous or not; one that requires grad is reduced on its
 :mod:`~shmtrain.backend.reduce_ops`) goes through the host's shared memory
 (:class:`~shmtrain.backend.reducer.HostReducer`);
 so does each such tensor of ``allreduce_coalesced``. Inside a host the other collectives go
-through shared memory too (:mod:`~shmtrain.backend.collectives`). The rest is gloo's, on a
-gloo backend built over the same store: those collectives across hosts, other ops and
-dtypes (one tensor at a time in ``allreduce_coalesced``, whose list gloo's ``allreduce``
-would take for copies of one buffer), sparse tensors, monitored_barrier and send/recv.
+through shared memory too (:mod:`~shmtrain.backend.collectives`), and so does a sparse
+tensor's SUM (:mod:`~shmtrain.backend.sparse`). The rest is gloo's, on a gloo backend built
+over the same store: those collectives across hosts, other ops and dtypes (one tensor at a
+time in ``allreduce_coalesced``, whose list gloo's ``allreduce`` would take for copies of
+one buffer), ``allreduce_sparse``, monitored_barrier and send/recv.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, Work
 
+from shmtrain.backend import sparse
 from shmtrain.backend.collectives import Collectives
 from shmtrain.backend.reduce_ops import DTYPES, reduction
 from shmtrain.backend.reducer import HostReducer
@@ -102,6 +104,12 @@ class ShmBackend(Collectives, Backend):
         mean = _mean(opts.reduceOp)
         if mean is None and len(tensors) == 1 and self._other_reduction(tensors, reduction(opts.reduceOp)):
             return self._reduce_in_host(tensors, reduction(opts.reduceOp), _profile("all_reduce", tensors))
+        if mean is False and len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:
+            self.reducer.check()
+            work = sparse.all_reduce(self, tensors[0])  # a sparse SUM inside the host, as gloo's
+            if work is not None:
+                Collectives.through_shm["all_reduce"] += 1
+                return work
         if mean is None or len(tensors) != 1 or not _ours(tensors[0]):
             # other ops and tensors; a list of several is gloo's too (it reduces the list as
             # copies of one buffer, the old multi-device semantics)
