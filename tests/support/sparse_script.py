@@ -26,7 +26,7 @@ def sparse_input(rank: int, dtype: torch.dtype, case: int) -> torch.Tensor:
 
 
 def main() -> None:
-    rank, port, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    _case, rank, port, world = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])  # the one case: sum
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
     dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
