@@ -114,6 +114,8 @@ class HostOps:
         self._channel = host.channel(f"{tag}.posted")
         self.blocks = 0  # blocks exchanged so far (the sequence number of the last one)
         self.phase = ""  # what a failed wait was waiting for (errors name it)
+        #: blocks the compiled path handed back to be combined with torch (special values)
+        self.handed_back = 0
         #: the compiled library (the call ring's: every local rank alike), None: the Python path
         self.lib: Any = calls._lib if block_bytes % 4 == 0 else None
         if self.lib is not None:
@@ -190,6 +192,19 @@ class HostOps:
         if written:
             torch.autograd.graph.increment_version(written)  # written through raw pointers
 
+    def _exchange_native(self, recvs: Sequence[torch.Tensor], sends: Sequence[torch.Tensor], blocks: int,
+                         per: int) -> None:
+        """all_to_all's ``blocks`` blocks in C (``shm_ring_exchange``): ``per`` bytes for each
+        destination a block, ``sends[j]`` and ``recvs[i]`` flat bytes of any sizes."""
+        L = self.L
+        send_at = (ctypes.c_void_p * L)(*(t.data_ptr() for t in sends))
+        send_n = (ctypes.c_int64 * L)(*(t.numel() for t in sends))
+        recv_at = (ctypes.c_void_p * L)(*(t.data_ptr() for t in recvs))
+        recv_n = (ctypes.c_int64 * L)(*(t.numel() for t in recvs))
+        self._start()
+        self._native(self.lib.shm_ring_exchange, (send_at, send_n, recv_at, recv_n, blocks, per), "all_to_all")
+        torch.autograd.graph.increment_version(list(recvs))  # written through raw pointers
+
     def _reduce_native(self, out: torch.Tensor, sends: Sequence[torch.Tensor], op: str, same: bool, root: int,
                        what: str) -> None:
         """The blocks of a float32 reduction in C (``shm_ring_reduce_f32``): ``out`` (flat)
@@ -217,6 +232,7 @@ class HostOps:
             if op == "AVG":
                 average(piece, self.L)
             progress.pos, progress.phase = stop, 0
+            self.handed_back += 1
         torch.autograd.graph.increment_version(out)  # written through a raw pointer
 
     def _native_reduces(self, out: torch.Tensor, sends: Sequence[torch.Tensor], op: str, same: bool) -> bool:
@@ -422,6 +438,9 @@ class HostOps:
                 self.calls.copy_out(dst, i, self.me * small)
             return
         blocks = max(self.calls.owns(0))
+        if self.lib is not None:
+            self._exchange_native(recvs, sends, blocks, per)
+            return
         for b in range(blocks):
             start = b * per
             slots = self._next()

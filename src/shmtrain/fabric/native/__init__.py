@@ -187,6 +187,9 @@ def _load() -> ctypes.CDLL | None:
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_int64, ctypes.c_double]
     lib.shm_ring_reduce_f32.restype = ctypes.c_int
+    lib.shm_ring_exchange.argtypes = [ctypes.POINTER(Plan), ctypes.POINTER(Progress), ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double]
+    lib.shm_ring_exchange.restype = ctypes.c_int
     lib.shm_sum_into_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float]
     lib.shm_sum_into_f32.restype = None
     lib.shm_handoff_s.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -172,3 +172,43 @@ int shm_ring_reduce_f32(const struct plan *p, struct progress *s, const float *c
     }
     return 0;
 }
+
+/* all_to_all: `blocks` blocks (every rank's largest count, exchanged in the call header);
+ * in block b this rank writes bytes [b * per, b * per + per) of sends[j] (of send_n[j]
+ * bytes: fewer, or none, where its data for j has ended) into its slot at j * per for
+ * every j != me, and after the hand-off recvs[i] <- rank i's piece for it, from its slot
+ * at me * per (recv_n[i] bytes in all); its own piece goes from sends[me] to recvs[me]
+ * directly. Uneven splits included. */
+int shm_ring_exchange(const struct plan *p, struct progress *s, const char *const *sends, const int64_t *send_n,
+                      char *const *recvs, const int64_t *recv_n, int64_t blocks, int64_t per, double budget_s) {
+    const int L = p->L, me = p->me;
+    const double deadline = now_s() + budget_s;
+    while (s->pos < blocks) {
+        const int64_t start = s->pos * per;
+        if (s->phase == 0) {
+            s->seq += 1;
+            char *row = slot_of(p, s->seq, me);
+            for (int j = 0; j < L; j++) {
+                const int64_t m = send_n[j] - start < per ? send_n[j] - start : per;
+                if (j != me && m > 0)
+                    memcpy(row + j * per, sends[j] + start, (size_t)m);
+            }
+            post(p, p->posted, p->done, (uint32_t)s->seq);
+            const int64_t own = recv_n[me] - start < per ? recv_n[me] - start : per;
+            if (own > 0 && recvs[me] + start != sends[me] + start)
+                memcpy(recvs[me] + start, sends[me] + start, (size_t)own);
+            s->phase = 1;
+        }
+        int rc = wait_all(p, p->posted, p->done, (uint32_t)s->seq, deadline, s);
+        if (rc)
+            return rc;
+        for (int i = 0; i < L; i++) {
+            const int64_t m = recv_n[i] - start < per ? recv_n[i] - start : per;
+            if (i != me && m > 0)
+                memcpy(recvs[i] + start, slot_of(p, s->seq, i) + me * per, (size_t)m);
+        }
+        s->pos += 1;
+        s->phase = 0;
+    }
+    return 0;
+}
