@@ -75,7 +75,8 @@ def test_every_op_and_dtype_equals_gloo_through_shared_memory(world: int) -> Non
 
 
 @pytest.mark.parametrize("first", ["all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single",
-                                   "barrier", "all_reduce MAX"])
+                                   "barrier", "all_reduce MAX", "all_gather_into_tensor large",
+                                   "reduce_scatter_tensor large"])
 def test_a_peer_that_dies_fails_every_ops_work_naming_it(first: str) -> None:
     """Rank 1 exits; rank 0's ``first`` op, waiting for it, fails at once naming the dead
     rank and the op; every op called after it fails too, naming the same cause."""
@@ -86,7 +87,7 @@ def test_a_peer_that_dies_fails_every_ops_work_naming_it(first: str) -> None:
     op = first.split()[0]
     assert f"{op} #" in failed["text"] and "rank 1 (pid" in failed["text"] and "died" in failed["text"], failed
     assert failed["seconds"] < 30  # found dead, not waited out (the group's timeout is 60 s)
-    assert len(outputs) == 13
+    assert len(outputs) == 15
     for name, later in outputs.items():
         assert later["raised"] == "ShmBackendError", (name, later)
         assert "rank 1 (pid" in later["text"] and "died" in later["text"], (name, later["text"])

@@ -297,6 +297,11 @@ def _calls(rank: int, world: int) -> dict:
         "gather": lambda: dist.gather(t, many if rank == 0 else None, dst=0, async_op=True),
         "scatter": lambda: dist.scatter(t, many if rank == 0 else None, src=0, async_op=True),
         "barrier": lambda: dist.barrier(async_op=True),
+        # larger than the call ring: the ops' ring (in C where the library is there)
+        "all_gather_into_tensor large": lambda: dist.all_gather_into_tensor(torch.zeros(world * 100_000),
+                                                                            torch.ones(100_000), async_op=True),
+        "reduce_scatter_tensor large": lambda: dist.reduce_scatter_tensor(torch.zeros(100_000),
+                                                                          torch.ones(world * 100_000), async_op=True),
     }
 
 
