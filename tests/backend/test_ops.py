@@ -116,3 +116,13 @@ def test_the_compiled_ring_equals_gloo_and_the_python_path(world: int) -> None:
         assert got["handed_back"] >= 5 + 3, got["handed_back"]
         assert ref["handed_back"] == 0
         assert compiled[rank]["through_gloo"] == {}, compiled[rank]["through_gloo"]
+
+
+def test_the_compiled_ring_on_the_reduction_thread() -> None:
+    """The same calls queued for the group's reduction thread (``SHMTRAIN_PG_THREAD=1``, its
+    waits sleep at once): gloo's results, special blocks handed back to torch."""
+    results = run_case("compiled_ring", 3, SHMTRAIN_PG_THREAD="1")
+    for rank, result in results.items():
+        outputs = result["outputs"]
+        assert outputs["compiled"] and outputs["mismatches"] == [], (rank, outputs["mismatches"][:5])
+        assert outputs["checked"] == 2 * (5 + 3 + 5 + 2 + 4) and outputs["handed_back"] >= 5 + 3, outputs["handed_back"]
