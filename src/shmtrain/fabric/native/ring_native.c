@@ -45,9 +45,10 @@ int shm_ring_collect(const struct plan *p, struct progress *s, const char *send,
             if (send != NULL)
                 memcpy(slot_of(p, s->seq, me), send + s->pos, (size_t)m);
             post(p, p->posted, p->done, (uint32_t)s->seq);
-            /* this rank's own piece while the peers write theirs */
+            /* this rank's own piece while the peers write theirs (memmove: a caller's output
+             * may overlap its input other than exactly) */
             if (send != NULL && recv[me] != NULL && recv[me] != send)
-                memcpy(recv[me] + s->pos, send + s->pos, (size_t)m);
+                memmove(recv[me] + s->pos, send + s->pos, (size_t)m);
             s->phase = 1;
         }
         int rc = wait_all(p, p->posted, p->done, (uint32_t)s->seq, deadline, s);
@@ -196,7 +197,7 @@ int shm_ring_exchange(const struct plan *p, struct progress *s, const char *cons
             post(p, p->posted, p->done, (uint32_t)s->seq);
             const int64_t own = recv_n[me] - start < per ? recv_n[me] - start : per;
             if (own > 0 && recvs[me] + start != sends[me] + start)
-                memcpy(recvs[me] + start, sends[me] + start, (size_t)own);
+                memmove(recvs[me] + start, sends[me] + start, (size_t)own);
             s->phase = 1;
         }
         int rc = wait_all(p, p->posted, p->done, (uint32_t)s->seq, deadline, s);
