@@ -75,7 +75,8 @@ def test_every_op_and_dtype_equals_gloo_through_shared_memory(world: int) -> Non
 
 
 @pytest.mark.parametrize("first", ["all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single",
-                                   "barrier", "all_reduce MAX"])
+                                   "barrier", "all_reduce MAX", "all_gather_into_tensor large",
+                                   "reduce_scatter_tensor large"])
 def test_a_peer_that_dies_fails_every_ops_work_naming_it(first: str) -> None:
     """Rank 1 exits; rank 0's ``first`` op, waiting for it, fails at once naming the dead
     rank and the op; every op called after it fails too, naming the same cause."""
@@ -86,7 +87,42 @@ def test_a_peer_that_dies_fails_every_ops_work_naming_it(first: str) -> None:
     op = first.split()[0]
     assert f"{op} #" in failed["text"] and "rank 1 (pid" in failed["text"] and "died" in failed["text"], failed
     assert failed["seconds"] < 30  # found dead, not waited out (the group's timeout is 60 s)
-    assert len(outputs) == 13
+    assert len(outputs) == 15
     for name, later in outputs.items():
         assert later["raised"] == "ShmBackendError", (name, later)
         assert "rank 1 (pid" in later["text"] and "died" in later["text"], (name, later["text"])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_compiled_ring_equals_gloo_and_the_python_path(world: int) -> None:
+    """The ops' ring in C (``ring_native.c``): float32 reduce_scatter_tensor, all_reduce and
+    reduce of every reduction, all_gather_into_tensor (in place, as FSDP2 calls it, and not),
+    broadcast and gather, of uneven sizes over several blocks, equal to gloo's bit for bit
+    (random floats; whole numbers for the sums and products of 3 and 4 ranks, where gloo adds
+    in an order of its own), and to the Python path's (``SHMTRAIN_NATIVE=0``) on random
+    floats and with NaNs, infinities and zeros of opposite signs in some blocks (which the
+    compiled path hands back to torch), on every rank."""
+    compiled = run_case("compiled_ring", world)
+    python = run_case("compiled_ring", world, SHMTRAIN_NATIVE="0")
+    for rank in range(world):
+        got, ref = compiled[rank]["outputs"], python[rank]["outputs"]
+        assert got["compiled"] and not ref["compiled"], (got["compiled"], ref["compiled"])
+        for outputs in (got, ref):
+            assert outputs["mismatches"] == [], (rank, outputs["mismatches"][:5])
+            assert outputs["checked"] == 2 * (5 + 3 + 5 + 2 + 4), outputs["checked"]
+        assert got["digests"] == ref["digests"], rank
+        assert got["special"] == ref["special"], rank
+        # every destination's first block of each special call went to torch: at least one a call
+        assert got["handed_back"] >= 5 + 3, got["handed_back"]
+        assert ref["handed_back"] == 0
+        assert compiled[rank]["through_gloo"] == {}, compiled[rank]["through_gloo"]
+
+
+def test_the_compiled_ring_on_the_reduction_thread() -> None:
+    """The same calls queued for the group's reduction thread (``SHMTRAIN_PG_THREAD=1``, its
+    waits sleep at once): gloo's results, special blocks handed back to torch."""
+    results = run_case("compiled_ring", 3, SHMTRAIN_PG_THREAD="1")
+    for rank, result in results.items():
+        outputs = result["outputs"]
+        assert outputs["compiled"] and outputs["mismatches"] == [], (rank, outputs["mismatches"][:5])
+        assert outputs["checked"] == 2 * (5 + 3 + 5 + 2 + 4) and outputs["handed_back"] >= 5 + 3, outputs["handed_back"]

@@ -53,15 +53,19 @@ def test_bench_ops_checks_every_peer_and_goes_through_shared_memory(tmp_path: Pa
     assert "| all_gather_into_tensor | 2 | 4 KiB |" in result.stdout
 
 
-@pytest.mark.slow  # ~60 s: FSDP2 on 2 processes, on gloo then on cpu:shm
+@pytest.mark.slow  # ~75 s: FSDP2 on 2 processes, on gloo, on cpu:shm, then on the fake group (--floor)
 def test_bench_fsdp_steps_on_both_backends_to_the_same_weights(tmp_path: Path) -> None:
     out = tmp_path / "fsdp.json"
-    result = subprocess.run([sys.executable, "-m", "shmtrain", "bench", "fsdp", "--steps", "2", "--json", str(out)],
-                            capture_output=True, text=True, timeout=170, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = subprocess.run([sys.executable, "-m", "shmtrain", "bench", "fsdp", "--steps", "2", "--floor", "--json",
+                             str(out)], capture_output=True, text=True, timeout=170,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr
-    gloo, shm = json.loads(out.read_text())
-    assert (gloo["backend"], shm["backend"]) == ("gloo", "cpu:shm")
+    gloo, shm, fake = json.loads(out.read_text())
+    assert (gloo["backend"], shm["backend"], fake["backend"]) == ("gloo", "cpu:shm", "fake")
     assert shm["bit_identical"] and gloo["weights_sha256"] == shm["weights_sha256"]
+    # the floor moved nothing (its weights are not the reduced ones) and is not compared
+    assert fake["bit_identical"] is None and fake["weights_sha256"] != gloo["weights_sha256"]
+    assert fake["median_s"] > 0 and "floor (fake, no communication)" in result.stdout
     # FSDP2's gathers and reduce-scatters went through shared memory, none to gloo
     assert shm["through_shm"]["all_gather_into_tensor"] > 0 and shm["through_shm"]["reduce_scatter_tensor"] > 0
     assert shm["through_gloo"] == {}, shm["through_gloo"]

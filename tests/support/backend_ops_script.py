@@ -90,6 +90,8 @@ class Compare:
         self.gloo_lacks: list[str] = []
         self.checked = 0
         self.seed = 0
+        #: where a list: each check's shm tensors' digest (a run repeats them on another path)
+        self.digests: list[str] | None = None
 
     def check(self, name: str, run, make, approx: bool = False, compared: bool = True) -> None:
         """``run(tensors, group)`` on ``make()``'s tensors for both groups; their
@@ -97,6 +99,8 @@ class Compare:
         self.seed += 1
         shm, gloo = make(self.seed), make(self.seed)
         run(shm, None)
+        if self.digests is not None:
+            self.digests.append(_digest(shm))
         try:
             run(gloo, self.gloo)
         except RuntimeError as exc:  # a dtype gloo lacks for this op (bool gather...): shm's is not compared
@@ -293,6 +297,11 @@ def _calls(rank: int, world: int) -> dict:
         "gather": lambda: dist.gather(t, many if rank == 0 else None, dst=0, async_op=True),
         "scatter": lambda: dist.scatter(t, many if rank == 0 else None, src=0, async_op=True),
         "barrier": lambda: dist.barrier(async_op=True),
+        # larger than the call ring: the ops' ring (in C where the library is there)
+        "all_gather_into_tensor large": lambda: dist.all_gather_into_tensor(torch.zeros(world * 100_000),
+                                                                            torch.ones(100_000), async_op=True),
+        "reduce_scatter_tensor large": lambda: dist.reduce_scatter_tensor(torch.zeros(100_000),
+                                                                          torch.ones(world * 100_000), async_op=True),
     }
 
 
@@ -393,7 +402,92 @@ def threads(rank: int, world: int) -> dict:
     return out
 
 
-CASES = {"avg_int": avg_int, "every_op": every_op, "hand_offs": hand_offs, "peer_dies": peer_dies, "threads": threads}
+def _digest(tensors: list[torch.Tensor]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def compiled_ring(rank: int, world: int) -> dict:
+    """The float32 reductions and moves larger than the call ring (several blocks of the ops'
+    ring, uneven sizes) against gloo bit for bit (:class:`Compare`): on random floats, but
+    for the sums and products of more than 2 ranks, whose order of terms is gloo's own (on
+    whole numbers there: exact in any order); every result's digest, which a run with
+    ``SHMTRAIN_NATIVE=0`` (the Python path) must repeat; the same with NaNs, infinities
+    and zeros of either sign in some blocks (blocks the compiled path hands back to torch);
+    and how many blocks were handed back."""
+    c = Compare(rank, world)
+    c.digests = []
+    op = dist.ReduceOp
+    ops = dist.group.WORLD._get_backend(torch.device("cpu")).reducer.ops
+
+    def randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        return torch.randn(shape, generator=torch.Generator().manual_seed(7919 * seed + rank))
+
+    for n in (70_001, 300_007):
+        for name in FLOAT_OPS:
+            red = getattr(op, name)
+            exact = world > 2 and name in ("SUM", "AVG", "PRODUCT")
+
+            def make(shape: tuple[int, ...], seed: int, exact: bool = exact) -> torch.Tensor:
+                return values(torch.float32, shape, seed, rank) if exact else randn(shape, seed)
+
+            c.check(f"reduce_scatter_tensor {name} {n}",
+                    lambda ts, g, red=red: dist.reduce_scatter_tensor(ts[0], ts[1], op=red, group=g),
+                    lambda seed, n=n, make=make: [torch.zeros(n), make((world * n,), seed)])
+            if name not in ("SUM", "AVG"):  # those are the pipeline's
+                c.check(f"all_reduce {name} {n}", lambda ts, g, red=red: dist.all_reduce(ts[0], op=red, group=g),
+                        lambda seed, n=n, make=make: [make((n,), seed)])
+            c.check(f"reduce {name} {n}", lambda ts, g, red=red: dist.reduce(ts[0], dst=world - 1, op=red, group=g),
+                    lambda seed, n=n, make=make: [make((n,), seed)], compared=rank == world - 1)
+            if exact:  # the compiled path against the Python path on random floats (a run each)
+                t = [torch.zeros(n), randn((world * n,), 1000 + c.seed)]
+                dist.reduce_scatter_tensor(t[0], t[1], op=red)
+                c.digests.append(_digest(t[:1]))
+
+        def in_place(ts, g):  # FSDP2's all-gather: its input is this rank's piece of its output
+            out = ts[0]
+            dist.all_gather_into_tensor(out, out.view(world, -1)[rank], group=g)
+
+        c.check(f"all_gather_into_tensor in place {n}", in_place,
+                lambda seed, n=n: [randn((world * n,), seed)])
+        c.check(f"all_gather_into_tensor {n}", lambda ts, g: dist.all_gather_into_tensor(ts[0], ts[1], group=g),
+                lambda seed, n=n: [torch.zeros(world * n), randn((n,), seed)])
+        for root in (0, world - 1):
+            c.check(f"broadcast {n} from {root}", lambda ts, g, root=root: dist.broadcast(ts[0], src=root, group=g),
+                    lambda seed, n=n: [randn((n,), seed)])
+            c.check(f"gather {n} to {root}", lambda ts, g, root=root: dist.gather(
+                ts[0], list(ts[1:]) if rank == root else None, dst=root, group=g),
+                lambda seed, n=n, root=root: [randn((n,), seed), *([torch.zeros(n) for _ in range(world)]
+                                                                   * (rank == root))])
+    # special values: a NaN on rank 0, zeros of opposite signs and infinities on the others,
+    # in the first block of every destination; the other blocks are plain
+    n = 300_007
+    special = {}
+    for name in FLOAT_OPS:
+        red = getattr(op, name)
+        x = randn((world * n,), 99)
+        x[n - 3] = float("inf") * (-1) ** rank
+        for j in range(world):
+            if rank == 0:
+                x[j * n + 11] = float("nan")
+            x[j * n + 40] = -0.0 if rank % 2 else 0.0
+            x[j * n + 41] = 0.0 if rank % 2 else -0.0
+        out = torch.zeros(n)
+        dist.reduce_scatter_tensor(out, x.clone(), op=red)
+        one = x[:n].clone()
+        dist.all_reduce(one, op=red) if name not in ("SUM", "AVG") else None
+        special[name] = _digest([out, one])
+    dist.barrier()
+    return {"mismatches": c.mismatches, "checked": c.checked, "special": special, "digests": c.digests,
+            "handed_back": ops.handed_back, "compiled": ops.lib is not None}
+
+
+CASES = {"avg_int": avg_int, "every_op": every_op, "hand_offs": hand_offs, "peer_dies": peer_dies, "threads": threads,
+         "compiled_ring": compiled_ring}
 
 if __name__ == "__main__":
     case, rank, port, world = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])

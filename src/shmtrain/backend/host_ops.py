@@ -29,6 +29,17 @@ What each op moves per block (``L`` local ranks, ``B`` bytes a slot):
   of blocks is every rank's largest, exchanged in a first block;
 - gather, scatter: the ranks' pieces into the root, the root's pieces out to each rank.
 
+Where the compiled library is there (:mod:`shmtrain.fabric.native`, ``ring_native.c``; every
+local rank alike, the pipeline's choice), the blocks of all_gather, broadcast and gather, and
+of the float32 reductions (reduce_scatter; all_reduce and reduce of MAX, MIN, PRODUCT;
+SUM and AVG), run in C: the same ring, sequence numbers, block sizes and rank order, so
+the same bits, without Python per block; a rank's own piece of a reduce_scatter is read
+from its input, not copied into the ring. C hands back a block that holds an element whose
+bits torch's kernels may set otherwise than a plain loop (a NaN, or for MAX and MIN zeros
+of opposite signs), and it is combined with torch, as on the Python path. It waits in
+slices and returns here between them, so aborts, dead peers and the timeout are judged as
+on the Python path.
+
 Each method takes contiguous tensors (the backend makes copies of strided ones) and ``begin``,
 the call's header hand-off (``begin(own=...)``, :meth:`HostReducer.begin
 <shmtrain.backend.reducer.HostReducer.begin>` of the call's header), and runs on
@@ -38,17 +49,26 @@ decides, and keeps the calls of every op in the order they were issued).
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from shmtrain.backend.calls import CallRing
+from shmtrain.backend.calls import CallRing, _mode, _plan
 from shmtrain.backend.reduce_ops import average
+from shmtrain.fabric import native as _native
+from shmtrain.fabric.shm.control import PeerTimeout
 from shmtrain.fabric.shm.host import HostGroup
+from shmtrain.fabric.shm.stitch import PAGE
 
 RING = 2
 #: bytes of a rank's slot: 1 MiB (the pipelined allreduce's block on the Python path)
 BLOCK_BYTES = 1 << 20
+#: the compiled path's reductions (``ring_native.c``'s op codes are the index), float32 only
+NATIVE_OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
+_SLICE = 0.05  # seconds the compiled path waits before the caller checks peers and the timeout
 
 
 def _combine(op: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -87,11 +107,21 @@ class HostOps:
                  tag: str = "pg-ops") -> None:
         self.host, self.spin, self.block_bytes, self.calls = host, spin, block_bytes, calls
         self.L, self.me = host.local_world, host.local_rank
-        self.segment = host.allocate(tag, RING * self.L * block_bytes)
-        self._ring = self.segment.tensor(torch.uint8, 0, RING * self.L * block_bytes).view(RING, self.L, block_bytes)
+        ring_bytes = RING * self.L * block_bytes
+        # the ring, then the compiled path's announcements (a line per rank) and completion word
+        self.segment = host.allocate(tag, ring_bytes + 2 * PAGE)
+        self._ring = self.segment.tensor(torch.uint8, 0, ring_bytes).view(RING, self.L, block_bytes)
         self._channel = host.channel(f"{tag}.posted")
         self.blocks = 0  # blocks exchanged so far (the sequence number of the last one)
         self.phase = ""  # what a failed wait was waiting for (errors name it)
+        #: blocks the compiled path handed back to be combined with torch (special values)
+        self.handed_back = 0
+        #: the compiled library (the call ring's: every local rank alike), None: the Python path
+        self.lib: Any = calls._lib if block_bytes % 4 == 0 else None
+        if self.lib is not None:
+            self._plan = _plan(host, spin, self.segment, 0, ring_bytes, block_bytes, self._channel)
+            self._progress = _native.Progress()
+            self._plan_ref, self._progress_ref = ctypes.byref(self._plan), ctypes.byref(self._progress)
 
     # -- the one primitive ----------------------------------------------------------
     def _carried(self, begin: Callable[..., object], whole: int) -> bool:
@@ -117,6 +147,103 @@ class HostOps:
         control.post(self._channel, self.me, self.blocks)
         control.wait(self._channel, self.host.ranks, self.blocks, timeout=self.host.timeout, what=f"a block of {what}",
                      spin=self.spin)
+
+    def _native(self, run: Callable[..., int], args: tuple, what: str) -> int:
+        """Run a compiled call (``args`` after the plan and the progress record) from block
+        :attr:`blocks` + 1 on: every ``_SLICE`` of waiting it returns here, and the peer
+        waited for is checked (an abort or a dead peer raises) and each block's wait has
+        the group's timeout, as on the Python path. Returns its last code (0: done, 3: a
+        block to combine here, see :meth:`_reduce_native`)."""
+        progress, control, timeout = self._progress, self.host.control, self.host.timeout
+        self._plan.mode = _mode(control, self.calls.spin)
+        args = (self._plan_ref, self._progress_ref, *args, _SLICE)
+        deadline, where = 0.0, None
+        self.phase = f"reach a block of {what}"
+        try:
+            while True:
+                rc = run(*args)
+                if rc == 0 or rc == 3:
+                    return rc
+                peer = progress.waiting
+                control.check(peer, f"a block of {what}")  # raises PeerFailure on an abort or a dead peer
+                now = time.monotonic()
+                if progress.seq != where:  # a new block: its own timeout, as on the Python path
+                    deadline, where = now + timeout, progress.seq
+                elif now >= deadline:
+                    raise PeerTimeout(f"local rank {peer} (pid {control.pid(peer)}) did not reach a block of "
+                                      f"{what} #{progress.seq} within {timeout:.0f} s", peer=peer)
+        finally:
+            self.blocks = progress.seq
+
+    def _start(self) -> None:
+        progress = self._progress
+        progress.pos, progress.seq, progress.phase = 0, self.blocks, 0
+
+    def _collect_native(self, send: torch.Tensor | None, recvs: Sequence[torch.Tensor | None], n: int,
+                        what: str) -> None:
+        """The blocks of a gather-like call in C (``shm_ring_collect``): ``send`` (bytes,
+        None: this rank sends nothing) out, ``recvs[r]`` (bytes, None: not received) in."""
+        pointers = (ctypes.c_void_p * self.L)(*(None if t is None else t.data_ptr() for t in recvs))
+        self._start()
+        self._native(self.lib.shm_ring_collect, (None if send is None else send.data_ptr(), pointers, n,
+                                                 self.block_bytes), what)
+        written = [t for r, t in enumerate(recvs) if t is not None and (r != self.me or t.data_ptr() != (
+            0 if send is None else send.data_ptr()))]
+        if written:
+            torch.autograd.graph.increment_version(written)  # written through raw pointers
+
+    def _exchange_native(self, recvs: Sequence[torch.Tensor], sends: Sequence[torch.Tensor], blocks: int,
+                         per: int) -> None:
+        """all_to_all's ``blocks`` blocks in C (``shm_ring_exchange``): ``per`` bytes for each
+        destination a block, ``sends[j]`` and ``recvs[i]`` flat bytes of any sizes."""
+        L = self.L
+        send_at = (ctypes.c_void_p * L)(*(t.data_ptr() for t in sends))
+        send_n = (ctypes.c_int64 * L)(*(t.numel() for t in sends))
+        recv_at = (ctypes.c_void_p * L)(*(t.data_ptr() for t in recvs))
+        recv_n = (ctypes.c_int64 * L)(*(t.numel() for t in recvs))
+        self._start()
+        self._native(self.lib.shm_ring_exchange, (send_at, send_n, recv_at, recv_n, blocks, per), "all_to_all")
+        torch.autograd.graph.increment_version(list(recvs))  # written through raw pointers
+
+    def _reduce_native(self, out: torch.Tensor, sends: Sequence[torch.Tensor], op: str, same: bool, root: int,
+                       what: str) -> None:
+        """The blocks of a float32 reduction in C (``shm_ring_reduce_f32``): ``out`` (flat)
+        <- the ranks' pieces in rank order (``root`` >= 0: that rank's only). A block that C
+        hands back (code 3) is combined here with torch, from the same rows in the same
+        order as on the Python path, then C goes on."""
+        n = out.numel()
+        per = (self.block_bytes // 4) // (1 if same else self.L)
+        pointers = (ctypes.c_void_p * len(sends))(*(t.data_ptr() for t in sends))
+        args = (pointers, out.data_ptr(), n, int(same), NATIVE_OPS.index(op), root, self.block_bytes // 4)
+        self._start()
+        progress = self._progress
+        while self._native(self.lib.shm_ring_reduce_f32, args, what) == 3:
+            start = progress.pos
+            stop = min(start + per, n)
+            slots = self._ring[progress.seq % RING].view(torch.float32)
+            at = 0 if same else self.me * per
+            rows = [slots[r, at:at + stop - start] if same or r != self.me else sends[r][start:stop]
+                    for r in range(self.L)]
+            piece = out[start:stop]
+            piece.copy_(rows[0])
+            combine = _combine(op)
+            for r in range(1, self.L):
+                combine(piece, rows[r])
+            if op == "AVG":
+                average(piece, self.L)
+            progress.pos, progress.phase = stop, 0
+            self.handed_back += 1
+        torch.autograd.graph.increment_version(out)  # written through a raw pointer
+
+    def _native_reduces(self, out: torch.Tensor, sends: Sequence[torch.Tensor], op: str, same: bool) -> bool:
+        """Whether a reduction goes through :meth:`_reduce_native`: the library, float32, an
+        op of :data:`NATIVE_OPS`, and (not ``same``) an output that overlaps no input."""
+        if self.lib is None or out.dtype != torch.float32 or op not in NATIVE_OPS:
+            return False
+        if same:
+            return True
+        lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * 4
+        return all(t.data_ptr() + t.numel() * 4 <= lo or t.data_ptr() >= hi for t in sends)
 
     def _combined(self, out: torch.Tensor, rows: torch.Tensor, op: str) -> None:
         """``out`` <- ``rows[0] (op) rows[1] (op) ...`` in rank order (every rank that
@@ -160,6 +287,9 @@ class HostOps:
             dsts = list(as_bytes(outputs).split(n))
         else:
             dsts = [as_bytes(o) for o in outputs]
+        if self.lib is not None:
+            self._collect_native(src, dsts or [None] * self.L, n, what)
+            return
         for start in range(0, n, B):
             stop = min(start + B, n)
             slots = self._next()
@@ -176,6 +306,11 @@ class HostOps:
             begin(payload=data if self.me == root else None)
             if self.me != root:
                 self.calls.copy_out(data, root)
+            return
+        if self.lib is not None:
+            mine = self.me == root
+            self._collect_native(data if mine else None, [None if mine or r != root else data for r in range(self.L)],
+                                 n, "broadcast")
             return
         for start in range(0, n, B):
             stop = min(start + B, n)
@@ -204,6 +339,10 @@ class HostOps:
                 begin()
             at = 0 if same else self.me * n
             self._combined(out, self.calls.rows(out.dtype)[:, at:at + n], op)
+        elif self._native_reduces(out, sends, op, same):
+            self._reduce_native(out, sends[:1] if same else sends, op, same, -1,
+                                f"{'all_reduce' if same else 'reduce_scatter'} {op}")
+            return  # AVG divided in C
         else:
             per = (self.block_bytes // size) // (1 if same else self.L)
             combine = _combine(op)
@@ -232,6 +371,9 @@ class HostOps:
             begin(payload=data)
             if self.me == root:
                 self._combined(data, self.calls.rows(data.dtype)[:, :n], op)
+        elif self._native_reduces(data, [data], op, True):
+            self._reduce_native(data, [data], op, True, root, f"reduce {op}")
+            return  # AVG divided in C
         else:
             per = self.block_bytes // data.element_size()
             combine = _combine(op)
@@ -296,6 +438,9 @@ class HostOps:
                 self.calls.copy_out(dst, i, self.me * small)
             return
         blocks = max(self.calls.owns(0))
+        if self.lib is not None:
+            self._exchange_native(recvs, sends, blocks, per)
+            return
         for b in range(blocks):
             start = b * per
             slots = self._next()

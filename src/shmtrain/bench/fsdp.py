@@ -7,6 +7,12 @@ the other in fresh processes. Per backend: the median seconds per step after 3 w
 steps, the calls of each op that went through shared memory, and a digest of the final
 weights (gathered whole on rank 0): the two must be bit-identical, else the run is
 reported invalid.
+
+``--floor`` adds a third run on torch's fake process group (``fake``: every collective
+returns at once, moving nothing), the same processes, shards and steps: the step's time
+without communication, the bound on what any backend can reach (its weights are not
+compared: nothing was reduced; its unfilled buffers' denormals are flushed to zero, so that
+garbage does not slow the arithmetic).
 """
 
 from __future__ import annotations
@@ -36,7 +42,15 @@ def _rank(backend: str, rank: int, procs: int, port: int, steps: int, out: str) 
     from shmtrain.backend import ShmBackend
 
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
+    if backend == "fake":  # the floor: collectives that move nothing
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=procs)
+        # its gathers leave FSDP2's buffers as torch.empty made them: garbage whose denormals
+        # would slow the arithmetic (measured: median 0.21 s against 0.09 s), not the step
+        torch.set_flush_denormal(True)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
     mesh = init_device_mesh("cpu", (procs,))
     torch.manual_seed(0)
     layers = []
@@ -61,7 +75,7 @@ def _rank(backend: str, rank: int, procs: int, port: int, steps: int, out: str) 
         if step >= WARMUP:
             times.append(elapsed)
     slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # fake: each rank's own (rank 0's reported)
     digest = hashlib.sha256()
     for name, param in model.state_dict().items():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
@@ -94,9 +108,9 @@ def run(procs: int, steps: int, backends: list[str]) -> list[dict]:
             if any(codes):
                 raise RuntimeError(f"bench fsdp: the {procs} ranks on {backend} failed (exit codes {codes})")
             rows.append(json.loads(Path(out).read_text()))
-    digests = {r["weights_sha256"] for r in rows}
+    digests = {r["weights_sha256"] for r in rows if r["backend"] != "fake"}
     for r in rows:
-        r["bit_identical"] = len(digests) == 1
+        r["bit_identical"] = len(digests) == 1 if r["backend"] != "fake" else None
     return rows
 
 
@@ -105,6 +119,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--procs", type=int, default=2, help="processes (default 2)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per backend (default 30)")
+    p.add_argument("--floor", action="store_true",
+                   help="also run torch's fake process group (collectives move nothing): the step alone")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.set_defaults(handler=_main)
 
@@ -113,14 +129,18 @@ def _main(args: argparse.Namespace) -> int:
     if args.procs < 2 or args.steps < 1:
         raise ValueError(f"--procs {args.procs} --steps {args.steps}: at least 2 processes and 1 step; "
                          "e.g. --procs 2 --steps 30")
-    rows = run(args.procs, args.steps, ["gloo", "cpu:shm"])
-    gloo, shm = rows
+    rows = run(args.procs, args.steps, ["gloo", "cpu:shm"] + (["fake"] if args.floor else []))
+    gloo, shm = rows[:2]
     print("| backend | median s per step | min s | weights |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['backend']} | {r['median_s']:.4f} | {r['min_s']:.4f} | {r['weights_sha256'][:12]} |")
     print(f"gloo / cpu:shm: {gloo['median_s'] / shm['median_s']:.2f}x; weights bit-identical: {shm['bit_identical']}; "
           f"cpu:shm calls through shared memory: {shm['through_shm']}, to gloo: {shm['through_gloo']}")
+    if args.floor:
+        floor = rows[2]["median_s"]
+        print(f"floor (fake, no communication): {floor:.4f} s; gloo / floor: {gloo['median_s'] / floor:.2f}x, "
+              f"cpu:shm / floor: {shm['median_s'] / floor:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if shm["bit_identical"] else 1

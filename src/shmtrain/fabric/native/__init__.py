@@ -1,6 +1,7 @@
 """The compiled hot paths: build ``pipeline_native.c`` (with ``pipeline_wait.h``),
-``call_native.c`` (the ``shm`` backend's call hand-off) and ``compress_native.c`` into one
-library once per machine, load it with ctypes.
+``call_native.c`` (the ``shm`` backend's call hand-off), ``ring_native.c`` (the blocks of
+its other collectives) and ``compress_native.c`` into one library once per machine, load it
+with ctypes.
 
 The private-tensor allreduce's per-block work (copy in, post, wait, sum) costs ~20-35 us
 per call from Python, several times MPICH's compiled path on small messages.
@@ -33,8 +34,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("pipeline_native.c")
 HEADER = SOURCE.with_name("pipeline_wait.h")  # included by SOURCE: part of the cache key
-#: compiled into the same library (the backend's call hand-off, the compressed exchange's encoder)
-SOURCES = (SOURCE, SOURCE.with_name("call_native.c"), SOURCE.with_name("compress_native.c"))
+#: compiled into the same library (the backend's call hand-off and ring, the compressed exchange's encoder)
+SOURCES = (SOURCE, SOURCE.with_name("call_native.c"), SOURCE.with_name("ring_native.c"),
+           SOURCE.with_name("compress_native.c"))
 MAXL = 64  # local ranks a plan holds (MAXL in the C source)
 # -march=native (5-10% here: 4 KiB 3.2 vs 3.4 us, 16 MiB 2.02 vs 2.13 ms between 2
 # processes); the CPU's whole feature list is part of the cache key, so a cache folder
@@ -178,6 +180,16 @@ def _load() -> ctypes.CDLL | None:
     lib.shm_call.argtypes = [ctypes.POINTER(Plan), ctypes.POINTER(Progress), ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double]
     lib.shm_call.restype = ctypes.c_int
+    lib.shm_ring_collect.argtypes = [ctypes.POINTER(Plan), ctypes.POINTER(Progress), ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_double]
+    lib.shm_ring_collect.restype = ctypes.c_int
+    lib.shm_ring_reduce_f32.argtypes = [ctypes.POINTER(Plan), ctypes.POINTER(Progress), ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                        ctypes.c_int64, ctypes.c_double]
+    lib.shm_ring_reduce_f32.restype = ctypes.c_int
+    lib.shm_ring_exchange.argtypes = [ctypes.POINTER(Plan), ctypes.POINTER(Progress), ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double]
+    lib.shm_ring_exchange.restype = ctypes.c_int
     lib.shm_sum_into_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float]
     lib.shm_sum_into_f32.restype = None
     lib.shm_handoff_s.argtypes = [ctypes.c_int, ctypes.c_int]
