@@ -83,7 +83,7 @@ class CallRing:
         self.seq = 0  # calls so far
         self._lib = lib
         if lib is not None:
-            self._plan = _plan(host, spin, self.segment, ring_at, announce_at, self.line, self._channel)
+            self._plan = native_plan(host, spin, self.segment, ring_at, announce_at, self.line, self._channel)
             self._progress = _native.Progress()
             self._plan_ref, self._progress_ref = ctypes.byref(self._plan), ctypes.byref(self._progress)
             self._header = (ctypes.c_int64 * 8)()
@@ -181,7 +181,7 @@ class CallRing:
                   payload: torch.Tensor | None, total: torch.Tensor | None, mean: bool) -> bool:
         words = self._header
         words[0], words[1], words[2], words[3] = header
-        self._plan.mode = _mode(self.host.control, self.spin)
+        self._plan.mode = wait_mode(self.host.control, self.spin)
         for i in range(4):
             words[COMPARED + i] = own[i] if i < len(own) else 0
         progress = self._progress
@@ -220,7 +220,7 @@ class CallRing:
         self.segment.close()
 
 
-def _plan(host: HostGroup, spin: bool | None, segment: Any, ring_at: int, announce_at: int, line: int,
+def native_plan(host: HostGroup, spin: bool | None, segment: Any, ring_at: int, announce_at: int, line: int,
           channel: int) -> _native.Plan:
     """The C side's view of the call ring and the host's control block (the pipeline's
     plan: ``ring`` the call ring, ``per`` a line's bytes / 4)."""
@@ -235,12 +235,12 @@ def _plan(host: HostGroup, spin: bool | None, segment: Any, ring_at: int, announ
     for r in range(L):
         plan.posted[r], plan.sleepers[r], plan.all[r] = posted[r], sleepers[r], r
     plan.L, plan.me = L, host.local_rank
-    plan.mode = _mode(control, spin)
+    plan.mode = wait_mode(control, spin)
     plan.spin_ns, plan.yields = int(SPIN_S * 1e9), YIELDS
     return plan
 
 
-def _mode(control: Any, spin: bool | None) -> int:
+def wait_mode(control: Any, spin: bool | None) -> int:
     """The compiled wait's mode, as ControlBlock.wait: spin when asked (None: the host's
     rule, cores >= ranks), yield when ranks outnumber cores, else sleep at once."""
     spin = control.spin if spin is None else spin

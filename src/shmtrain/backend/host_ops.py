@@ -56,8 +56,9 @@ from typing import Any
 
 import torch
 
-from shmtrain.backend.calls import CallRing, _mode, _plan
-from shmtrain.backend.reduce_ops import average
+from shmtrain.backend.calls import CallRing, native_plan, wait_mode
+from shmtrain.backend.reduce_ops import as_bytes, average
+from shmtrain.backend.reduce_ops import combine as combining
 from shmtrain.fabric import native as _native
 from shmtrain.fabric.shm.control import PeerTimeout
 from shmtrain.fabric.shm.host import HostGroup
@@ -69,27 +70,6 @@ BLOCK_BYTES = 1 << 20
 #: the compiled path's reductions (``ring_native.c``'s op codes are the index), float32 only
 NATIVE_OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
 _SLICE = 0.05  # seconds the compiled path waits before the caller checks peers and the timeout
-
-
-def _combine(op: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``out <- out (op) row`` in place, for the reductions other than the sum's pipeline."""
-    return {"SUM": torch.Tensor.add_, "AVG": torch.Tensor.add_, "MAX": _max, "MIN": _min,
-            "PRODUCT": torch.Tensor.mul_, "BAND": torch.Tensor.bitwise_and_, "BOR": torch.Tensor.bitwise_or_,
-            "BXOR": torch.Tensor.bitwise_xor_}[op]
-
-
-def _max(out: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    return torch.maximum(out, row, out=out)
-
-
-def _min(out: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    return torch.minimum(out, row, out=out)
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, as a flat uint8 view (no copy)."""
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
 class HostOps:
@@ -119,7 +99,7 @@ class HostOps:
         #: the compiled library (the call ring's: every local rank alike), None: the Python path
         self.lib: Any = calls._lib if block_bytes % 4 == 0 else None
         if self.lib is not None:
-            self._plan = _plan(host, spin, self.segment, 0, ring_bytes, block_bytes, self._channel)
+            self._plan = native_plan(host, spin, self.segment, 0, ring_bytes, block_bytes, self._channel)
             self._progress = _native.Progress()
             self._plan_ref, self._progress_ref = ctypes.byref(self._plan), ctypes.byref(self._progress)
 
@@ -155,7 +135,7 @@ class HostOps:
         the group's timeout, as on the Python path. Returns its last code (0: done, 3: a
         block to combine here, see :meth:`_reduce_native`)."""
         progress, control, timeout = self._progress, self.host.control, self.host.timeout
-        self._plan.mode = _mode(control, self.calls.spin)
+        self._plan.mode = wait_mode(control, self.calls.spin)
         args = (self._plan_ref, self._progress_ref, *args, _SLICE)
         deadline, where = 0.0, None
         self.phase = f"reach a block of {what}"
@@ -226,7 +206,7 @@ class HostOps:
                     for r in range(self.L)]
             piece = out[start:stop]
             piece.copy_(rows[0])
-            combine = _combine(op)
+            combine = combining(op)
             for r in range(1, self.L):
                 combine(piece, rows[r])
             if op == "AVG":
@@ -248,7 +228,7 @@ class HostOps:
     def _combined(self, out: torch.Tensor, rows: torch.Tensor, op: str) -> None:
         """``out`` <- ``rows[0] (op) rows[1] (op) ...`` in rank order (every rank that
         computes a piece computes the same bits)."""
-        combine = _combine(op)
+        combine = combining(op)
         out.copy_(rows[0])
         for r in range(1, self.L):
             combine(out, rows[r])
@@ -345,7 +325,7 @@ class HostOps:
             return  # AVG divided in C
         else:
             per = (self.block_bytes // size) // (1 if same else self.L)
-            combine = _combine(op)
+            combine = combining(op)
             for start in range(0, n, per):
                 stop = min(start + per, n)
                 m = stop - start
@@ -376,7 +356,7 @@ class HostOps:
             return  # AVG divided in C
         else:
             per = self.block_bytes // data.element_size()
-            combine = _combine(op)
+            combine = combining(op)
             for start in range(0, n, per):
                 stop = min(start + per, n)
                 m = stop - start

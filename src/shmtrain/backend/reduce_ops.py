@@ -11,6 +11,8 @@ hold: ``result type Float can't be cast to the desired output type Long``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 #: floating dtypes reduced in shared memory
@@ -57,3 +59,24 @@ def reduction(op: object) -> str | None:
         if op == getattr(dist.ReduceOp, name):
             return name
     return None
+
+
+def combine(op: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``out <- out (op) row`` in place, for the reductions other than the sum's pipeline."""
+    return {"SUM": torch.Tensor.add_, "AVG": torch.Tensor.add_, "MAX": _max, "MIN": _min,
+            "PRODUCT": torch.Tensor.mul_, "BAND": torch.Tensor.bitwise_and_, "BOR": torch.Tensor.bitwise_or_,
+            "BXOR": torch.Tensor.bitwise_xor_}[op]
+
+
+def _max(out: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(out, row, out=out)
+
+
+def _min(out: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return torch.minimum(out, row, out=out)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view (no copy)."""
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat

@@ -40,7 +40,6 @@ import dataclasses
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -52,6 +51,7 @@ from shmtrain.registry import Registry
 from shmtrain.strategies.layout.flat import FlatLayout
 from shmtrain.strategies.layout.staging import HostStaging, staged
 from shmtrain.strategies.optim.grad_safety import writes_gradients
+from shmtrain.strategies.recovery_hooks import RecoveryHooks
 from shmtrain.timing import PhaseTimer
 
 
@@ -60,7 +60,7 @@ class StrategyConfig:
     """Options shared by no one: each strategy subclasses this with its own fields."""
 
 
-class Strategy:
+class Strategy(RecoveryHooks):
     """Base class; also the behaviour of ``single`` (no communication at all)."""
 
     name: ClassVar[str] = ""
@@ -76,10 +76,6 @@ class Strategy:
     #: across hosts: a lost host started again rejoins the running job (README, "Rejoining";
     #: it has no job-wide gloo group: the strategies whose hosts meet at a memory server)
     rejoins: ClassVar[bool] = False
-    #: how a worker killed on one host is recovered (``runtime/run/recovery.py``): replaced in
-    #: place, from the survivor with the most steps (``"replica"``) or from W_g (``"elastic"``),
-    #: or ``"restart"``: every worker restarted from the latest checkpoint
-    recovery: ClassVar[str] = "restart"
     #: parameter devices the strategy supports (its buffers' staging, ``strategies/layout/staging.py``)
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     #: why ``--amp fp16`` (a GradScaler) cannot run with this strategy; None: it can
@@ -368,30 +364,6 @@ class Strategy:
     def quiesce(self) -> None:
         """Drain exchanges still in flight, so ``state_dict`` is consistent (between
         iterations; the strategy keeps working afterwards)."""
-
-    def replicas(self) -> range:
-        """The block of consecutive ranks whose state equals this rank's between steps
-        (recovery in place): every rank for a replica, this one alone otherwise."""
-        return range(self.ctx.world_size) if self.recovery == "replica" else range(self.ctx.rank, self.ctx.rank + 1)
-
-    def prepare_recovery(self, folder: Path) -> None:
-        """A worker killed on one host will be replaced in place (``runtime/run/recovery.py``):
-        keep, in the launch's private ``folder``, what a survivor's state needs beyond its
-        own (nothing by default: a replica's or an asynchronous worker's own state is whole
-        between steps)."""
-
-    def recovery_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """``state`` (this rank's, kept after a peer's death, ``Trainer.state_dict``) made
-        the state after its last whole step; None where that cannot be had (every worker
-        restarts instead). By default ``state`` itself."""
-        return state
-
-    def adopted_state(self, state: dict[str, Any], folder: Path | None) -> dict[str, Any]:
-        """The state this rank goes on from after a recovery in place (its own kept one, or
-        a donor's), as this rank loads it: by default ``state`` itself; a strategy whose
-        ranks hold parts of their own (``--sharded-update``'s momentum chunks) puts this
-        rank's part in, from its journal in the launch's private ``folder``."""
-        return state
 
     def state_dict(self) -> dict[str, Any]:
         """What this strategy adds to the model's and optimizer's state (call ``quiesce``

@@ -28,10 +28,8 @@ that stalled; with its signal name when a signal ended it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import select
 import signal
 import subprocess
 import sys
@@ -48,6 +46,7 @@ from shmtrain.fabric.shm.control import DIED, ControlBlock, process_state
 from shmtrain.fabric.shm.segment import PREFIX, SharedSegment, sweep
 from shmtrain.fabric.trust import bound_store
 from shmtrain.runtime.launch import job_dir, reaping
+from shmtrain.runtime.launch.deaths import DeathWait
 from shmtrain.runtime.launch.failures import (
     WorkerFailed,
     describe_exit,
@@ -253,7 +252,7 @@ class _Supervisor:
         self.tolerate = tolerate_worker_loss
         self.replacer = replacer
         self.lost: dict[int, int] = {}  # tolerated deaths: rank -> exit code
-        self._pidfds: dict[int, int] = {}  # worker pid -> its pidfd (replacing in place: woken by a death)
+        self._deaths = DeathWait()  # replacing in place: a death wakes the supervisor
 
     def watch(self) -> None:
         """Return once every worker has ended well (or was lost, tolerated); raise the
@@ -290,37 +289,13 @@ class _Supervisor:
                 raise self._failure(*first_cause(children, bad, self.lost))
             if all(c == 0 or (c is not None and r in self.lost) for r, c in enumerate(codes)):
                 return
-            self._nap(0.05)
-
-    def _nap(self, seconds: float) -> None:
-        """Sleep ``seconds``, or until a worker ends: replacing in place, a death is acted on
-        at once, not at the next poll (the zygote's report of an exit wakes it; a worker
-        started without the zygote, its pidfd, readable once it ends)."""
-        if self.replacer is None:
-            time.sleep(seconds)
-            return
-        zygotes = {getattr(c, "zygote", None) for c in self.children}
-        if len(zygotes) == 1 and None not in zygotes:
-            zygote = zygotes.pop()
-            ended = [c.poll() is not None for c in self.children]
-            with zygote.changed:
-                zygote.changed.wait_for(lambda: [c.poll() is not None for c in self.children] != ended, seconds)
-            return
-        pids = {c.pid for c in self.children if c.poll() is None}
-        for pid in set(self._pidfds) - pids:
-            os.close(self._pidfds.pop(pid))
-        for pid in pids - set(self._pidfds):
-            with contextlib.suppress(OSError, AttributeError):  # gone already, or no pidfds: the poll sees it
-                self._pidfds[pid] = os.pidfd_open(pid)
-        if self._pidfds:
-            select.select(list(self._pidfds.values()), [], [], seconds)
-        else:
-            time.sleep(seconds)
+            if self.replacer is None:
+                time.sleep(0.05)
+            else:  # replacing in place: a death ends the wait
+                self._deaths.nap(self.children, 0.05)
 
     def close(self) -> None:
-        for fd in self._pidfds.values():
-            os.close(fd)
-        self._pidfds.clear()
+        self._deaths.close()
 
     def _failure(self, rank: int, code: int) -> WorkerFailed:
         self.job.control.abort(rank, exit_status(code))
