@@ -20,9 +20,12 @@ pytestmark = pytest.mark.timeout(300)
 JOB = [*LONG[:LONG.index("--workers")], "--workers", "3", *LONG[LONG.index("--workers") + 2:]]
 
 
-@pytest.fixture(scope="module", params=[[], ["--overlap"], ["--sharded-update"], ["--strategy", "gpi"],
-                                        ["--strategy", "ps_grad"], ["--strategy", "diloco", "--inner", "host-sync"]],
-                ids=["ssgd", "overlap", "sharded", "gpi", "ps_grad", "diloco-host-sync"])
+#: ``--overlap`` and diloco's host-sync recover as plain ssgd does (a replica's own state): slow
+@pytest.fixture(scope="module", params=[
+    pytest.param([], id="ssgd"), pytest.param(["--overlap"], id="overlap", marks=pytest.mark.slow),
+    pytest.param(["--sharded-update"], id="sharded"), pytest.param(["--strategy", "gpi"], id="gpi"),
+    pytest.param(["--strategy", "ps_grad"], id="ps_grad"),
+    pytest.param(["--strategy", "diloco", "--inner", "host-sync"], id="diloco-host-sync", marks=pytest.mark.slow)])
 def straight(request, tmp_path_factory) -> tuple[list[str], Path]:
     """The run that is never killed, which the killed ones must equal."""
     run = tmp_path_factory.mktemp("straight") / "run"
