@@ -32,10 +32,7 @@ class DeathWait:
         for pid in pids - set(self._pidfds):
             with contextlib.suppress(OSError, AttributeError):  # gone already, or no pidfds: the poll sees it
                 self._pidfds[pid] = os.pidfd_open(pid)
-        if self._pidfds:
-            select.select(list(self._pidfds.values()), [], [], seconds)
-        else:
-            select.select([], [], [], seconds)
+        select.select(list(self._pidfds.values()), [], [], seconds)  # none: a plain sleep
 
     def close(self) -> None:
         for fd in self._pidfds.values():

@@ -87,8 +87,7 @@ def _serve(sock: socket.socket) -> None:
     exits: dict[int, int] = {}  # a worker's pidfd, readable once it ends: its exit is reported at once
     open_ = True
     while open_ or live:
-        ready, _, _ = select.select([sock] if open_ else [], [], [], 0.05) if not exits else \
-            select.select([sock, *exits.values()] if open_ else list(exits.values()), [], [], 0.05)
+        ready, _, _ = select.select([sock, *exits.values()] if open_ else list(exits.values()), [], [], 0.05)
         if sock in ready:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, _MAX_FDS)

@@ -89,9 +89,9 @@ def prepare(strategy: Any) -> None:
     """Before training: a strategy whose survivors need more than their own state keeps it
     from now on (``Strategy.prepare_recovery``: gpi's step journal), in the launch's
     private folder."""
-    folder = JobDir.from_env()
-    if enabled(strategy) and folder is not None:
-        strategy.prepare_recovery(folder.path)
+    where = folder()
+    if enabled(strategy) and where is not None:
+        strategy.prepare_recovery(where)
 
 
 def keep(trainer: Any) -> dict[str, Any] | None:

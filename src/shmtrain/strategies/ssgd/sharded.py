@@ -194,7 +194,7 @@ class ShardedSSGD(SlotGradients, Strategy):
         if self._journal_folder is None or self.ctx.num_nodes != 1:
             return None
         step = int(state["train"]["iteration"])
-        flat = self.weights.clone()
+        flat = torch.empty_like(self.weights)  # every element comes from a rank's chunk below
         for rank, (lo, hi) in enumerate(self.allreduce.chunks):
             chunk = self._chunk(rank, step)
             if chunk is None:
