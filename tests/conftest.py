@@ -98,6 +98,14 @@ def worker_process(pid: int, rank: int, timeout: float = 30.0) -> psutil.Process
     raise AssertionError(f"no worker of rank {rank} under pid {pid}")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the ``shm`` backend's C++ front before the first test (about a minute on a fresh
+    machine): built inside a test, its rank processes would spend that test's timeout on it."""
+    from shmtrain.backend import front
+
+    front.module()
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_a_cuda_test(request, monkeypatch):
     """On a GPU host, hide the GPUs from every test but the CUDA ones (``tests/gpu/test_cuda.py``,

@@ -24,13 +24,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import shmtrain  # noqa: F401 - registers the "shm" backend
-from shmtrain.backend import ShmBackend
+from shmtrain.backend import ShmBackend, shm_backend
 
 scenario, rank, port, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 world = int(sys.argv[5]) if len(sys.argv) > 5 else 2
 dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=timeout))
-backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+backend = shm_backend()
 assert isinstance(backend, ShmBackend), type(backend)
 result: dict = {"rank": rank, "inline": backend.inline}
 #: elements of the calls: with a reduction thread, more than the call ring carries (a call that
@@ -83,6 +83,9 @@ elif scenario == "raise_small":  # the same in a small call, summed from the cal
             raise RuntimeError("injected fault in the call ring")
 
         backend.reducer.calls_ring.exchange = broken
+        if backend.reducer.gate is not None:  # the fault is on the Python path: rank 1 takes it, rank 0 the C++ front
+            backend.reducer.gate.arm(False)
+            backend.reducer.gate = None
     result["first"] = async_wait()
 elif scenario in ("sys_exit", "os_exit", "sigkill"):
     if rank == 1:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import shmtrain  # noqa: F401 - registers the "shm" backend
-from shmtrain.backend import ShmBackend
+from shmtrain.backend import ShmBackend, shm_backend
 
 #: integer dtypes and their names in the report
 INTEGERS = {"int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
@@ -234,7 +234,7 @@ def every_op(rank: int, world: int) -> dict:
             lambda seed: [values(torch.float32, (9, 4), seed, rank)])
     # the coalesced forms (the backend's own methods, as _coalescing_manager calls them),
     # against gloo one tensor at a time
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    backend = shm_backend()
     sizes = (3, 1001, 300_007)
 
     def gather_coalesced(ts, g):
@@ -330,7 +330,7 @@ def peer_dies(rank: int, world: int) -> dict:
 def hand_offs(rank: int, world: int) -> dict:
     """Ops of a small (4 KB) and a large (400 KB) float tensor: whether each result is right,
     and what each call took: call ring hand-offs, blocks of the ops' ring and of the pipeline."""
-    reducer = dist.group.WORLD._get_backend(torch.device("cpu")).reducer
+    reducer = shm_backend().reducer
     total, op = world * (world + 1) / 2, dist.ReduceOp
 
     def full(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -383,7 +383,7 @@ def threads(rank: int, world: int) -> dict:
     """With a reduction thread (``SHMTRAIN_PG_THREAD=1``): small calls (async ones too) run
     on the caller's thread, done when they return, none handed to the thread; a large one
     goes to it."""
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    backend = shm_backend()
     reducer = backend.reducer
     t = torch.ones(1000)
     work = backend.allreduce([t])
@@ -422,7 +422,7 @@ def compiled_ring(rank: int, world: int) -> dict:
     c = Compare(rank, world)
     c.digests = []
     op = dist.ReduceOp
-    ops = dist.group.WORLD._get_backend(torch.device("cpu")).reducer.ops
+    ops = shm_backend().reducer.ops
 
     def randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
         return torch.randn(shape, generator=torch.Generator().manual_seed(7919 * seed + rank))

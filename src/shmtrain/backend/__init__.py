@@ -25,7 +25,7 @@ from typing import Any
 
 NAME = "shm"
 
-__all__ = ["NAME", "register", "ShmBackend", "ShmBackendError", "ShmProcessGroup", "ShmWork"]
+__all__ = ["NAME", "register", "shm_backend", "ShmBackend", "ShmBackendError", "ShmProcessGroup", "ShmWork"]
 
 
 def register(dist: Any = None) -> None:
@@ -35,6 +35,17 @@ def register(dist: Any = None) -> None:
         import torch.distributed as dist
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+
+
+def shm_backend(group: Any = None) -> Any:
+    """The :class:`~shmtrain.backend.group.ShmBackend` of ``group`` (default the default
+    group) on the CPU: behind its C++ front (:mod:`~shmtrain.backend.front`) where it has
+    one, which ``ProcessGroup._get_backend`` returns."""
+    import torch
+    import torch.distributed as dist
+
+    backend = (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
+    return getattr(backend, "inner", backend)
 
 
 def _create(options: Any, backend_options: Any = None) -> Any:

@@ -45,7 +45,7 @@ COMPARED = 4
 #: payload bytes of a rank's line: a call whose every rank's data fits goes in one hand-off
 CALL_BYTES = 64 << 10
 REASON_BYTES = 192  # a rank's failure text (read by the peers its abort wakes)
-_SLICE = 0.05  # seconds the compiled call waits before the caller checks peers and the timeout
+SLICE = 0.05  # seconds the compiled call waits before the caller checks peers and the timeout
 
 
 class CallRing:
@@ -80,13 +80,27 @@ class CallRing:
         self._payloads = ring[:, :, HEADER_BYTES:HEADER_BYTES + payload_bytes]  # (RING, L, payload_bytes)
         self._ring_address = self.segment.address(ring_at)
         self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self.seq = 0  # calls so far
+        self._seq = 0  # calls so far (the Python path's; the compiled path's is its progress record's)
         self._lib = lib
         if lib is not None:
             self._plan = native_plan(host, spin, self.segment, ring_at, announce_at, self.line, self._channel)
             self._progress = _native.Progress()
             self._plan_ref, self._progress_ref = ctypes.byref(self._plan), ctypes.byref(self._progress)
             self._header = (ctypes.c_int64 * 8)()
+
+    @property
+    def seq(self) -> int:
+        """Calls so far (every local rank counts alike). On the compiled path it lives in
+        the progress record, which the C++ front (:mod:`~shmtrain.backend.front`) advances
+        too."""
+        return self._progress.seq if self._lib is not None else self._seq
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        if self._lib is not None:
+            self._progress.seq = value
+        else:
+            self._seq = value
 
     # -- a call ------------------------------------------------------------------------
     def copy_in(self, src: torch.Tensor, offset: int = 0) -> None:
@@ -185,23 +199,34 @@ class CallRing:
         for i in range(4):
             words[COMPARED + i] = own[i] if i < len(own) else 0
         progress = self._progress
-        progress.pos, progress.seq, progress.phase = 0, self.seq, 0
+        progress.pos, progress.phase = 0, 0
         nbytes = payload.numel() * payload.element_size() if payload is not None else 0
         args = (self._plan_ref, self._progress_ref, words, payload.data_ptr() if nbytes else None, nbytes,
                 total.data_ptr() if total is not None else None, total.numel() if total is not None else 0,
-                int(mean), _SLICE)
-        try:
-            rc = self._lib.shm_call(*args)
-            if rc == 1 or rc == -1:
-                rc = self._wait_on(args, what)
-        finally:
-            self.seq = progress.seq
+                int(mean), SLICE)
+        rc = self._lib.shm_call(*args)
+        if rc == 1 or rc == -1:
+            rc = self._wait_on(args, what)
         if total is not None and rc == 0:
             torch.autograd.graph.increment_version(total)  # written through a raw pointer
         return rc == 0
 
+    def resume(self, rc: int, total: torch.Tensor | None, mean: bool, what: str) -> bool:
+        """Finish the call the C++ front began on ``total`` (float32, contiguous: its payload
+        and its sum; None: a header alone) and left with ``rc`` (1: its wait used its
+        slice; -1: the abort; 2: the headers differ): wait on as :meth:`exchange` does.
+        Returns whether the headers agreed."""
+        n = total.numel() if total is not None else 0
+        data = total.data_ptr() if n else None
+        args = (self._plan_ref, self._progress_ref, self._header, data, n * 4, data, n, int(mean), SLICE)
+        if rc == 1 or rc == -1:
+            rc = self._wait_on(args, what)
+        if rc == 0 and total is not None:
+            torch.autograd.graph.increment_version(total)
+        return rc == 0
+
     def _wait_on(self, args: tuple, what: str) -> int:
-        """A compiled call that has waited ``_SLICE``: check the peer, then resume, until done."""
+        """A compiled call that has waited ``SLICE``: check the peer, then resume, until done."""
         progress, control, timeout = self._progress, self.host.control, self.host.timeout
         deadline = time.monotonic() + timeout
         while True:
@@ -213,6 +238,15 @@ class CallRing:
             rc = self._lib.shm_call(*args)
             if rc != 1 and rc != -1:
                 return rc
+
+    def handles(self) -> tuple[int, int, int, int] | None:
+        """The compiled path's addresses, for the C++ front: its plan, the plan's wait-mode
+        word, its progress record and ``shm_call``; None on the Python path."""
+        if self._lib is None:
+            return None
+        plan = ctypes.addressof(self._plan)
+        return (plan, plan + type(self._plan).mode.offset, ctypes.addressof(self._progress),
+                ctypes.cast(self._lib.shm_call, ctypes.c_void_p).value)
 
     def close(self) -> None:
         """Release the ring (no call may follow)."""

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, Work
 
-from shmtrain.backend import sparse
+from shmtrain.backend import front, sparse
 from shmtrain.backend.collectives import Collectives
 from shmtrain.backend.reduce_ops import DTYPES, reduction
 from shmtrain.backend.reducer import HostReducer
@@ -76,10 +76,27 @@ class ShmBackend(Collectives, Backend):
         ShmBackend.groups += 1
 
     @classmethod
-    def create(cls, options: Any, backend_options: Any = None) -> ShmBackend:
-        """c10d's creator (``register_backend(..., extended_api=True)``)."""
-        return cls(options.store, options.group_rank, options.group_size, options.timeout,
-                   group_name=str(options.group_id), global_ranks=list(options.global_ranks_in_group))
+    def create(cls, options: Any, backend_options: Any = None) -> Backend:
+        """c10d's creator (``register_backend(..., extended_api=True)``): the group's
+        backend behind its C++ front where it can have one (:mod:`~shmtrain.backend.front`;
+        the front's ``inner`` is the :class:`ShmBackend`, and its attributes read through)."""
+        backend = cls(options.store, options.group_rank, options.group_size, options.timeout,
+                      group_name=str(options.group_id), global_ranks=list(options.global_ranks_in_group))
+        return front.wrap(backend)
+
+    @staticmethod
+    def count_fast(op: str) -> None:
+        """A call the C++ front finished (``all_reduce`` or ``barrier``): counted as the
+        Python path counts it."""
+        Collectives.through_shm[op] += 1
+        if op == "all_reduce":
+            ShmBackend.reductions += 1
+
+    def _finish_fast(self, tensor: torch.Tensor | None, mean: bool, rc: int) -> Work:
+        """The rest of a call the C++ front began (:meth:`HostReducer.finish_fast
+        <shmtrain.backend.reducer.HostReducer.finish_fast>`)."""
+        ShmBackend.count_fast("all_reduce" if tensor is not None else "barrier")
+        return self.reducer.finish_fast(tensor, mean, rc)
 
     def _rank_name(self, rank: int) -> str:
         if self._global and self._global[rank] != rank:

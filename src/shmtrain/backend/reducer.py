@@ -122,7 +122,8 @@ class HostReducer:
         self._reasons = self.calls_ring.reasons
         self.ops = HostOps(self.host, self.spin, self.calls_ring)  # every other collective's ring
         self.host.barrier("the shm backend's set-up")
-        self.calls = 0  # allreduce calls so far (every rank counts alike: the header's number)
+        #: the C++ front's gate (:mod:`~shmtrain.backend.front`), where it fronts this group
+        self.gate: Any = None
         self.failure: ShmBackendError | None = None
         self._cause = ""
         self._phase = ""
@@ -172,6 +173,7 @@ class HostReducer:
             self._thread.start()
         with self._pending_lock:
             self._pending += 1
+            self._arm()
         self._queue.put((run, work, profile))
         return work
 
@@ -186,13 +188,45 @@ class HostReducer:
         <shmtrain.backend.calls.CallRing.copy_in>`; inside one host only); ``total``:
         summed there from every rank's payload (:meth:`CallRing.exchange
         <shmtrain.backend.calls.CallRing.exchange>`)."""
-        self.calls += 1
-        n = self.calls
+        n = self.calls + 1
         self._op = op
         self._phase = f"call {op} #{n}"
         self._exchange_headers(n, (numel, MOVED_CODE[dtype], KIND_CODE[kind], extra), own, payload, total, mean)
         self._phase = f"finish a block of {op} #{n}"
         return n
+
+    @property
+    def calls(self) -> int:
+        """Calls so far (every rank counts alike: the header's number)."""
+        return self.calls_ring.seq
+
+    def attach(self, gate: Any) -> None:
+        """Front this group with the C++ front's ``gate``: armed while a call may take its
+        fast path (nothing queued for the thread, the group not failed or closed)."""
+        self.gate = gate
+        self._arm()
+
+    def _arm(self) -> None:
+        if self.gate is not None:
+            self.gate.arm(self.hosts == 1 and not self._pending and self.failure is None and not self._closed)
+
+    def finish_fast(self, tensor: torch.Tensor | None, mean: bool, rc: int) -> ShmWork:
+        """The rest of a small allreduce of ``tensor`` (None: a barrier) the C++ front began
+        and could not finish at once (``rc``: :meth:`CallRing.resume
+        <shmtrain.backend.calls.CallRing.resume>`); the front holds the gate, released here."""
+        op = "all_reduce" if tensor is not None else "barrier"
+
+        def run() -> None:
+            n = self.calls
+            self._op, self._phase = op, f"call {op} #{n}"
+            if not self.calls_ring.resume(rc, tensor, mean, f"{op} #{n}"):
+                raise _Mismatch(self._mismatch(n, self.calls_ring.headers(),
+                                               lambda r: self._rank_name(self.node * self.local_world + r)))
+
+        error, interrupted = self._call(run, held=True)
+        if interrupted is not None:
+            raise interrupted
+        return ShmWork([tensor] if tensor is not None else [], (), pending=False, error=error)
 
     @property
     def carried(self) -> int:
@@ -215,6 +249,7 @@ class HostReducer:
             finally:
                 with self._pending_lock:
                     self._pending -= 1
+                    self._arm()
 
     def _reduce_each(self, tensors: list[torch.Tensor], mean: bool, counted: Callable[[], None]) -> None:
         for tensor in tensors:
@@ -228,14 +263,18 @@ class HostReducer:
         if interrupted is not None:
             raise interrupted
 
-    def _call(self, run: Callable[[], None], profile: Any = None,
-              spin: bool | None = None) -> tuple[BaseException | None, BaseException | None]:
+    def _call(self, run: Callable[[], None], profile: Any = None, spin: bool | None = None,
+              held: bool = False) -> tuple[BaseException | None, BaseException | None]:
         """Run one call: its error (the group fails with it), and a Ctrl-C to re-raise once
         the call's Work is finished. ``spin``: how its call ring's waits wait (None: the
-        host's rule, for a call on the caller's thread, which has nothing else to do)."""
+        host's rule, for a call on the caller's thread, which has nothing else to do).
+        ``held``: the C++ front's gate is this call's already (it began there)."""
         error: BaseException | None = None
         interrupted: BaseException | None = None
+        gate = self.gate
         with self._lock:  # one call at a time: callers on several threads share the rings
+            if gate is not None and not held:
+                gate.enter()  # and with the front's fast calls
             self.calls_ring.spin = spin
             try:
                 self.check()
@@ -247,6 +286,9 @@ class HostReducer:
             except BaseException as exc:  # Ctrl-C inline: the peers must not wait out the timeout
                 error = self._fail(RuntimeError(f"interrupted ({type(exc).__name__})"))
                 interrupted = exc
+            finally:
+                if gate is not None:
+                    gate.leave()
         if profile is not None:  # ended before the work is: a profiler stopped after wait() has it
             torch._C._autograd._record_function_with_args_exit(profile)
         return error, interrupted
@@ -357,6 +399,7 @@ class HostReducer:
             self.control.abort(*blame)
         self._cause = text.split(": ", 1)[-1]
         self.failure = error
+        self._arm()
         return error
 
     def _local(self, local_rank: int) -> str:
@@ -385,6 +428,7 @@ class HostReducer:
         if self._closed:
             return
         self._closed = True
+        self._arm()
         if self._thread.is_alive():
             with self._pending_lock:  # queued or running: counted from submit() to the end
                 unfinished = self._pending

@@ -22,8 +22,12 @@ Every figure is the least mean per call over 5 rounds of many calls of a 4 KiB f
   <shmtrain.backend.reducer.HostReducer.begin>` with the tensor's data);
 - ``backend_call``: the backend's ``allreduce(...).wait()`` called directly (no torch
   dispatch; the call's hand-off and sum, the ``ShmWork``);
-- ``shm_inline`` / ``shm_thread``: ``dist.all_reduce`` on ``cpu:shm`` between 2 processes,
-  on the caller's thread and on the group's reduction thread;
+- ``shm_front``: ``dist.all_reduce`` on ``cpu:shm`` between 2 processes through its C++
+  front (:mod:`~shmtrain.backend.front`: the call ring's hand-off without Python);
+- ``shm_inline`` / ``shm_thread``: the same on the Python backend alone
+  (``SHMTRAIN_PG_FRONT=0``), on the caller's thread and with the group's reduction thread;
+- ``barrier_front`` / ``barrier_inline``: ``dist.barrier`` through the front and on the
+  Python backend;
 - ``gloo``: ``dist.all_reduce`` on gloo between the same 2 processes.
 
 The 2-process rows are the slowest rank's figure (a barrier of the host's control block
@@ -33,6 +37,7 @@ before each call is not timed). The table and ``--json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -120,19 +125,26 @@ def one_process(nbytes: int, reps: int) -> dict[str, float]:
 def _rank(rank: int, port: int, nbytes: int, reps: int, out: str) -> None:
     """One of the 2 processes of the rows that need a peer."""
     import shmtrain  # noqa: F401 - registers the "shm" backend
-    from shmtrain.backend import ShmBackend
+    from shmtrain.backend import ShmBackend, shm_backend
+    from shmtrain.backend import front as front_module
 
     t = torch.full((nbytes // 4,), float(rank + 1))
     rows: dict[str, float] = {}
-    for name, thread in (("shm_inline", "0"), ("shm_thread", "1")):
-        os.environ["SHMTRAIN_PG_THREAD"] = thread
+    for name, thread, front in (("shm_front", "0", "1"), ("shm_inline", "0", "0"), ("shm_thread", "1", "0")):
+        os.environ["SHMTRAIN_PG_THREAD"], os.environ["SHMTRAIN_PG_FRONT"] = thread, front
         dist.init_process_group("cpu:shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))
-        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        backend = shm_backend()
         assert isinstance(backend, ShmBackend)
+        gate = backend.reducer.gate
+        assert (gate is not None) == (front == "1"), f"the C++ front is missing: {front_module.why_not}"
         before = ShmBackend.reductions
         rows[name] = _slowest(per_call(lambda: dist.all_reduce(t), reps))
         assert ShmBackend.reductions > before, "the allreduce did not go through shared memory"
+        if front == "1":
+            assert gate.fast >= reps, "the C++ front did not take the calls"
+        if thread == "0":
+            rows["barrier_" + name.split("_")[1]] = _slowest(per_call(dist.barrier, reps))
         if name == "shm_inline":
             rows.update(_layers(backend, t, reps))
         dist.destroy_process_group()
@@ -171,7 +183,7 @@ def two_processes(nbytes: int, reps: int) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory(prefix="shmtrain-floors-") as tmp:
         out = os.path.join(tmp, "rows.json")
-        port = _free_port_pair()
+        port = _free_ports()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [subprocess.Popen([sys.executable, "-m", "shmtrain.bench.floors", "--rank", str(r), "--port",
                                    str(port), "--bytes", str(nbytes), "--reps", str(reps), "--json", out], env=env)
@@ -183,20 +195,21 @@ def two_processes(nbytes: int, reps: int) -> dict[str, float]:
             return json.load(f)
 
 
-def _free_port_pair() -> int:
-    """A loopback port whose next one is free too (the 2 groups, one after the other)."""
+def _free_ports(count: int = 3) -> int:
+    """A loopback port whose next ``count - 1`` are free too (the groups, one after the other)."""
     import socket
 
     while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                for k in range(1, count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port + k))
+            except OSError:
+                continue
+            return port
 
 
 LABELS = {
@@ -208,8 +221,11 @@ LABELS = {
     "carried": "the hand-off carrying the tensor, and its sum",
     "pipeline": "the pipelined allreduce (2 processes)",
     "backend_call": "ShmBackend.allreduce(...).wait(), no torch dispatch",
-    "shm_inline": "dist.all_reduce on cpu:shm, caller's thread",
-    "shm_thread": "dist.all_reduce on cpu:shm, reduction thread",
+    "shm_front": "dist.all_reduce on cpu:shm, through its C++ front",
+    "shm_inline": "dist.all_reduce on cpu:shm, Python backend, caller's thread",
+    "shm_thread": "dist.all_reduce on cpu:shm, Python backend, reduction thread",
+    "barrier_front": "dist.barrier on cpu:shm, through its C++ front",
+    "barrier_inline": "dist.barrier on cpu:shm, Python backend",
     "gloo": "gloo's allreduce (2 processes)",
 }
 

@@ -1,0 +1,88 @@
+"""The ``shm`` backend's C++ front (``backend/front.py``): small float32 SUM/AVG allreduces
+and barriers are finished there, to the Python path's bits at 2, 3 and 4 ranks (gloo's at 2); the rest goes to the
+Python backend; a rank without the front works with ranks that have it; the front's build
+folder is refused where others can write it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shmtrain.backend import front
+from support.backend_runs import run_case
+from support.paths import SUPPORT
+
+pytestmark = pytest.mark.timeout(180)
+SCRIPT = str(SUPPORT / "front_script.py")
+CALLS = 3 * 2 + 1 + 3  # the small allreduces, the one that requires grad, the barriers (dist.*)
+
+
+def _front() -> None:
+    if front.module() is None:
+        pytest.skip(f"no C++ front here: {front.why_not}")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_small_calls_take_the_front_and_equal_gloos_bits(world: int) -> None:
+    _front()
+    results = run_case("front", world, script=SCRIPT)
+    for result in results.values():
+        assert result["front"] == "Front", result
+        assert all(result["equal"].values()), result["equal"]  # the Python path's bits
+        # gloo's bits at 2 ranks (a sum of two terms has one order); more terms: gloo sums in its own order
+        assert all(result["gloo" if world == 2 else "close"].values()), result
+        assert result["bumped"], "the allreduce did not bump the tensor's version"
+        assert result["fast"] == CALLS and result["fast_after"] == CALLS, result  # large and float64: Python's
+        assert result["reductions"] == 2 * (3 * 2) + 1 + 2, result  # every allreduce counted, whichever path
+        assert result["through_shm"]["barrier"] == 3 and result["through_shm"]["all_reduce"] == 15, result
+
+
+def test_a_rank_without_the_front_works_with_ranks_that_have_it() -> None:
+    """The wire is the same: rank 1 on the Python backend alone, rank 0 through the front."""
+    _front()
+    from support.torchrun import env, free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "front", str(r), port, "2"],
+                              env={**env(), "SHMTRAIN_PG_FRONT": "1" if r == 0 else "0"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    import json
+
+    results = [json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
+    by_rank = {r["rank"]: r for r in results}
+    assert all(by_rank[0]["equal"].values()) and all(by_rank[1]["equal"].values()), results
+    assert by_rank[0]["front"] == "Front" and by_rank[0]["fast"] == CALLS
+    assert by_rank[1]["front"] == "ShmBackend" and by_rank[1]["fast"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_front_folder_others_can_write_is_not_loaded(tmp_path: Path) -> None:
+    """Its module's code runs: a planted, world-writable build folder is refused with the
+    reason, and the Python backend serves (nothing is built or loaded there)."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    env = dict(os.environ, SHMTRAIN_CACHE=str(cache))
+    probe = "from shmtrain.backend import front; print(front.folder())"
+    where = Path(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                                timeout=50, check=True).stdout.strip())
+    where.mkdir()
+    where.chmod(0o777)
+    probe = "from shmtrain.backend import front; print(front.module(), '|', front.why_not)"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=50)
+    if "no compiled library" in done.stdout:
+        pytest.skip("no compiled library: the front is never built")
+    assert done.stdout.startswith("None | "), done.stdout + done.stderr
+    assert f"{where} is not a folder of this user's that others cannot write" in done.stdout, done.stdout
+    assert list(where.iterdir()) == []  # nothing was built there

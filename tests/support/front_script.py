@@ -1,0 +1,70 @@
+"""One rank of the C++ front's test (tests/backend/test_front.py): small float32 SUM and AVG
+allreduces (one that requires grad, an empty one, one of the call ring's whole payload) and
+barriers on the ``shm`` group, each compared bit for bit with the Python backend's own path
+(its ``allreduce`` called directly) and with gloo's on a group of the same processes; then
+a large one and a float64 one, which the front hands to the Python backend. Prints
+``RESULT`` with what was equal, how many calls the front finished, the counts per op and
+the backend's type."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import shmtrain  # noqa: F401 - registers the "shm" backend
+from shmtrain.backend import ShmBackend, shm_backend
+from shmtrain.backend.calls import CALL_BYTES
+
+
+def main() -> None:
+    _case, rank, port, world = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    dist.init_process_group("cpu:shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    gloo = dist.new_group(backend="gloo")
+    front = dist.group.WORLD._get_backend(torch.device("cpu"))
+    gate = shm_backend().reducer.gate
+    generator = torch.Generator().manual_seed(rank)
+    equal, gloos, close = {}, {}, {}
+    before = ShmBackend.reductions
+    sizes = {"small": 1000, "empty": 0, "whole payload": CALL_BYTES // 4}
+    for name, numel in sizes.items():
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            data = torch.randn(numel, generator=generator) * 1000
+            ours, python, theirs = data.clone(), data.clone(), data.clone()
+            dist.all_reduce(ours, op=op)
+            options = dist.AllreduceOptions()
+            options.reduceOp = op
+            shm_backend().allreduce([python], options).wait()  # the Python backend's own path
+            dist.all_reduce(theirs, op=op, group=gloo)
+            equal[f"{name} {op}"] = torch.equal(ours, python)
+            gloos[f"{name} {op}"] = torch.equal(ours, theirs)
+            close[f"{name} {op}"] = torch.allclose(ours, theirs, rtol=1e-5, atol=1e-3)
+    weight = torch.full((5,), float(rank + 1), requires_grad=True)
+    version = weight._version
+    dist.all_reduce(weight.detach())
+    equal["requires grad"] = torch.equal(weight.detach(), torch.full((5,), sum(range(1, world + 1)) * 1.0))
+    bumped = weight._version > version
+    for _ in range(3):
+        dist.barrier()
+    fast = gate.fast if gate is not None else 0
+    large = torch.ones(CALL_BYTES // 4 + 1)
+    dist.all_reduce(large)
+    doubles = torch.ones(10, dtype=torch.float64)
+    dist.all_reduce(doubles)
+    equal["large"] = bool((large == world).all())
+    equal["float64"] = bool((doubles == world).all())
+    result = {"rank": rank, "equal": equal, "gloo": gloos, "close": close, "bumped": bumped,
+              "front": type(front).__name__, "fast": fast, "fast_after": gate.fast if gate is not None else 0,
+              "reductions": ShmBackend.reductions - before, "through_shm": dict(ShmBackend.through_shm)}
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
