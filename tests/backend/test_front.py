@@ -1,5 +1,6 @@
-"""The ``shm`` backend's C++ front (``backend/front.py``): small float32 SUM/AVG allreduces
-and barriers are finished there, to the Python path's bits at 2, 3 and 4 ranks (gloo's at 2); the rest goes to the
+"""The ``shm`` backend's C++ front (``backend/front.py``): small float32 SUM/AVG allreduces,
+barriers, broadcasts and all_gather_into_tensor are finished there, to the Python path's
+bits at 2, 3 and 4 ranks (the sums gloo's at 2, the moves gloo's at every size); the rest goes to the
 Python backend; a rank without the front works with ranks that have it; the front's build
 folder is refused where others can write it."""
 
@@ -18,7 +19,7 @@ from support.paths import SUPPORT
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = str(SUPPORT / "front_script.py")
-CALLS = 3 * 2 + 1 + 3  # the small allreduces, the one that requires grad, the barriers (dist.*)
+ALLREDUCES = 3 * 2 + 1  # small, empty and whole-payload SUM and AVG, and the one that requires grad
 
 
 def _front() -> None:
@@ -34,11 +35,17 @@ def test_small_calls_take_the_front_and_equal_gloos_bits(world: int) -> None:
         assert result["front"] == "Front", result
         assert all(result["equal"].values()), result["equal"]  # the Python path's bits
         # gloo's bits at 2 ranks (a sum of two terms has one order); more terms: gloo sums in its own order
-        assert all(result["gloo" if world == 2 else "close"].values()), result
+        sums = [key for key in result["gloo"] if key.split()[0] in ("small", "empty", "whole")]
+        assert all(result["gloo" if world == 2 else "close"][key] for key in sums), result
+        moved = [key for key in result["gloo"] if key not in sums]  # broadcast and all_gather: exact
+        assert len(moved) == 3 * (world + 1) and all(result["gloo"][key] for key in moved), result
         assert result["bumped"], "the allreduce did not bump the tensor's version"
-        assert result["fast"] == CALLS and result["fast_after"] == CALLS, result  # large and float64: Python's
+        calls = ALLREDUCES + 3 + 3 * (world + 1)  # and the barriers, broadcasts and all_gathers
+        assert result["fast"] == calls and result["fast_after"] == calls, result  # large and float64: Python's
         assert result["reductions"] == 2 * (3 * 2) + 1 + 2, result  # every allreduce counted, whichever path
-        assert result["through_shm"]["barrier"] == 3 and result["through_shm"]["all_reduce"] == 15, result
+        shm = result["through_shm"]
+        assert shm["barrier"] == 3 and shm["all_reduce"] == 15 and shm["broadcast"] == 3 * world, result
+        assert shm["all_gather_into_tensor"] == 3, result
 
 
 def test_a_rank_without_the_front_works_with_ranks_that_have_it() -> None:
@@ -63,7 +70,7 @@ def test_a_rank_without_the_front_works_with_ranks_that_have_it() -> None:
     results = [json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
     by_rank = {r["rank"]: r for r in results}
     assert all(by_rank[0]["equal"].values()) and all(by_rank[1]["equal"].values()), results
-    assert by_rank[0]["front"] == "Front" and by_rank[0]["fast"] == CALLS
+    assert by_rank[0]["front"] == "Front" and by_rank[0]["fast"] == ALLREDUCES + 3 + 3 * 3
     assert by_rank[1]["front"] == "ShmBackend" and by_rank[1]["fast"] == 0
 
 

@@ -1,6 +1,7 @@
 """One rank of the C++ front's test (tests/backend/test_front.py): small float32 SUM and AVG
-allreduces (one that requires grad, an empty one, one of the call ring's whole payload) and
-barriers on the ``shm`` group, each compared bit for bit with the Python backend's own path
+allreduces (one that requires grad, an empty one, one of the call ring's whole payload),
+barriers, broadcasts from every root and all_gather_into_tensor of three dtypes on the
+``shm`` group, each compared bit for bit with the Python backend's own path
 (its ``allreduce`` called directly) and with gloo's on a group of the same processes; then
 a large one and a float64 one, which the front hands to the Python backend. Prints
 ``RESULT`` with what was equal, how many calls the front finished, the counts per op and
@@ -52,6 +53,18 @@ def main() -> None:
     bumped = weight._version > version
     for _ in range(3):
         dist.barrier()
+    for dtype in (torch.float32, torch.int64, torch.bool):  # exact ops: gloo's bits at any world size
+        for root in range(world):
+            data = (torch.randn(77, generator=generator) * 100).to(dtype)
+            ours, theirs = data.clone(), data.clone()
+            dist.broadcast(ours, src=root)
+            dist.broadcast(theirs, src=root, group=gloo)
+            gloos[f"broadcast {dtype} from {root}"] = torch.equal(ours, theirs)
+        data = (torch.randn(33, generator=generator) * 100).to(dtype)
+        ours, theirs = torch.zeros(33 * world, dtype=dtype), torch.ones(33 * world, dtype=dtype)
+        dist.all_gather_into_tensor(ours, data)
+        dist.all_gather_into_tensor(theirs, data, group=gloo)
+        gloos[f"all_gather_into_tensor {dtype}"] = torch.equal(ours, theirs)
     fast = gate.fast if gate is not None else 0
     large = torch.ones(CALL_BYTES // 4 + 1)
     dist.all_reduce(large)

@@ -239,6 +239,11 @@ class CallRing:
             if rc != 1 and rc != -1:
                 return rc
 
+    def geometry(self) -> tuple[int, int, int, int]:
+        """The ring's address, a line's bytes, the local ranks and this one's (the C++
+        front's copies out of the payloads)."""
+        return self._ring_address, self.line, self.L, self.me
+
     def handles(self) -> tuple[int, int, int, int] | None:
         """The compiled path's addresses, for the C++ front: its plan, the plan's wait-mode
         word, its progress record and ``shm_call``; None on the Python path."""

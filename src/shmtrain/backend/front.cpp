@@ -1,6 +1,7 @@
 // The shm backend's front in C++ (backend/front.py): the c10d Backend that torch
-// dispatches to. A small float32 SUM or AVG allreduce of one contiguous CPU tensor, and a
-// barrier, is the call ring's one hand-off (shm_call of call_native.c, through the pointers the Python
+// dispatches to. A small float32 SUM or AVG allreduce of one contiguous CPU tensor, a
+// barrier, a small broadcast and a small all_gather_into_tensor are the call ring's one
+// hand-off (shm_call of call_native.c, through the pointers the Python
 // backend hands over) without entering Python; every other call, and the rest of any call
 // that did not finish at once (a wait past its time slice, an abort, headers that differ),
 // goes to the Python backend, the `inner`, through its own c10d methods.
@@ -17,6 +18,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <cstring>
+#include <unordered_map>
 #include <memory>
 #include <sched.h>
 
@@ -106,14 +109,19 @@ class Front : public c10d::Backend {
     // addresses: the call ring's plan, its mode word, its progress record, shm_call;
     // codes: the header's dtype code of float32, kind codes of SUM and AVG
     Front(py::object inner, int rank, int size, int64_t plan, int64_t mode_word, int64_t progress, int64_t fn,
-          int64_t carried, int mode, int64_t float_code, int64_t sum_code, int64_t avg_code, int64_t byte_code,
-          int64_t barrier_code, double slice_s, py::object counted)
+          int64_t ring, int64_t line, int local_world, int local_rank, int64_t carried, int mode,
+          std::vector<at::Tensor> dtypes, std::vector<int64_t> kinds, double slice_s, py::object counted)
         : c10d::Backend(rank, size), inner_(inner.cast<c10::intrusive_ptr<c10d::Backend>>()), py_(inner),
           counted_(std::move(counted)), plan_(reinterpret_cast<void *>(plan)),
           mode_word_(reinterpret_cast<int32_t *>(mode_word)), progress_(reinterpret_cast<Progress *>(progress)),
-          fn_(reinterpret_cast<call_fn>(fn)), carried_(carried), mode_(mode), float_code_(float_code),
-          sum_code_(sum_code), avg_code_(avg_code), byte_code_(byte_code), barrier_code_(barrier_code),
-          slice_s_(slice_s), gate_(std::make_shared<Gate>()) {}
+          fn_(reinterpret_cast<call_fn>(fn)), ring_(reinterpret_cast<char *>(ring)), line_(line), L_(local_world),
+          me_(local_rank), carried_(carried), mode_(mode), slice_s_(slice_s), gate_(std::make_shared<Gate>()) {
+        TORCH_CHECK(kinds.size() == KINDS, "the front takes ", int(KINDS), " kind codes");
+        for (int k = 0; k < KINDS; k++)
+            kind_[k] = kinds[k];
+        for (size_t code = 0; code < dtypes.size(); code++) // a dtype's header code: its index
+            dtype_code_[static_cast<int>(dtypes[code].scalar_type())] = static_cast<int64_t>(code);
+    }
 
     ~Front() override {
         if (Py_IsInitialized()) {
@@ -141,6 +149,12 @@ class Front : public c10d::Backend {
 
     // -- everything else: the Python backend's ------------------------------------------
     WorkPtr broadcast(std::vector<at::Tensor> &t, const c10d::BroadcastOptions &o) override {
+        if (gate_->armed.load(std::memory_order_acquire) && t.size() == 1 && movable(t[0]) &&
+            o.rootRank >= 0 && o.rootRank < L_) {
+            WorkPtr work = fast_call(BROADCAST, t[0], t[0], false, o.rootRank, t);
+            if (work)
+                return work;
+        }
         return inner_->broadcast(t, o);
     }
     WorkPtr allreduce_sparse(std::vector<at::Tensor> &t, const c10d::AllreduceOptions &o) override {
@@ -157,10 +171,12 @@ class Front : public c10d::Backend {
         return inner_->allgather(out, in, o);
     }
     WorkPtr all_gather_single(at::Tensor &out, at::Tensor &in, const c10d::AllgatherOptions &o) override {
-        return inner_->all_gather_single(out, in, o);
+        WorkPtr work = fast_gather(out, in);
+        return work ? work : inner_->all_gather_single(out, in, o);
     }
     WorkPtr _allgather_base(at::Tensor &out, at::Tensor &in, const c10d::AllgatherOptions &o) override {
-        return inner_->_allgather_base(out, in, o);
+        WorkPtr work = fast_gather(out, in);
+        return work ? work : inner_->_allgather_base(out, in, o);
     }
     WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>> &out, std::vector<at::Tensor> &in,
                                 const c10d::AllgatherOptions &o) override {
@@ -228,7 +244,9 @@ class Front : public c10d::Backend {
     WorkPtr recvAnysource(std::vector<at::Tensor> &t, int tag) override { return inner_->recvAnysource(t, tag); }
     WorkPtr barrier(const c10d::BarrierOptions &o) override {
         if (gate_->armed.load(std::memory_order_acquire)) {
-            WorkPtr work = fast_call(nullptr, false, false);
+            at::Tensor none;
+            std::vector<at::Tensor> nothing;
+            WorkPtr work = fast_call(BARRIER, none, none, false, 1, nothing); // extra 1, as the Python path
             if (work)
                 return work;
         }
@@ -243,6 +261,18 @@ class Front : public c10d::Backend {
     void shutdown() override { inner_->shutdown(); }
 
   private:
+    // header kinds the front sends, in the order of the codes handed to it
+    enum Kind { SUM = 0, AVG, BARRIER, BROADCAST, ALL_GATHER, KINDS };
+    static constexpr const char *NAMES[KINDS] = {"all_reduce", "all_reduce", "barrier", "broadcast",
+                                                 "all_gather_into_tensor"};
+
+    // A tensor the call ring carries whole: on the CPU, contiguous, of a dtype the headers name.
+    bool movable(const at::Tensor &t) const {
+        return t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() && t.numel() > 0 &&
+               static_cast<int64_t>(t.numel() * t.element_size()) <= carried_ &&
+               dtype_code_.count(static_cast<int>(t.scalar_type()));
+    }
+
     // The call ring's hand-off of one small float32 SUM/AVG; null where the call is not one.
     WorkPtr fast_allreduce(std::vector<at::Tensor> &tensors, const c10d::AllreduceOptions &opts) {
         at::Tensor &t = tensors[0];
@@ -251,13 +281,25 @@ class Front : public c10d::Backend {
         if (!(op == c10d::ReduceOp::SUM || mean) || !t.device().is_cpu() || t.layout() != c10::kStrided ||
             t.scalar_type() != at::kFloat || !t.is_contiguous() || t.numel() * 4 > carried_)
             return WorkPtr();
-        return fast_call(&tensors, true, mean);
+        return fast_call(mean ? AVG : SUM, t, t, mean, 1, tensors);
     }
 
-    // One call through the call ring: an allreduce of `tensors` (its one float32 tensor) or,
-    // where `reduce` is false, a barrier (the header alone); null where the gate is not free.
-    WorkPtr fast_call(std::vector<at::Tensor> *tensors, bool reduce, bool mean) {
-        if (at::hasCallbacks()) // a profiler records: the Python path's events are gloo's
+    WorkPtr fast_gather(at::Tensor &out, at::Tensor &in) {
+        if (!gate_->armed.load(std::memory_order_acquire) || !movable(in) || !out.is_contiguous() ||
+            out.device() != in.device() || out.scalar_type() != in.scalar_type() ||
+            out.numel() != in.numel() * L_ || out.layout() != c10::kStrided)
+            return WorkPtr();
+        std::vector<at::Tensor> result{out};
+        return fast_call(ALL_GATHER, in, out, false, 1, result);
+    }
+
+    // One call through the call ring: its header (numel and dtype of `in`, `kind`, `extra`:
+    // the root or the count of tensors) and `in`'s bytes (all but a barrier's, a non-root's
+    // broadcast), then the op's result into `out`; null where the gate is not free or a
+    // profiler records (the Python path's events are gloo's). `result`: the Work's tensors.
+    WorkPtr fast_call(Kind kind, at::Tensor &in, at::Tensor &out, bool mean, int64_t extra,
+                      const std::vector<at::Tensor> &result) {
+        if (at::hasCallbacks())
             return WorkPtr();
         int expected = 0;
         if (!gate_->busy.compare_exchange_strong(expected, 1, std::memory_order_acquire))
@@ -266,29 +308,50 @@ class Front : public c10d::Backend {
             gate_->busy.store(0, std::memory_order_release);
             return WorkPtr();
         }
-        const int64_t n = reduce ? (*tensors)[0].numel() : 0;
-        const int64_t header[8] = {n, reduce ? float_code_ : byte_code_,
-                                   reduce ? (mean ? avg_code_ : sum_code_) : barrier_code_, 1, 0, 0, 0, 0};
+        const bool data = kind != BARRIER;
+        const int64_t n = data ? in.numel() : 0;
+        const int64_t nbytes = data ? n * static_cast<int64_t>(in.element_size()) : 0;
+        const int64_t code = data ? dtype_code_.at(static_cast<int>(in.scalar_type())) : dtype_code_.at(
+                                                                                            static_cast<int>(at::kByte));
+        const int64_t header[8] = {n, code, kind_[kind], extra, 0, 0, 0, 0};
+        const bool sends = data && !(kind == BROADCAST && extra != me_);
+        const bool sums = kind == SUM || kind == AVG;
         progress_->pos = 0;
         progress_->phase = 0;
         *mode_word_ = mode_;
-        float *data = n ? (*tensors)[0].data_ptr<float>() : nullptr;
-        const int rc = fn_(plan_, progress_, header, data, n * 4, reduce ? data : nullptr, n, mean ? 1 : 0, slice_s_);
+        void *src = sends ? in.data_ptr() : nullptr;
+        const int rc = fn_(plan_, progress_, header, src, sends ? nbytes : 0, sums ? static_cast<float *>(src) : nullptr,
+                           sums ? n : 0, mean ? 1 : 0, slice_s_);
         if (rc == 0) {
+            copy_out(kind, in, out, nbytes, extra);
             gate_->busy.store(0, std::memory_order_release);
-            if (reduce)
-                torch::autograd::impl::bump_version((*tensors)[0]); // written through a raw pointer
+            if (data)
+                torch::autograd::impl::bump_version(out); // written through a raw pointer
             gate_->fast.fetch_add(1);
             {
                 py::gil_scoped_acquire gil;
-                counted_(reduce ? "all_reduce" : "barrier");
+                counted_(NAMES[kind]);
             }
-            return c10::make_intrusive<DoneWork>(reduce ? *tensors : std::vector<at::Tensor>());
+            return c10::make_intrusive<DoneWork>(result);
         }
         // not done at once: the Python backend finishes it (and leaves the gate)
         py::gil_scoped_acquire gil;
-        py::object total = reduce ? py::cast((*tensors)[0]) : py::none();
-        return c10::make_intrusive<HeldWork>(py_.attr("_finish_fast")(total, mean, rc));
+        py::object a = data ? py::cast(in) : py::none(), b = data ? py::cast(out) : py::none();
+        return c10::make_intrusive<HeldWork>(py_.attr("_finish_fast")(NAMES[kind], rc, a, b, mean, extra));
+    }
+
+    // After the hand-off of call progress_->seq: a broadcast's root bytes, every rank's piece
+    // of an all_gather (a sum is already in place).
+    void copy_out(Kind kind, const at::Tensor &in, at::Tensor &out, int64_t nbytes, int64_t root) {
+        const char *slot = ring_ + (progress_->seq % 2) * L_ * line_ + 64; // a line's header: 64 bytes
+        if (kind == BROADCAST && root != me_) {
+            std::memcpy(out.data_ptr(), slot + root * line_, nbytes);
+        } else if (kind == ALL_GATHER) {
+            char *whole = static_cast<char *>(out.data_ptr());
+            for (int r = 0; r < L_; r++)
+                std::memcpy(whole + r * nbytes, r == me_ ? static_cast<const char *>(in.data_ptr()) : slot + r * line_,
+                            nbytes);
+        }
     }
 
     c10::intrusive_ptr<c10d::Backend> inner_;
@@ -298,9 +361,13 @@ class Front : public c10d::Backend {
     int32_t *mode_word_;
     Progress *progress_;
     call_fn fn_;
+    char *ring_;
+    int64_t line_;
+    int L_, me_;
     int64_t carried_;
     int mode_;
-    int64_t float_code_, sum_code_, avg_code_, byte_code_, barrier_code_;
+    int64_t kind_[KINDS];
+    std::unordered_map<int, int64_t> dtype_code_;
     double slice_s_;
     std::shared_ptr<Gate> gate_;
 };
@@ -314,8 +381,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("leave", &GateHandle::leave)
         .def_property_readonly("fast", &GateHandle::fast);
     py::class_<Front, c10d::Backend, c10::intrusive_ptr<Front>>(m, "Front")
-        .def(py::init<py::object, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int, int64_t, int64_t,
-                      int64_t, int64_t, int64_t, double, py::object>())
+        .def(py::init<py::object, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
+                      int64_t, int, std::vector<at::Tensor>, std::vector<int64_t>, double, py::object>())
         .def("gate", &Front::gate)
         .def_property_readonly("inner", &Front::inner)
         .def("__getattr__", [](const Front &self, const std::string &name) { return self.inner().attr(name.c_str()); });

@@ -9,8 +9,9 @@ Gropp, "Optimization of Collective Communication Operations in MPICH", 2005, sec
 ``alpha`` against ``n * beta``), so that is where the front works.
 
 :class:`Front` (``front.cpp``) is the c10d ``Backend`` torch dispatches to. A float32 SUM
-or AVG allreduce of one contiguous CPU tensor that fits the call ring's payload, and a
-barrier, is the call ring's one hand-off (``shm_call`` of the compiled library, through the Python backend's own
+or AVG allreduce of one contiguous CPU tensor that fits the call ring's payload, a barrier,
+and a broadcast or an ``all_gather_into_tensor`` of such a tensor (any dtype the backend
+moves) are the call ring's one hand-off (``shm_call`` of the compiled library, through the Python backend's own
 plan and progress record, so both paths number the calls alike and either may follow the
 other), and returns a finished ``Work``. Every other call goes to the Python backend (the
 ``inner``) through its c10d methods, as torch would have called them; so does the rest of a
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 from shmtrain.backend import calls
-from shmtrain.backend.reduce_ops import KIND_CODE, MOVED_CODE
+from shmtrain.backend.reduce_ops import KIND_CODE, MOVED
 from shmtrain.backend.work import ShmBackendError
 from shmtrain.fabric import native
 
@@ -121,10 +122,11 @@ def wrap(backend: Any) -> Any:
     ext = module()
     if ext is None:
         return backend
-    front = ext.Front(backend, backend.rank(), backend.size(), *handles, reducer.carried,
-                      calls.wait_mode(reducer.host.control, None), MOVED_CODE[torch.float32], KIND_CODE["SUM"],
-                      KIND_CODE["AVG"], MOVED_CODE[torch.uint8], KIND_CODE["barrier"], calls.SLICE,
-                      backend.count_fast)
+    ring = reducer.calls_ring
+    dtypes = [torch.empty(0, dtype=dtype) for dtype in MOVED]  # a dtype's header code is its index
+    kinds = [KIND_CODE[kind] for kind in ("SUM", "AVG", "barrier", "broadcast", "all_gather")]
+    front = ext.Front(backend, backend.rank(), backend.size(), *handles, *ring.geometry(), reducer.carried,
+                      calls.wait_mode(reducer.host.control, None), dtypes, kinds, calls.SLICE, backend.count_fast)
     reducer.attach(front.gate())
     return front
 

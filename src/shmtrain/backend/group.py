@@ -86,17 +86,17 @@ class ShmBackend(Collectives, Backend):
 
     @staticmethod
     def count_fast(op: str) -> None:
-        """A call the C++ front finished (``all_reduce`` or ``barrier``): counted as the
-        Python path counts it."""
+        """A call the C++ front finished: counted as the Python path counts it."""
         Collectives.through_shm[op] += 1
         if op == "all_reduce":
             ShmBackend.reductions += 1
 
-    def _finish_fast(self, tensor: torch.Tensor | None, mean: bool, rc: int) -> Work:
+    def _finish_fast(self, op: str, rc: int, sent: torch.Tensor | None, out: torch.Tensor | None, mean: bool,
+                     extra: int) -> Work:
         """The rest of a call the C++ front began (:meth:`HostReducer.finish_fast
         <shmtrain.backend.reducer.HostReducer.finish_fast>`)."""
-        ShmBackend.count_fast("all_reduce" if tensor is not None else "barrier")
-        return self.reducer.finish_fast(tensor, mean, rc)
+        ShmBackend.count_fast(op)
+        return self.reducer.finish_fast(op, rc, sent, out, mean, extra)
 
     def _rank_name(self, rank: int) -> str:
         if self._global and self._global[rank] != rank:

@@ -210,23 +210,35 @@ class HostReducer:
         if self.gate is not None:
             self.gate.arm(self.hosts == 1 and not self._pending and self.failure is None and not self._closed)
 
-    def finish_fast(self, tensor: torch.Tensor | None, mean: bool, rc: int) -> ShmWork:
-        """The rest of a small allreduce of ``tensor`` (None: a barrier) the C++ front began
-        and could not finish at once (``rc``: :meth:`CallRing.resume
-        <shmtrain.backend.calls.CallRing.resume>`); the front holds the gate, released here."""
-        op = "all_reduce" if tensor is not None else "barrier"
+    def finish_fast(self, op: str, rc: int, sent: torch.Tensor | None, out: torch.Tensor | None, mean: bool,
+                    extra: int) -> ShmWork:
+        """The rest of a call of ``op`` the C++ front began and could not finish at once
+        (``rc``: :meth:`CallRing.resume <shmtrain.backend.calls.CallRing.resume>`): a small
+        allreduce of ``sent`` (``out`` the same), a barrier (neither), a broadcast of
+        ``sent`` from root ``extra``, an ``all_gather_into_tensor`` of ``sent`` into
+        ``out``. The front holds the gate, released here."""
+        ring = self.calls_ring
 
         def run() -> None:
             n = self.calls
             self._op, self._phase = op, f"call {op} #{n}"
-            if not self.calls_ring.resume(rc, tensor, mean, f"{op} #{n}"):
-                raise _Mismatch(self._mismatch(n, self.calls_ring.headers(),
+            if not ring.resume(rc, sent if op == "all_reduce" else None, mean, f"{op} #{n}"):
+                raise _Mismatch(self._mismatch(n, ring.headers(),
                                                lambda r: self._rank_name(self.node * self.local_world + r)))
+            if op == "broadcast" and extra != self.host.local_rank:
+                ring.copy_out(out, extra)
+            elif op == "all_gather_into_tensor":
+                nbytes = sent.numel() * sent.element_size()
+                for r in range(self.local_world):
+                    if r == self.host.local_rank:
+                        out.view(-1)[r * sent.numel():(r + 1) * sent.numel()].copy_(sent.view(-1))
+                    else:
+                        ring.copy_out(out, r, at=r * nbytes, nbytes=nbytes)
 
         error, interrupted = self._call(run, held=True)
         if interrupted is not None:
             raise interrupted
-        return ShmWork([tensor] if tensor is not None else [], (), pending=False, error=error)
+        return ShmWork([out] if out is not None else [], (), pending=False, error=error)
 
     @property
     def carried(self) -> int:
