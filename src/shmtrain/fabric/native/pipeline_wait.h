@@ -2,7 +2,9 @@
  * call_native.c, the shm backend's call hand-off, which waits the same way).
  *
  * Waiting: a hand-off waits for all its ranks' words at once, never one sleep per peer in
- * a row. Spin (mode 0) or yield the core (mode 1) briefly while scanning every word, then
+ * a row. Spin (mode 0, yielding the core every 32 scans, so that a peer sharing this core
+ * posts instead of waiting out the spin) or yield the core (mode 1) briefly while scanning
+ * every word, then
  * sleep on the hand-off's completion word. Every poster stores its word (seq_cst) and
  * reads the others': the last poster sees them all, stores the completion word and wakes
  * its sleepers with one system call, so a waiter sleeps and wakes at most once per
@@ -158,6 +160,9 @@ static int wait_set(const struct plan *p, const int32_t *words, const int32_t *r
                 return 0;
             if ((i & 15) == 15 && now_s() > stop)
                 break;
+            if ((i & 31) == 31)
+                sched_yield(); /* a peer the scheduler put on this core (a futex wake-up pulls
+                                  the wakee to the waker's core) runs now, not after the spin */
             cpu_relax();
         }
     } else if (p->mode == 1) {
