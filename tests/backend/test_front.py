@@ -51,25 +51,9 @@ def test_small_calls_take_the_front_and_equal_gloos_bits(world: int) -> None:
 def test_a_rank_without_the_front_works_with_ranks_that_have_it() -> None:
     """The wire is the same: rank 1 on the Python backend alone, rank 0 through the front."""
     _front()
-    from support.torchrun import env, free_port
-
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, SCRIPT, "front", str(r), port, "2"],
-                              env={**env(), "SHMTRAIN_PG_FRONT": "1" if r == 0 else "0"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    import json
-
-    results = [json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
-    by_rank = {r["rank"]: r for r in results}
-    assert all(by_rank[0]["equal"].values()) and all(by_rank[1]["equal"].values()), results
+    by_rank = run_case("front", 2, script=SCRIPT,
+                       per_rank={0: {"SHMTRAIN_PG_FRONT": "1"}, 1: {"SHMTRAIN_PG_FRONT": "0"}})
+    assert all(by_rank[0]["equal"].values()) and all(by_rank[1]["equal"].values()), by_rank
     assert by_rank[0]["front"] == "Front" and by_rank[0]["fast"] == ALLREDUCES + 3 + 3 * 3
     assert by_rank[1]["front"] == "ShmBackend" and by_rank[1]["fast"] == 0
 

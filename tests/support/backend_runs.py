@@ -19,15 +19,18 @@ OPS = {"all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gat
 
 
 def run_case(case: str, world: int, local_world: int | None = None, reporting: int | None = None,
-             script: str = SCRIPT, **extra: str) -> dict[int, dict]:
+             script: str = SCRIPT, per_rank: dict[int, dict[str, str]] | None = None,
+             **extra: str) -> dict[int, dict]:
     """Every rank's report of ``case`` (hosts of ``local_world`` ranks; default one host;
     ``reporting``: how many ranks report, default all) of ``script`` (``CASE RANK PORT
-    WORLD``; default ``backend_ops_script.py``)."""
+    WORLD``; default ``backend_ops_script.py``); ``per_rank``: environment of single ranks."""
     port = str(free_port())
     if local_world:
         extra["LOCAL_WORLD_SIZE"] = str(local_world)
+    per_rank = per_rank or {}
     procs = [subprocess.Popen([sys.executable, script, case, str(r), port, str(world)],
-                              env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env={**env(), **extra, **per_rank.get(r, {})}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     try:
         outputs = [p.communicate(timeout=150)[0] for p in procs]

@@ -87,15 +87,13 @@ def _build() -> Any:
     except FileExistsError:
         pass
     for path in (where.parent, where):  # its module's code runs here: no one else may have put it there
-        info = path.lstat()
-        if info.st_uid != os.geteuid() or info.st_mode & 0o022 or not path.is_dir():
+        if not native.private(path) or not path.is_dir():
             raise ShmBackendError(f"{path} is not a folder of this user's that others cannot write; remove it, or "
                                   "set SHMTRAIN_CACHE to a folder of your own")
     built = where / f"shmtrain_pg_front_{key}.so"
     name = f"shmtrain_pg_front_{key}"
     if built.exists():  # import it as it is: torch's builder would re-check its sources first
-        info = built.lstat()
-        if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        if not native.private(built):
             raise ShmBackendError(f"{built} is not this user's or others can write it; remove it")
         spec = importlib.util.spec_from_file_location(name, built)
         loaded = importlib.util.module_from_spec(spec)

@@ -21,9 +21,7 @@ the header segment), and every later call of the group raises that the group fai
 
 from __future__ import annotations
 
-import os
 import queue
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -34,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from shmtrain.backend.calls import REASON_BYTES, CallRing
+from shmtrain.backend.host_layout import inline, layout
 from shmtrain.backend.host_ops import HostOps
 from shmtrain.backend.reduce_ops import DTYPES, FLOATS, KIND_CODE, KINDS, MOVED, MOVED_CODE, ROOTED, average
 from shmtrain.backend.work import ShmBackendError, ShmWork
 from shmtrain.fabric.allreduce.pipeline import PipelinedAllreduce
 from shmtrain.fabric.job import hosts
 from shmtrain.fabric.job.hierarchy import Hierarchy
-from shmtrain.fabric.shm.affinity import allowed_cores
 from shmtrain.fabric.shm.control import DIED, PeerFailure, PeerTimeout, first_line
 
 #: abort codes beside :data:`~shmtrain.fabric.shm.control.DIED`: the rank named did not answer
@@ -48,32 +46,6 @@ from shmtrain.fabric.shm.control import DIED, PeerFailure, PeerTimeout, first_li
 TIMED_OUT, FAILED = 254, 1
 _WHAT_TO_DO = "Destroy it (dist.destroy_process_group) and create a new one"
 _STOP_S = 10.0  # a stopping reduction thread's waits end within 50 ms of the abort
-
-
-def layout(store: dist.Store, rank: int, size: int, name: str) -> tuple[int, int, int]:
-    """``(node, local_rank, local_world)`` of this rank: torchrun's LOCAL_WORLD_SIZE when it
-    divides the world, else from the host names in the store (ranks of a host contiguous)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if not (local_world and size % local_world == 0 and int(os.environ.get("WORLD_SIZE", size)) == size):
-        store.set(f"host/{rank}", socket.gethostname())
-        names = [store.get(f"host/{r}").decode() for r in range(size)]
-        local_world = names.count(names[0])
-        if any(names[r] != names[(r // local_world) * local_world] for r in range(size)) or size % local_world:
-            raise ValueError(f"backend {name!r}: ranks must be laid out host after host with the same number "
-                             f"on every host (host names by rank: {names}); set LOCAL_WORLD_SIZE or use gloo")
-    node, local_rank = divmod(rank, local_world)
-    return node, local_rank, local_world
-
-
-def inline(local_world: int) -> bool:
-    """Whether allreduce runs on the caller's thread: when the host has no core to spare
-    for a reduction thread beside every rank's torch threads (2 workers on 2 cores: the
-    thread only time-shares the backward pass's core, and its hand-offs add wake-ups;
-    measured in docs/collectives.md). ``SHMTRAIN_PG_THREAD=1`` or ``0`` decides instead."""
-    forced = os.environ.get("SHMTRAIN_PG_THREAD", "")
-    if forced in ("0", "1"):
-        return forced == "0"
-    return len(allowed_cores()) < local_world * (torch.get_num_threads() + 1)
 
 
 class _Mismatch(Exception):
@@ -463,4 +435,4 @@ class HostReducer:
         self.control.segment.close()
 
 
-__all__ = ["DTYPES", "FLOATS", "HostReducer", "ShmBackendError", "ShmWork", "inline", "layout"]
+__all__ = ["DTYPES", "FLOATS", "HostReducer", "ShmBackendError", "ShmWork"]

@@ -115,6 +115,13 @@ def features() -> str:
     return platform.machine() + "".join(lines)
 
 
+def private(path: Path) -> bool:
+    """Whether ``path`` (not followed if a link) is this user's and no one else may write it:
+    the rule for what this process loads and runs (this library, the backend's C++ front)."""
+    info = path.lstat()
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
 def _build(target: Path) -> str:
     """Compile the sources to ``target``; returns "" or why it failed."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -165,8 +172,7 @@ def _load() -> ctypes.CDLL | None:
             if why_not:
                 return None
         for path in (target.parent, target):  # loading it runs its code: no one else may have put it there
-            info = path.lstat()
-            if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            if not private(path):
                 why_not = (f"{path} is not owned by this user or is writable by others; remove it, or set "
                            "SHMTRAIN_CACHE to a folder of your own")
                 return None
