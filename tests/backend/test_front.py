@@ -77,3 +77,21 @@ def test_a_front_folder_others_can_write_is_not_loaded(tmp_path: Path) -> None:
     assert done.stdout.startswith("None | "), done.stdout + done.stderr
     assert f"{where} is not a folder of this user's that others cannot write" in done.stdout, done.stdout
     assert list(where.iterdir()) == []  # nothing was built there
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_build_is_remembered_not_retried_by_every_process(tmp_path: Path) -> None:
+    """A build that fails (here: a C++ compiler that always fails) leaves its reason in the
+    build folder; the next process reads it instead of building again, and says how to retry."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    env = dict(os.environ, SHMTRAIN_CACHE=str(cache), CXX="false")
+    probe = "from shmtrain.backend import front; print(front.module(), '|', front.why_not)"
+    first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=100)
+    if "no compiled library" in first.stdout:
+        pytest.skip("no compiled library: the front is never built")
+    assert first.stdout.startswith("None | cannot build or load the C++ front"), first.stdout + first.stderr
+    failed = next(cache.glob("pg_front-*/build-failed"))
+    second = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=50)
+    assert second.stdout.startswith("None | cannot build or load the C++ front"), second.stdout
+    assert f"(remove {failed} to try again)" in second.stdout and "building" not in second.stderr, second

@@ -27,6 +27,8 @@ the same.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -44,6 +46,7 @@ from shmtrain.backend.work import ShmBackendError
 from shmtrain.fabric import native
 
 SOURCE = Path(__file__).with_name("front.cpp")
+FAILED = "build-failed"  # in the build folder: why the build failed, so no later process retries it
 
 _module: Any = None
 _tried = False
@@ -64,11 +67,18 @@ def module() -> Any:
         if native.library() is None:
             why_not = f"no compiled library ({native.why_not})"
             return None
+        failed = folder() / FAILED
+        if failed.is_file() and native.private(failed):  # an earlier process's build failed: not again
+            why_not = failed.read_text()[:400]
+            return None
         try:
             _module = _build()
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the Python backend serves
             text = str(exc).strip().splitlines() or [type(exc).__name__]
             why_not = f"cannot build or load the C++ front: {text[-1][:300]}"
+            if not isinstance(exc, ShmBackendError):  # remembered, so that every later process does not retry
+                with contextlib.suppress(OSError):
+                    failed.write_text(why_not + f" (remove {failed} to try again)")
         return _module
 
 
@@ -92,19 +102,28 @@ def _build() -> Any:
                                   "set SHMTRAIN_CACHE to a folder of your own")
     built = where / f"shmtrain_pg_front_{key}.so"
     name = f"shmtrain_pg_front_{key}"
-    if built.exists():  # import it as it is: torch's builder would re-check its sources first
-        if not native.private(built):
-            raise ShmBackendError(f"{built} is not this user's or others can write it; remove it")
-        spec = importlib.util.spec_from_file_location(name, built)
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
-        return loaded
-    print(f"shmtrain: building the shm backend's C++ front once ({where}; about a minute)", file=sys.stderr,
-          flush=True)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime": none is needed
-    from torch.utils import cpp_extension
+    # one build at a time, held by a lock the kernel drops with its holder (torch's own lock
+    # file outlives a build that was killed, and its next build would wait for it forever)
+    fd = os.open(where / "build.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not built.exists():
+            print(f"shmtrain: building the shm backend's C++ front once ({where}; about a minute)", file=sys.stderr,
+                  flush=True)
+            (where / "lock").unlink(missing_ok=True)  # torch's, of a build that did not finish
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime": none needed
+            from torch.utils import cpp_extension
 
-    return cpp_extension.load(name, [str(SOURCE)], build_directory=str(where), extra_cflags=["-O2"], verbose=False)
+            return cpp_extension.load(name, [str(SOURCE)], build_directory=str(where), extra_cflags=["-O2"],
+                                      verbose=False)
+    finally:
+        os.close(fd)
+    if not native.private(built):
+        raise ShmBackendError(f"{built} is not this user's or others can write it; remove it")
+    spec = importlib.util.spec_from_file_location(name, built)  # as it is: torch's builder would re-check it
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
 
 
 def wrap(backend: Any) -> Any:
