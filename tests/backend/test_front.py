@@ -58,6 +58,18 @@ def test_a_rank_without_the_front_works_with_ranks_that_have_it() -> None:
     assert by_rank[1]["front"] == "ShmBackend" and by_rank[1]["fast"] == 0
 
 
+def test_a_call_whose_peer_is_late_is_finished_by_the_python_backend() -> None:
+    """Rank 1 comes 0.2 s late to an allreduce, a broadcast, an all_gather and a barrier:
+    rank 0's front waits past its slice and hands each call to the Python backend, which
+    finishes it to gloo's result; rank 1, on time there, finishes every call in the front."""
+    _front()
+    by_rank = run_case("late", 2, script=SCRIPT)
+    for result in by_rank.values():
+        assert all(result["equal"].values()), result
+    assert by_rank[0]["fast"] == 0 and by_rank[1]["fast"] == 4, by_rank
+    assert by_rank[0]["through_shm"] == by_rank[1]["through_shm"], by_rank  # counted alike on either path
+
+
 @pytest.mark.timeout(60)
 def test_a_front_folder_others_can_write_is_not_loaded(tmp_path: Path) -> None:
     """Its module's code runs: a planted, world-writable build folder is refused with the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -22,12 +23,45 @@ from shmtrain.backend import ShmBackend, shm_backend
 from shmtrain.backend.calls import CALL_BYTES
 
 
+def late(rank: int, world: int, gloo: object) -> None:
+    """Rank 1 comes 0.2 s late to each call: the front's wait outlasts its slice and the
+    Python backend finishes the call; every result still equals gloo's."""
+    generator = torch.Generator().manual_seed(rank)
+    equal = {}
+    for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "barrier"):
+        data = torch.randint(-100, 100, (64,), generator=generator).float()
+        ours, theirs = data.clone(), data.clone()
+        gathered, expected = torch.zeros(64 * world), torch.ones(64 * world)
+        if rank == 1:
+            time.sleep(0.2)
+        if name == "all_reduce":
+            dist.all_reduce(ours)
+            dist.all_reduce(theirs, group=gloo)
+        elif name == "broadcast":
+            dist.broadcast(ours, src=world - 1)
+            dist.broadcast(theirs, src=world - 1, group=gloo)
+        elif name == "all_gather_into_tensor":
+            dist.all_gather_into_tensor(gathered, data)
+            dist.all_gather_into_tensor(expected, data, group=gloo)
+            ours, theirs = gathered, expected
+        else:
+            dist.barrier()
+        equal[name] = torch.equal(ours, theirs)
+    gate = shm_backend().reducer.gate
+    print("RESULT " + json.dumps({"rank": rank, "equal": equal, "fast": gate.fast if gate else 0,
+                                  "through_shm": dict(ShmBackend.through_shm)}), flush=True)
+
+
 def main() -> None:
-    _case, rank, port, world = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    case, rank, port, world = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
     dist.init_process_group("cpu:shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     gloo = dist.new_group(backend="gloo")
+    if case == "late":
+        late(rank, world, gloo)
+        dist.destroy_process_group()
+        return
     front = dist.group.WORLD._get_backend(torch.device("cpu"))
     gate = shm_backend().reducer.gate
     generator = torch.Generator().manual_seed(rank)

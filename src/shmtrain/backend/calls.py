@@ -204,12 +204,7 @@ class CallRing:
         args = (self._plan_ref, self._progress_ref, words, payload.data_ptr() if nbytes else None, nbytes,
                 total.data_ptr() if total is not None else None, total.numel() if total is not None else 0,
                 int(mean), SLICE)
-        rc = self._lib.shm_call(*args)
-        if rc == 1 or rc == -1:
-            rc = self._wait_on(args, what)
-        if total is not None and rc == 0:
-            torch.autograd.graph.increment_version(total)  # written through a raw pointer
-        return rc == 0
+        return self._finished(self._lib.shm_call(*args), args, what, total)
 
     def resume(self, rc: int, total: torch.Tensor | None, mean: bool, what: str) -> bool:
         """Finish the call the C++ front began on ``total`` (float32, contiguous: its payload
@@ -219,9 +214,14 @@ class CallRing:
         n = total.numel() if total is not None else 0
         data = total.data_ptr() if n else None
         args = (self._plan_ref, self._progress_ref, self._header, data, n * 4, data, n, int(mean), SLICE)
+        return self._finished(rc, args, what, total)
+
+    def _finished(self, rc: int, args: tuple, what: str, total: torch.Tensor | None) -> bool:
+        """A compiled call's end from its first return ``rc``: waited on where its slice ran
+        out; ``total``'s version bumped where it was summed (written through a raw pointer)."""
         if rc == 1 or rc == -1:
             rc = self._wait_on(args, what)
-        if rc == 0 and total is not None:
+        if total is not None and rc == 0:
             torch.autograd.graph.increment_version(total)
         return rc == 0
 

@@ -249,19 +249,7 @@ class HostOps:
         n, B = src.numel(), self.block_bytes
         if self._carried(begin, n):
             begin(payload=src)
-            if isinstance(outputs, torch.Tensor):  # one output: each rank's piece straight into it
-                whole = as_bytes(outputs)
-                for r in range(self.L):
-                    if r == self.me:
-                        whole[r * n:(r + 1) * n].copy_(src)
-                    else:
-                        self.calls.copy_out(whole, r, at=r * n, nbytes=n)
-                return
-            for r, dst in enumerate(outputs):
-                if r == self.me:
-                    as_bytes(dst).copy_(src)
-                else:
-                    self.calls.copy_out(dst, r)
+            self.collected(outputs, src)
             return
         if isinstance(outputs, torch.Tensor):
             dsts = list(as_bytes(outputs).split(n))
@@ -277,6 +265,25 @@ class HostOps:
             self._swap(what)
             for r, dst in enumerate(dsts):
                 dst[start:stop].copy_(src[start:stop] if r == self.me else slots[r, :stop - start])
+
+    def collected(self, outputs: Sequence[torch.Tensor] | torch.Tensor, input: torch.Tensor) -> None:
+        """``outputs[r]`` (one tensor: its ``r``-th piece) <- rank ``r``'s ``input`` of the
+        call just exchanged in the call ring (this rank's from ``input`` itself)."""
+        src = as_bytes(input)
+        n = src.numel()
+        if isinstance(outputs, torch.Tensor):  # one output: each rank's piece straight into it
+            whole = as_bytes(outputs)
+            for r in range(self.L):
+                if r == self.me:
+                    whole[r * n:(r + 1) * n].copy_(src)
+                else:
+                    self.calls.copy_out(whole, r, at=r * n, nbytes=n)
+            return
+        for r, dst in enumerate(outputs):
+            if r == self.me:
+                as_bytes(dst).copy_(src)
+            else:
+                self.calls.copy_out(dst, r)
 
     def broadcast(self, tensor: torch.Tensor, root: int, begin: Callable[..., object]) -> None:
         """Every rank's ``tensor`` <- the root's."""
